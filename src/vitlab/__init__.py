@@ -1,0 +1,29 @@
+"""vitlab: build, train, benchmark, analyse and scale Vision Transformers in PyTorch.
+
+Quick start::
+
+    import vitlab
+    vitlab.list_models("deit_*")
+    model = vitlab.create_model("vit_base_patch16_224", num_classes=10)
+    vitlab.profile_model("vit_giant_patch14_224")   # params, GMACs, memory, without allocating weights
+"""
+
+from vitlab import attention, layers, models  # noqa: F401  (registers every model and mechanism)
+from vitlab.convert import CheckpointError, load_checkpoint
+from vitlab.profile import ModelProfile, profile_model
+from vitlab.registry import (
+    ModelConfig,
+    UnknownModelError,
+    create_model,
+    get_model_config,
+    is_model,
+    list_models,
+    register_model,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError", "ModelConfig", "ModelProfile", "UnknownModelError", "create_model", "get_model_config",
+    "is_model", "list_models", "load_checkpoint", "profile_model", "register_model", "__version__",
+]

@@ -1,0 +1,110 @@
+"""Checkpoint loading: our own files and timm-format state dicts, safely.
+
+Reads ``.safetensors`` directly and pickled ``.pth`` / ``.pt`` / ``.bin`` files with ``weights_only=True``
+(an untrusted file never runs code); unwraps the usual containers ('state_dict', 'model', 'model_ema',
+'module.' prefixes, torch.compile's '_orig_mod.'); lets the model's ``checkpoint_filter_fn`` adapt keys and
+shapes (e.g. resample position embeddings); drops a classifier of another size with a warning; and raises one
+clear error naming missing or unexpected keys unless ``strict=False``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from vitlab.registry import get_model_config
+
+_CONTAINER_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model", "module")
+_STRIP_PREFIXES = ("module.", "_orig_mod.")
+_HEAD_KEYS = ("head", "head_dist")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded into the model, with the reason in one line."""
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            sd = load_file(str(path))
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a corrupt or foreign file: say which, not a deep traceback
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    for key in _CONTAINER_KEYS:
+        if isinstance(sd, dict) and isinstance(sd.get(key), dict):
+            sd = sd[key]
+            break
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"{path} does not hold a state dict of tensors")
+    for prefix in _STRIP_PREFIXES:
+        if sd and all(k.startswith(prefix) for k in sd):
+            sd = {k[len(prefix):]: v for k, v in sd.items()}
+    return sd
+
+
+def _drop_mismatched_head(sd: dict, model: nn.Module) -> dict:
+    own = model.state_dict()
+    for name in _HEAD_KEYS:
+        w, b = f"{name}.weight", f"{name}.bias"
+        if w in sd and (w not in own or sd[w].shape != own[w].shape):
+            warnings.warn(f"checkpoint classifier '{name}' has {sd[w].shape[0]} classes, the model "
+                          f"{own[w].shape[0] if w in own else 0}: it is not loaded", stacklevel=3)
+            sd = {k: v for k, v in sd.items() if k not in (w, b)}
+    return sd
+
+
+def load_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> nn.Module:
+    """Load a checkpoint file into ``model`` (in place) and return the model."""
+    sd = read_state_dict(path)
+    filter_fn = getattr(model, "checkpoint_filter_fn", None)
+    if filter_fn is not None:
+        sd = filter_fn(sd, model)
+    sd = _drop_mismatched_head(sd, model)
+    own = model.state_dict()
+    head_keys = {k for k in own if k.split(".")[0] in _HEAD_KEYS}
+    missing = [k for k in own if k not in sd and k not in head_keys]
+    unexpected = [k for k in sd if k not in own]
+    shape_bad = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in sd
+                 if k in own and sd[k].shape != own[k].shape]
+    if shape_bad:
+        raise CheckpointError(f"{path}: shape mismatch for {', '.join(shape_bad[:5])}"
+                              + (f" (+{len(shape_bad) - 5} more)" if len(shape_bad) > 5 else ""))
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing[:8]}" + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+        if unexpected:
+            parts.append(f"unexpected keys {unexpected[:8]}"
+                         + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
+        raise CheckpointError(f"{path} does not match {type(model).__name__}: {'; '.join(parts)} "
+                              f"(pass strict=False to load what matches)")
+    model.load_state_dict(sd, strict=False)
+    return model
+
+
+def resolve_pretrained(model_name: str) -> str:
+    """Download the model's published weights through huggingface_hub (only when asked, and online)."""
+    cfg = get_model_config(model_name)
+    if not cfg.hf_hub_id:
+        raise CheckpointError(f"no published weights are known for {model_name!r}; "
+                              f"pass checkpoint_path=PATH to load a local file")
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError as e:
+        raise CheckpointError(f"pretrained=True needs huggingface_hub (pip install huggingface_hub) to fetch "
+                              f"{cfg.hf_hub_id}; or download it yourself and pass checkpoint_path=PATH") from e
+    try:
+        return hf_hub_download(cfg.hf_hub_id, "model.safetensors")
+    except Exception as e:
+        raise CheckpointError(f"could not fetch {cfg.hf_hub_id} ({type(e).__name__}); offline? pass "
+                              f"checkpoint_path=PATH with a local copy of the weights") from e

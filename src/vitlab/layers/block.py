@@ -1,0 +1,44 @@
+"""The pre-norm transformer block of ViT (seed 001): ``x + DropPath(LS(Attn(Norm(x))))`` then
+``x + DropPath(LS(MLP(Norm(x))))``. Attention, MLP and norm are pluggable by name, so any mechanism of the
+attention registry (``attn_layer='hilo'``, ...) and any MLP ('mlp', 'swiglu') drops into the same block."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from vitlab.layers.create_attn import create_attention
+from vitlab.layers.drop import DropPath
+from vitlab.layers.layer_scale import LayerScale
+from vitlab.layers.mlp import create_mlp
+from vitlab.layers.norm import get_norm_layer
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
+                 qk_norm: bool = False, init_values: float | None = None, proj_drop: float = 0.0,
+                 attn_drop: float = 0.0, drop_path: float = 0.0, act_layer: str | Callable = "gelu",
+                 norm_layer: str | Callable = "layernorm", mlp_layer: str | Callable = "mlp",
+                 attn_layer: str | Callable = "msa", attn_kwargs: dict | None = None):
+        super().__init__()
+        norm = get_norm_layer(norm_layer)
+        kw = dict(qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
+        if qk_norm:
+            kw.update(qk_norm=True, norm_layer=norm)
+        kw.update(attn_kwargs or {})
+        self.norm1 = norm(dim)
+        self.attn = create_attention(attn_layer, dim, num_heads, **kw)
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = norm(dim)
+        self.mlp = create_mlp(mlp_layer, dim, mlp_ratio, act_layer=act_layer, drop=proj_drop)
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, rope=None) -> torch.Tensor:
+        y = self.norm1(x)
+        y = self.attn(y, hw) if rope is None else self.attn(y, hw, rope=rope)
+        x = x + self.drop_path1(self.ls1(y))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

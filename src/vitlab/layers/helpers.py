@@ -1,0 +1,28 @@
+"""Small shared helpers for building layers."""
+
+from __future__ import annotations
+
+import collections.abc
+import math
+
+
+def to_2tuple(x) -> tuple:
+    """``7 -> (7, 7)``; an iterable of two is returned as a tuple."""
+    if isinstance(x, collections.abc.Iterable) and not isinstance(x, str):
+        t = tuple(x)
+        if len(t) != 2:
+            raise ValueError(f"expected an int or a pair, got {x!r}")
+        return t
+    return (x, x)
+
+
+def make_divisible(v: float, divisor: int = 8) -> int:
+    """Round ``v`` up to the next multiple of ``divisor`` (the Llama / SwiGLU hidden-size rule)."""
+    return int(math.ceil(v / divisor) * divisor)
+
+
+def check_heads(dim: int, num_heads: int) -> int:
+    """Return the head dimension, with a clear error when ``dim`` does not split evenly over the heads."""
+    if num_heads <= 0 or dim % num_heads:
+        raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+    return dim // num_heads

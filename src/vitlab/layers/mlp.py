@@ -1,0 +1,84 @@
+"""Feed-forward layers of the transformer block.
+
+- :class:`Mlp`: Linear -> GELU (exact, or the tanh approximation of seed 004) -> Linear (ViT, Dosovitskiy 2021).
+- :class:`SwiGLU`: ``W3(silu(W1 x) * W2 x)`` (Shazeer 2020, "GLU Variants Improve Transformer"; the Llama MLP of
+  seed 004), with the hidden size from the Llama rule: 2/3 of ``mlp_ratio * dim``, rounded up to a multiple.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vitlab.layers.helpers import make_divisible
+
+_ACTS: dict[str, Callable[[], nn.Module]] = {
+    "gelu": nn.GELU,
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    "silu": nn.SiLU,
+    "relu": nn.ReLU,
+    "hardswish": nn.Hardswish,
+}
+
+
+def get_act_layer(act: str | Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    if callable(act):
+        return act
+    if act not in _ACTS:
+        raise ValueError(f"unknown activation {act!r}; choose from {sorted(_ACTS)}")
+    return _ACTS[act]
+
+
+class Mlp(nn.Module):
+    def __init__(self, in_features: int, hidden_features: int | None = None, out_features: int | None = None,
+                 act_layer: str | Callable = "gelu", bias: bool = True, drop: float = 0.0):
+        super().__init__()
+        hidden_features = hidden_features or in_features
+        out_features = out_features or in_features
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
+        self.act = get_act_layer(act_layer)()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+def swiglu_hidden_dim(dim: int, mlp_ratio: float = 4.0, multiple_of: int = 64) -> int:
+    """Llama's rule: ``2/3 * mlp_ratio * dim`` rounded up to ``multiple_of`` (keeps params ~ a GELU MLP's)."""
+    return make_divisible(int(2 * mlp_ratio * dim / 3), multiple_of)
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU feed-forward. The gate and value projections (W1, W2) are packed into one ``fc1`` so a single
+    matmul computes both; ``fc1.weight[:hidden]`` is W1 (gate), ``fc1.weight[hidden:]`` is W2 (value)."""
+
+    def __init__(self, in_features: int, hidden_features: int | None = None, out_features: int | None = None,
+                 bias: bool = True, drop: float = 0.0, multiple_of: int = 64):
+        super().__init__()
+        out_features = out_features or in_features
+        self.hidden_features = hidden_features or swiglu_hidden_dim(in_features, 4.0, multiple_of)
+        self.fc1 = nn.Linear(in_features, 2 * self.hidden_features, bias=bias)
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = nn.Linear(self.hidden_features, out_features, bias=bias)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.fc1(x).chunk(2, dim=-1)  # (B, N, hidden) each
+        return self.drop2(self.fc2(self.drop1(F.silu(gate) * value)))
+
+
+def create_mlp(kind: str | Callable[..., nn.Module], dim: int, mlp_ratio: float, act_layer="gelu",
+               bias: bool = True, drop: float = 0.0) -> nn.Module:
+    """'mlp' (GELU MLP of width ``mlp_ratio * dim``) or 'swiglu' (Llama-rule width), or a callable."""
+    if callable(kind):
+        return kind(dim, int(dim * mlp_ratio), act_layer=act_layer, bias=bias, drop=drop)
+    if kind == "mlp":
+        return Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, bias=bias, drop=drop)
+    if kind == "swiglu":
+        return SwiGLU(dim, swiglu_hidden_dim(dim, mlp_ratio), bias=bias, drop=drop)
+    raise ValueError(f"unknown mlp layer {kind!r}; choose from ['mlp', 'swiglu']")

@@ -1,0 +1,112 @@
+"""Patch embedding: cut an image into non-overlapping p x p patches and project each to ``embed_dim``
+(ViT, Dosovitskiy et al., 2021). Two formulations compute the same function:
+
+- :class:`PatchEmbed`: a strided ``p x p`` convolution (timm's layout, ``proj.weight`` of shape (D, C, p, p));
+- :class:`LinearPatchEmbed`: seed 001/004's unfold ``b c (h p1) (w p2) -> b (h w) (p1 p2 c)`` then a Linear,
+  optionally with LayerNorm before and after (seed 000's HaLViT embedding).
+
+Both check the input (4-D, channel count, size divisible by the patch unless ``dynamic_img_pad``) and raise
+one clear error instead of failing deep inside a matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from vitlab.layers.helpers import to_2tuple
+
+
+class _PatchGrid(nn.Module):
+    """Geometry and input checks shared by both patch embeddings."""
+
+    def __init__(self, img_size, patch_size, in_chans: int, strict_img_size: bool, dynamic_img_pad: bool):
+        super().__init__()
+        self.patch_size = to_2tuple(patch_size)
+        self.in_chans = in_chans
+        self.strict_img_size = strict_img_size
+        self.dynamic_img_pad = dynamic_img_pad
+        self.img_size = to_2tuple(img_size) if img_size is not None else None
+        if self.img_size is not None:
+            self._check_divisible(*self.img_size)
+            self.grid_size = self.dynamic_feat_size(self.img_size)
+            self.num_patches = self.grid_size[0] * self.grid_size[1]
+        else:
+            self.grid_size, self.num_patches = None, None
+
+    def _check_divisible(self, h: int, w: int) -> None:
+        ph, pw = self.patch_size
+        if not self.dynamic_img_pad and (h % ph or w % pw):
+            raise ValueError(f"image size {h}x{w} is not divisible by the patch size {ph}x{pw}; "
+                             f"use a multiple of the patch size or dynamic_img_pad=True")
+
+    def dynamic_feat_size(self, img_size: tuple[int, int]) -> tuple[int, int]:
+        """Token grid (H', W') for an input of ``img_size`` (rounded up when padding dynamically)."""
+        (h, w), (ph, pw) = img_size, self.patch_size
+        if self.dynamic_img_pad:
+            return -(-h // ph), -(-w // pw)
+        return h // ph, w // pw
+
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 4:
+            raise ValueError(f"expected images of shape (B, C, H, W), got shape {tuple(x.shape)}")
+        _, c, h, w = x.shape
+        if c != self.in_chans:
+            raise ValueError(f"expected {self.in_chans} input channels, got {c} (input shape {tuple(x.shape)})")
+        if self.strict_img_size and self.img_size is not None and (h, w) != self.img_size:
+            raise ValueError(f"input size {h}x{w} does not match the model's {self.img_size[0]}x{self.img_size[1]}; "
+                             f"create the model with img_size=({h}, {w}) or dynamic_img_size=True")
+        self._check_divisible(h, w)
+        ph, pw = self.patch_size
+        if self.dynamic_img_pad and (h % ph or w % pw):
+            x = F.pad(x, (0, (pw - w % pw) % pw, 0, (ph - h % ph) % ph))
+        return x
+
+
+class PatchEmbed(_PatchGrid):
+    """Conv formulation. ``forward`` returns tokens (B, N, D), or (B, H', W', D) with ``flatten=False``."""
+
+    def __init__(self, img_size=224, patch_size=16, in_chans: int = 3, embed_dim: int = 768,
+                 norm_layer: Callable[..., nn.Module] | None = None, flatten: bool = True, bias: bool = True,
+                 strict_img_size: bool = True, dynamic_img_pad: bool = False):
+        super().__init__(img_size, patch_size, in_chans, strict_img_size, dynamic_img_pad)
+        self.flatten = flatten
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size, bias=bias)
+        self.norm = norm_layer(embed_dim) if norm_layer else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(self._prepare(x))  # (B, D, H', W')
+        x = x.flatten(2).transpose(1, 2) if self.flatten else x.permute(0, 2, 3, 1)
+        return self.norm(x)
+
+
+class LinearPatchEmbed(_PatchGrid):
+    """Unfold + Linear formulation (seeds 000/001/004), with optional LayerNorm on the raw patch (``pre_norm``)
+    and on the embedding (``norm_layer``), as HaLViT does."""
+
+    def __init__(self, img_size=224, patch_size=16, in_chans: int = 3, embed_dim: int = 768,
+                 norm_layer: Callable[..., nn.Module] | None = None, pre_norm: bool = False, flatten: bool = True,
+                 bias: bool = True, strict_img_size: bool = True, dynamic_img_pad: bool = False):
+        super().__init__(img_size, patch_size, in_chans, strict_img_size, dynamic_img_pad)
+        ph, pw = self.patch_size
+        patch_dim = in_chans * ph * pw
+        self.flatten = flatten
+        self.pre_norm = nn.LayerNorm(patch_dim) if pre_norm else nn.Identity()
+        self.proj = nn.Linear(patch_dim, embed_dim, bias=bias)
+        self.norm = norm_layer(embed_dim) if norm_layer else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._prepare(x)
+        ph, pw = self.patch_size
+        x = rearrange(x, "b c (h p1) (w p2) -> b h w (p1 p2 c)", p1=ph, p2=pw)
+        x = self.norm(self.proj(self.pre_norm(x)))  # (B, H', W', D)
+        return x.flatten(1, 2) if self.flatten else x
+
+
+def conv_to_linear_patch_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Conv kernel (D, C, p1, p2) -> Linear weight (D, p1*p2*C) in the ``(p1 p2 c)`` order of the unfold."""
+    return rearrange(weight, "d c p1 p2 -> d (p1 p2 c)")

@@ -1,0 +1,45 @@
+"""Turning a token sequence into one vector (seed 001, "alternative pooling strategies"): the CLS token
+('token'), the mean or max of the patch tokens ('avg', 'max'), or a learned attention pooling ('attn':
+softmax over a linear score per token, then the weighted sum)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+POOL_TYPES = ("token", "avg", "max", "attn", "")
+
+
+class AttentionPool(nn.Module):
+    """``sum_i softmax(w . x_i) x_i`` over the tokens: a learned weighted average (one score per token)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.attention = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, C) -> (B, C)
+        weights = F.softmax(self.attention(x), dim=1)  # (B, N, 1)
+        return (weights * x).sum(dim=1)
+
+
+def check_pool_type(pool_type: str, has_class_token: bool) -> str:
+    if pool_type not in POOL_TYPES:
+        raise ValueError(f"unknown global_pool {pool_type!r}; choose from {list(POOL_TYPES)}")
+    if pool_type == "token" and not has_class_token:
+        raise ValueError("global_pool='token' needs a class token; use 'avg', 'max' or 'attn'")
+    return pool_type
+
+
+def pool_tokens(x: torch.Tensor, pool_type: str, num_prefix_tokens: int, attn_pool: nn.Module | None = None):
+    """Pool (B, N, C) tokens; the statistics pools see only the patch tokens (prefix tokens excluded)."""
+    if pool_type == "token":
+        return x[:, 0]
+    patches = x[:, num_prefix_tokens:]
+    if pool_type == "avg":
+        return patches.mean(dim=1)
+    if pool_type == "max":
+        return patches.amax(dim=1)
+    if pool_type == "attn":
+        return attn_pool(patches)
+    return x

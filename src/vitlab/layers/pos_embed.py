@@ -1,0 +1,108 @@
+"""Position embeddings for 2-D token grids.
+
+- Learned absolute embeddings (ViT) and :func:`resample_abs_pos_embed`, which resizes them bicubically to
+  another grid (non-square included), as fine-tuning at a new resolution and ``dynamic_img_size`` need.
+- :func:`sincos_2d_pos_embed`: the fixed 2-D sine-cosine embedding (MoCo v3 / MAE; seed 001).
+- :class:`RotaryEmbedding2D`: axial 2-D RoPE. Seed 004 builds 1-D RoPE for Llama-2 from
+  ``theta_i = base ** (-2i / d)`` and rotates consecutive pairs ``(x_{2i}, x_{2i+1})`` by ``m * theta_i``;
+  here the first half of each head's channels is rotated by the row index and the second half by the column
+  index, so q.k depends only on the 2-D offset between two patches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vitlab.layers.helpers import to_2tuple
+
+
+def resample_abs_pos_embed(pos_embed: torch.Tensor, new_size, old_size=None, num_prefix_tokens: int = 1,
+                           interpolation: str = "bicubic", antialias: bool = True) -> torch.Tensor:
+    """Resize a learned (1, prefix + H*W, C) position embedding to the grid ``new_size``.
+
+    ``old_size`` defaults to the square grid implied by the token count. Prefix-token (CLS, distillation,
+    register) embeddings are kept as they are.
+    """
+    new_size = to_2tuple(new_size)
+    num_pos = pos_embed.shape[1] - num_prefix_tokens
+    if old_size is None:
+        side = int(math.isqrt(num_pos))
+        if side * side != num_pos:
+            raise ValueError(f"cannot infer the grid of a {num_pos}-token position embedding; pass old_size")
+        old_size = (side, side)
+    old_size = to_2tuple(old_size)
+    if old_size[0] * old_size[1] != num_pos:
+        raise ValueError(f"old_size {old_size} does not match the {num_pos} patch position embeddings")
+    if tuple(new_size) == tuple(old_size):
+        return pos_embed
+    prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
+    dim, dtype = grid.shape[-1], grid.dtype
+    grid = grid.float().reshape(1, old_size[0], old_size[1], dim).permute(0, 3, 1, 2)  # (1, C, H, W)
+    grid = F.interpolate(grid, size=new_size, mode=interpolation, antialias=antialias)
+    grid = grid.permute(0, 2, 3, 1).reshape(1, -1, dim).to(dtype)
+    return torch.cat([prefix, grid], dim=1)
+
+
+def _sincos_1d(pos: torch.Tensor, dim: int, temperature: float) -> torch.Tensor:
+    omega = 1.0 / temperature ** (torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+    out = pos.double().flatten()[:, None] * omega[None]  # (N, dim/2)
+    return torch.cat([out.sin(), out.cos()], dim=1)
+
+
+def sincos_2d_pos_embed(grid_size, dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """Fixed (H*W, dim) embedding: half the channels encode the column, half the row, each as sin | cos."""
+    if dim % 4:
+        raise ValueError(f"2-D sin-cos position embedding needs dim divisible by 4, got {dim}")
+    h, w = to_2tuple(grid_size)
+    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    emb = torch.cat([_sincos_1d(xs, dim // 2, temperature), _sincos_1d(ys, dim // 2, temperature)], dim=1)
+    return emb.float()
+
+
+def rope_frequencies(dim: int, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Seed 004's ``m * theta``: angles (len(positions), dim/2) with ``theta_i = base ** (-2i / dim)``."""
+    if dim % 2:
+        raise ValueError(f"RoPE needs an even dimension, got {dim}")
+    theta = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    return torch.outer(positions.double(), theta)
+
+
+class RotaryEmbedding2D(nn.Module):
+    """Axial 2-D RoPE for heads of size ``head_dim`` (divisible by 4). ``forward(hw)`` returns the (cos, sin)
+    tables, each (H*W, head_dim), that :func:`apply_rope` uses."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 4:
+            raise ValueError(f"2-D RoPE needs a head dimension divisible by 4, got {head_dim}")
+        self.head_dim = head_dim
+        self.base = base
+
+    def forward(self, hw: tuple[int, int], device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        h, w = hw
+        ys, xs = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+        half = self.head_dim // 2
+        angles = torch.cat([rope_frequencies(half, ys.flatten(), self.base),
+                            rope_frequencies(half, xs.flatten(), self.base)], dim=1)  # (N, head_dim/2)
+        angles = angles.repeat_interleave(2, dim=1)  # one angle per pair (x_2i, x_2i+1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2, x3, x4, ...) -> (-x2, x1, -x4, x3, ...): the second vector of seed 004's rotation formula."""
+    x = x.unflatten(-1, (-1, 2))
+    return torch.stack([-x[..., 1], x[..., 0]], dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate the last ``len(cos)`` tokens of ``x`` (B, heads, N, head_dim); leading prefix tokens (CLS) are
+    left unrotated. Real arithmetic ``x*cos + rot(x)*sin`` equals seed 004's complex product."""
+    cos, sin = rope
+    n = cos.shape[0]
+    prefix, tokens = x[..., : x.shape[-2] - n, :], x[..., x.shape[-2] - n :, :]
+    tokens = tokens * cos.to(x.dtype) + _rotate_pairs(tokens) * sin.to(x.dtype)
+    return torch.cat([prefix, tokens], dim=-2) if prefix.shape[-2] else tokens

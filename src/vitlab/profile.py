@@ -1,0 +1,127 @@
+"""Counting: parameters, multiply-accumulates and activation memory of a model, without running it for real.
+
+Convention: **GMACs**, one multiply-add = 1 (as fvcore and the papers report), for batch 1 unless asked. Linear
+layers, convolutions, matrix products and fused attention (``scaled_dot_product_attention``, every backend)
+are counted; element-wise ops, norms and softmax are not (they are < 0.5% of a ViT and the papers leave them
+out). Counting runs on the ``meta`` device by default, so even ViT-G/14 (1.8B parameters) is profiled in
+seconds without allocating its weights.
+
+The memory estimate of seed 004 is given as well: ``M = P * 4 B / (32 / Q) * 1.2`` for weights at Q bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_flop_count
+
+from vitlab.layers.helpers import to_2tuple
+from vitlab.registry import create_model, get_model_config
+
+aten = torch.ops.aten
+
+
+def _sdpa_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+# The CPU flash kernel has no formula upstream; without it fused attention would count as zero on CPU.
+if aten._scaled_dot_product_flash_attention_for_cpu.default not in torch.utils.flop_counter.flop_registry:
+    register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)(_sdpa_cpu_flops)
+
+
+@dataclass
+class ModelProfile:
+    name: str
+    input_size: tuple[int, int, int]
+    batch_size: int
+    params_m: float  # all parameters, millions
+    trainable_params_m: float
+    gmacs: float  # multiply-accumulates of one forward pass of the batch, billions
+    activation_mb: float  # tensors saved for backward in one training forward pass (fp32)
+    weights_mb: float  # fp32 weights
+    memory_estimate_gb: dict  # seed 004's M = P*4B/(32/Q)*1.2 for Q = 32, 16, 8, 4
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    """(total, trainable) parameter counts; a Parameter used twice (HaLViT) counts once."""
+    params = list(model.parameters())  # nn.Module.parameters() deduplicates shared tensors
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def memory_estimate_gb(num_params: int, bits: int = 32, overhead: float = 1.2) -> float:
+    """Seed 004: GPU memory to serve a model, ``P * 4 bytes / (32 / Q) * 1.2`` in GB (1e9 bytes)."""
+    return num_params * 4 / (32 / bits) * overhead / 1e9
+
+
+def count_macs(model: nn.Module, x: torch.Tensor) -> int:
+    """Multiply-accumulates of ``model(x)`` (FLOP counter total / 2)."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(x)
+    return counter.get_total_flops() // 2
+
+
+def _saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct tensors autograd saves for backward in one training forward (weights excluded)."""
+    param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        key = t.untyped_storage()._cdata
+        if key not in param_storages:
+            seen[key] = max(seen.get(key, 0), t.numel() * t.element_size())
+        return t
+
+    was_training = model.training
+    model.train()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x.requires_grad_(False))
+    finally:
+        model.train(was_training)
+    return sum(seen.values())
+
+
+def profile_model(model_or_name: nn.Module | str, img_size=None, batch_size: int = 1, in_chans: int | None = None,
+                  device: str | torch.device = "meta", **create_kwargs) -> ModelProfile:
+    """Profile a model (instance or registered name) at ``img_size`` (default: the model's own input size).
+
+    A name is built on ``device`` ('meta' by default: shapes only, no memory, no compute). An instance is
+    profiled where its parameters live.
+    """
+    if isinstance(model_or_name, str):
+        name = model_or_name
+        cfg = get_model_config(name)
+        if img_size is not None:
+            create_kwargs["img_size"] = img_size
+        if in_chans is not None:
+            create_kwargs["in_chans"] = in_chans
+        with torch.device(device):
+            model = create_model(name, **create_kwargs)
+        default_size = cfg.input_size
+    else:
+        model = model_or_name
+        name = type(model).__name__ if getattr(model, "pretrained_cfg", None) is None else model.pretrained_cfg.name
+        default_size = model.pretrained_cfg.input_size if getattr(model, "pretrained_cfg", None) else (3, 224, 224)
+    h, w = to_2tuple(img_size) if img_size is not None else default_size[1:]
+    chans = in_chans or getattr(getattr(model, "patch_embed", None), "in_chans", None) or default_size[0]
+    param_device = next(model.parameters()).device
+    x = torch.zeros(batch_size, chans, h, w, device=param_device)
+    total, trainable = count_params(model)
+    model_was_training = model.training
+    model.eval()
+    try:
+        macs = count_macs(model, x)
+    finally:
+        model.train(model_was_training)
+    act = _saved_activation_bytes(model, x)
+    return ModelProfile(
+        name=name, input_size=(chans, h, w), batch_size=batch_size, params_m=total / 1e6,
+        trainable_params_m=trainable / 1e6, gmacs=macs / 1e9, activation_mb=act / 2**20,
+        weights_mb=total * 4 / 2**20,
+        memory_estimate_gb={q: round(memory_estimate_gb(total, q), 3) for q in (32, 16, 8, 4)})

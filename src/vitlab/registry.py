@@ -1,0 +1,133 @@
+"""Model registry: ``register_model``, ``create_model``, ``list_models`` with timm's names and behaviour.
+
+Each registered entrypoint carries a :class:`ModelConfig` record (family, paper, default input, normalisation,
+published figures, hub id) so tools can reason about a model without building it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch.nn as nn
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+INCEPTION_MEAN = (0.5, 0.5, 0.5)
+INCEPTION_STD = (0.5, 0.5, 0.5)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What is known about a registered model before it is built."""
+
+    name: str = ""
+    family: str = ""
+    paper: str = ""
+    input_size: tuple[int, int, int] = (3, 224, 224)
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    crop_pct: float = 0.9
+    num_classes: int = 1000
+    published_params_m: float | None = None
+    published_gmacs: float | None = None
+    published_top1: float | None = None
+    hf_hub_id: str | None = None  # e.g. 'timm/vit_base_patch16_224.augreg2_in21k_ft_in1k'
+    # kwargs of create_model that build a small instance of the same architecture (a smaller image, fewer
+    # blocks) for the registry-wide smoke tests; they must keep every kind of layer the full model has
+    smoke_kwargs: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+
+class UnknownModelError(ValueError):
+    """Raised for a model name that is not registered; the message lists close matches."""
+
+
+_ENTRYPOINTS: dict[str, Callable[..., nn.Module]] = {}
+_CONFIGS: dict[str, ModelConfig] = {}
+
+
+def register_model(fn: Callable[..., nn.Module] | None = None, *, config: ModelConfig | None = None):
+    """Register a model entrypoint under its function name (usable bare or with ``config=``)."""
+
+    def _register(f: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        name = f.__name__
+        if name in _ENTRYPOINTS:
+            raise ValueError(f"model {name!r} is registered twice")
+        _ENTRYPOINTS[name] = f
+        _CONFIGS[name] = replace(config or ModelConfig(), name=name)
+        return f
+
+    return _register(fn) if fn is not None else _register
+
+
+def list_models(pattern: str | list[str] = "*", exclude: str | list[str] = "") -> list[str]:
+    """Registered model names matching an fnmatch ``pattern`` (or any of a list), sorted."""
+    pats = [pattern] if isinstance(pattern, str) else list(pattern)
+    excl = [exclude] if isinstance(exclude, str) and exclude else list(exclude or [])
+    names = {n for n in _ENTRYPOINTS for p in pats if fnmatch.fnmatch(n, p)}
+    names = {n for n in names if not any(fnmatch.fnmatch(n, e) for e in excl)}
+    return sorted(names)
+
+
+def is_model(name: str) -> bool:
+    return name in _ENTRYPOINTS
+
+
+def _check_name(name: str) -> None:
+    if name not in _ENTRYPOINTS:
+        close = difflib.get_close_matches(name, list(_ENTRYPOINTS), n=5, cutoff=0.6)
+        hint = f"; close matches: {', '.join(close)}" if close else "; see vitlab.list_models()"
+        raise UnknownModelError(f"unknown model {name!r}{hint}")
+
+
+def get_model_config(name: str) -> ModelConfig:
+    _check_name(name)
+    return _CONFIGS[name]
+
+
+def model_entrypoint(name: str) -> Callable[..., nn.Module]:
+    _check_name(name)
+    return _ENTRYPOINTS[name]
+
+
+def create_model(
+    model_name: str,
+    pretrained: bool = False,
+    checkpoint_path: str | None = None,
+    num_classes: int | None = None,
+    img_size: int | tuple[int, int] | None = None,
+    in_chans: int | None = None,
+    drop_rate: float = 0.0,
+    drop_path_rate: float = 0.0,
+    global_pool: str | None = None,
+    dynamic_img_size: bool = False,
+    strict: bool = True,
+    **kwargs,
+) -> nn.Module:
+    """Build a registered model, optionally loading weights (a local checkpoint or, when asked, the hub).
+
+    Arguments left as ``None`` keep the model's defaults. ``checkpoint_path`` accepts our checkpoints and
+    timm-format state dicts (``.pth``/``.bin``/``.safetensors``); see :mod:`vitlab.convert`.
+    """
+    entry = model_entrypoint(model_name)
+    for key, value in (("num_classes", num_classes), ("img_size", img_size), ("in_chans", in_chans),
+                       ("global_pool", global_pool)):
+        if value is not None:
+            kwargs[key] = value
+    if drop_rate:
+        kwargs["drop_rate"] = drop_rate
+    if drop_path_rate:
+        kwargs["drop_path_rate"] = drop_path_rate
+    if dynamic_img_size:
+        kwargs["dynamic_img_size"] = True
+    model = entry(**kwargs)
+    model.pretrained_cfg = get_model_config(model_name)
+    if checkpoint_path is not None or pretrained:
+        from vitlab.convert import load_checkpoint, resolve_pretrained
+
+        path = checkpoint_path if checkpoint_path is not None else resolve_pretrained(model_name)
+        load_checkpoint(model, path, strict=strict)
+    return model
