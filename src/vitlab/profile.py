@@ -23,8 +23,8 @@ from vitlab.registry import create_model, get_model_config
 aten = torch.ops.aten
 
 
-def _sdpa_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
+def _sdpa_cpu_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
 # The CPU flash kernel has no formula upstream; without it fused attention would count as zero on CPU.

@@ -295,9 +295,11 @@ _VIT_PAPER = "Dosovitskiy et al., An Image is Worth 16x16 Words, ICLR 2021"
 _GIANT_PAPER = "Zhai et al., Scaling Vision Transformers, CVPR 2022"
 
 
-def _vit_cfg(family: str = "vit", paper: str = _VIT_PAPER, patch: int = 16, **kw) -> ModelConfig:
-    return ModelConfig(family=family, paper=paper, mean=INCEPTION_MEAN, std=INCEPTION_STD, crop_pct=0.9,
-                       extra={"patch_size": patch}, **kw)
+def _vit_cfg(paper: str = _VIT_PAPER, patch: int = 16, smoke_depth: int | None = None, extra: dict | None = None,
+             **kw) -> ModelConfig:
+    smoke = {"img_size": 2 * patch, **({"depth": smoke_depth} if smoke_depth else {})}
+    return ModelConfig(family="vit", paper=paper, mean=INCEPTION_MEAN, std=INCEPTION_STD, crop_pct=0.9,
+                       extra={"patch_size": patch, **(extra or {})}, smoke_kwargs=smoke, **kw)
 
 
 # (embed_dim, depth, num_heads, mlp_ratio) of the named widths
@@ -359,26 +361,28 @@ def vit_base_patch32_224(**kwargs) -> VisionTransformer:
     return build_vit("base", 32, **kwargs)
 
 
-@register_model(config=_vit_cfg(published_params_m=304.33, published_gmacs=61.6,
+@register_model(config=_vit_cfg(smoke_depth=2, published_params_m=304.33, published_gmacs=61.6,
                                 hf_hub_id=_hub("vit_large_patch16_224.augreg_in21k_ft_in1k")))
 def vit_large_patch16_224(**kwargs) -> VisionTransformer:
     """ViT-L/16 (width 1024, depth 24, 16 heads)."""
     return build_vit("large", 16, **kwargs)
 
 
-@register_model(config=_vit_cfg(patch=14, published_params_m=630.76))
+# timm's 630.76M is the head-less (in21k, num_classes=0) model
+@register_model(config=_vit_cfg(patch=14, smoke_depth=2, published_params_m=630.76,
+                                extra={"published_num_classes": 0}))
 def vit_huge_patch14_224(**kwargs) -> VisionTransformer:
     """ViT-H/14 (width 1280, depth 32, 16 heads)."""
     return build_vit("huge", 14, **kwargs)
 
 
-@register_model(config=_vit_cfg(patch=14, paper=_GIANT_PAPER, published_params_m=1012.61))
+@register_model(config=_vit_cfg(patch=14, paper=_GIANT_PAPER, smoke_depth=2, published_params_m=1012.61))
 def vit_giant_patch14_224(**kwargs) -> VisionTransformer:
     """ViT-g/14 (width 1408, depth 40, MLP 6144, 16 heads)."""
     return build_vit("giant", 14, **kwargs)
 
 
-@register_model(config=_vit_cfg(patch=14, paper=_GIANT_PAPER, published_params_m=1844.44))
+@register_model(config=_vit_cfg(patch=14, paper=_GIANT_PAPER, smoke_depth=2, published_params_m=1844.44))
 def vit_gigantic_patch14_224(**kwargs) -> VisionTransformer:
     """ViT-G/14 (width 1664, depth 48, MLP 8192, 16 heads)."""
     return build_vit("gigantic", 14, **kwargs)

@@ -1,0 +1,191 @@
+"""Properties of the building blocks in vitlab.layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vitlab.layers import (
+    Attention,
+    AttentionPool,
+    Block,
+    DropPath,
+    LayerScale,
+    LinearPatchEmbed,
+    PatchEmbed,
+    RMSNorm,
+    RotaryEmbedding2D,
+    SwiGLU,
+    apply_rope,
+    conv_to_linear_patch_weight,
+    create_attention,
+    drop_path_schedule,
+    pool_tokens,
+    resample_abs_pos_embed,
+    rope_frequencies,
+    sincos_2d_pos_embed,
+    swiglu_hidden_dim,
+)
+
+
+def test_conv_and_linear_patch_embed_equal_with_shared_weights():
+    conv = PatchEmbed(img_size=(32, 48), patch_size=8, in_chans=3, embed_dim=24)
+    lin = LinearPatchEmbed(img_size=(32, 48), patch_size=8, in_chans=3, embed_dim=24)
+    with torch.no_grad():
+        lin.proj.weight.copy_(conv_to_linear_patch_weight(conv.proj.weight))
+        lin.proj.bias.copy_(conv.proj.bias)
+    x = torch.randn(2, 3, 32, 48)
+    assert conv(x).shape == (2, 4 * 6, 24)
+    torch.testing.assert_close(lin(x), conv(x), rtol=1e-5, atol=1e-5)
+
+
+def test_patch_embed_errors_and_dynamic_pad():
+    with pytest.raises(ValueError, match="not divisible by the patch size"):
+        PatchEmbed(img_size=30, patch_size=16)
+    pe = PatchEmbed(img_size=32, patch_size=16, in_chans=3, embed_dim=8)
+    with pytest.raises(ValueError, match="expected 3 input channels, got 1"):
+        pe(torch.randn(1, 1, 32, 32))
+    with pytest.raises(ValueError, match="does not match"):
+        pe(torch.randn(1, 3, 48, 32))
+    with pytest.raises(ValueError, match=r"\(B, C, H, W\)"):
+        pe(torch.randn(3, 32, 32))
+    padded = PatchEmbed(img_size=30, patch_size=16, embed_dim=8, dynamic_img_pad=True, strict_img_size=False)
+    assert padded.grid_size == (2, 2) and padded(torch.randn(1, 3, 30, 20)).shape == (1, 4, 8)
+
+
+def test_resample_pos_embed_identity_and_non_square():
+    pos = torch.randn(1, 1 + 7 * 7, 16)
+    torch.testing.assert_close(resample_abs_pos_embed(pos, (7, 7)), pos)
+    out = resample_abs_pos_embed(pos, (5, 9))
+    assert out.shape == (1, 1 + 45, 16)
+    torch.testing.assert_close(out[:, :1], pos[:, :1])  # the class-token embedding is kept as is
+    # bicubic interpolation onto the same grid reproduces every value (not just the shortcut)
+    grid = pos[:, 1:].reshape(1, 7, 7, 16).permute(0, 3, 1, 2)
+    torch.testing.assert_close(F.interpolate(grid, size=(7, 7), mode="bicubic", antialias=True), grid)
+    with pytest.raises(ValueError, match="old_size"):
+        resample_abs_pos_embed(torch.randn(1, 1 + 12, 4), (4, 4))
+
+
+def test_sincos_pos_embed():
+    emb = sincos_2d_pos_embed((3, 5), 16)
+    assert emb.shape == (15, 16)
+    assert emb.abs().max() <= 1.0
+    assert len({tuple(r.tolist()) for r in emb}) == 15  # every position distinct
+    with pytest.raises(ValueError):
+        sincos_2d_pos_embed((3, 3), 10)
+
+
+def _rope_complex_seed004(x, angles):
+    """Seed 004's formulation: view pairs as complex numbers and multiply by e^{i m theta}."""
+    xc = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * torch.polar(torch.ones_like(angles), angles)).reshape(x.shape)
+
+
+def test_rope_matches_seed_complex_formula_and_keeps_norms():
+    rope = RotaryEmbedding2D(16)
+    cos, sin = rope((3, 4), dtype=torch.float64)
+    x = torch.randn(2, 2, 12, 16, dtype=torch.float64)
+    out = apply_rope(x, (cos, sin))
+    ys, xs = torch.meshgrid(torch.arange(3), torch.arange(4), indexing="ij")
+    angles = torch.cat([rope_frequencies(8, ys.flatten()), rope_frequencies(8, xs.flatten())], dim=1)
+    torch.testing.assert_close(out, _rope_complex_seed004(x, angles))
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_rope_dot_product_depends_only_on_relative_offset():
+    rope = RotaryEmbedding2D(8)
+    cos, sin = rope((6, 6), dtype=torch.float64)
+    q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    rq = apply_rope(q.expand(1, 1, 36, 8), (cos, sin))[0, 0]
+    rk = apply_rope(k.expand(1, 1, 36, 8), (cos, sin))[0, 0]
+
+    def idx(r, c):
+        return r * 6 + c
+
+    # the same (dy, dx) = (1, 2) offset at two places gives the same score; another offset does not
+    a = rq[idx(0, 0)] @ rk[idx(1, 2)]
+    b = rq[idx(3, 2)] @ rk[idx(4, 4)]
+    c = rq[idx(0, 0)] @ rk[idx(2, 1)]
+    torch.testing.assert_close(a, b)
+    assert not torch.allclose(a, c)
+
+
+def test_rope_leaves_prefix_tokens():
+    cos, sin = RotaryEmbedding2D(8)((2, 2))
+    x = torch.randn(1, 1, 5, 8)
+    torch.testing.assert_close(apply_rope(x, (cos, sin))[..., :1, :], x[..., :1, :])
+
+
+def test_swiglu_llama_hidden_rule():
+    assert swiglu_hidden_dim(768) == 2048  # 2/3 * 3072 = 2048
+    assert swiglu_hidden_dim(384, multiple_of=256) == 1024
+    m = SwiGLU(32, 48)
+    x = torch.randn(2, 3, 32)
+    w1, w2 = m.fc1.weight[:48], m.fc1.weight[48:]
+    b1, b2 = m.fc1.bias[:48], m.fc1.bias[48:]
+    ref = m.fc2(F.silu(x @ w1.T + b1) * (x @ w2.T + b2))
+    torch.testing.assert_close(m(x), ref)
+
+
+def test_rmsnorm_formula():
+    x = torch.randn(4, 10)
+    n = RMSNorm(10)
+    with torch.no_grad():
+        n.weight.uniform_()
+    ref = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * n.weight
+    torch.testing.assert_close(n(x), ref)
+
+
+def test_drop_path_row_mode():
+    dp = DropPath(0.5)
+    x = torch.ones(1000, 4, 3)
+    dp.eval()
+    assert torch.equal(dp(x), x)
+    dp.train()
+    y = dp(x)
+    per_row = y.flatten(1)
+    assert set(per_row.unique().tolist()) <= {0.0, 2.0}
+    assert (per_row == per_row[:, :1]).all()  # a whole row is kept or dropped
+    assert abs(y.mean().item() - 1.0) < 0.15  # the expectation is preserved
+    assert drop_path_schedule(0.1, 5) == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1])
+    with pytest.raises(ValueError):
+        DropPath(1.0)
+
+
+def test_layer_scale():
+    ls = LayerScale(4, 1e-5)
+    torch.testing.assert_close(ls(torch.ones(2, 4)), torch.full((2, 4), 1e-5))
+
+
+def test_fused_and_explicit_attention_agree_and_weights_are_stochastic():
+    attn = Attention(32, 4, qk_norm=True).eval()
+    x = torch.randn(2, 10, 32)
+    out, weights = attn(x, return_attn=True)
+    torch.testing.assert_close(attn(x), out, rtol=1e-5, atol=1e-5)
+    assert weights.shape == (2, 4, 10, 10)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 10))
+
+
+def test_attention_dim_not_divisible():
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        Attention(30, 4)
+
+
+def test_block_builds_attention_by_name_and_rejects_unknown():
+    blk = Block(32, 4, attn_layer="msa", mlp_layer="swiglu", norm_layer="rmsnorm", init_values=1e-5)
+    assert blk(torch.randn(2, 5, 32), (2, 2)).shape == (2, 5, 32)
+    with pytest.raises(ValueError, match="unknown attention 'msaa'; close matches: msa"):
+        create_attention("msaa", 32, 4)
+
+
+def test_pooling():
+    x = torch.randn(2, 1 + 4, 8)
+    torch.testing.assert_close(pool_tokens(x, "token", 1), x[:, 0])
+    torch.testing.assert_close(pool_tokens(x, "avg", 1), x[:, 1:].mean(1))
+    torch.testing.assert_close(pool_tokens(x, "max", 1), x[:, 1:].max(1).values)
+    ap = AttentionPool(8)
+    with torch.no_grad():
+        ap.attention.weight.zero_()
+        ap.attention.bias.zero_()
+    torch.testing.assert_close(pool_tokens(x, "attn", 1, ap), x[:, 1:].mean(1))  # uniform scores = mean
