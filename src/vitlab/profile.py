@@ -125,3 +125,19 @@ def profile_model(model_or_name: nn.Module | str, img_size=None, batch_size: int
         trainable_params_m=trainable / 1e6, gmacs=macs / 1e9, activation_mb=act / 2**20,
         weights_mb=total * 4 / 2**20,
         memory_estimate_gb={q: round(memory_estimate_gb(total, q), 3) for q in (32, 16, 8, 4)})
+
+
+def model_rows(pattern: str | list[str] = "*") -> list[dict]:
+    """One row per registered model matching ``pattern``: name, family, params (M), GMACs at its default
+    input size, input size, and the published figures — what ``vitlab models`` and the README table show."""
+    from vitlab.registry import list_models
+
+    rows = []
+    for name in list_models(pattern):
+        cfg = get_model_config(name)
+        prof = profile_model(name)
+        rows.append({"name": name, "family": cfg.family, "params_m": round(prof.params_m, 2),
+                     "gmacs": round(prof.gmacs, 3), "input_size": list(cfg.input_size),
+                     "published_params_m": cfg.published_params_m, "published_gmacs": cfg.published_gmacs,
+                     "published_top1": cfg.published_top1})
+    return rows

@@ -1,0 +1,113 @@
+"""The ``vitlab`` command line: a thin layer over the Python API (parse, call, print).
+
+    vitlab models [PATTERN ...] [--json]     registered models with params, GMACs and input size
+    vitlab info NAME                         a model's config record, structure and profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+import vitlab
+from vitlab.convert import CheckpointError
+
+console = Console()
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def cmd_models(args) -> int:
+    rows = vitlab.profile.model_rows(args.pattern or "*")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        console.print(f"no model matches {args.pattern}")
+        return 1
+    table = Table(title=f"{len(rows)} models (GMACs: one multiply-add = 1, batch 1, default input)")
+    table.add_column("name", no_wrap=True)
+    for col in ("family", "params (M)", "GMACs", "input", "paper params", "paper GMACs", "top-1"):
+        table.add_column(col, justify="left" if col == "family" else "right")
+    for r in rows:
+        table.add_row(r["name"], r["family"], f"{r['params_m']:.2f}", f"{r['gmacs']:.2f}",
+                      "x".join(map(str, r["input_size"][1:])), _fmt(r["published_params_m"], ".2f"),
+                      _fmt(r["published_gmacs"], ".2f"), _fmt(r["published_top1"], ".1f"))
+    console.print(table)
+    return 0
+
+
+def _structure(model, max_rows: int = 40) -> Table:
+    table = Table(title="structure (top-level modules)")
+    table.add_column("module")
+    table.add_column("type")
+    table.add_column("params", justify="right")
+    for i, (name, child) in enumerate(model.named_children()):
+        if i == max_rows:
+            break
+        n = sum(p.numel() for p in child.parameters())
+        table.add_row(name, type(child).__name__ + (f" x{len(child)}" if hasattr(child, "__len__") else ""),
+                      f"{n:,}")
+    return table
+
+
+def cmd_info(args) -> int:
+    import torch
+
+    cfg = vitlab.get_model_config(args.name)
+    with torch.device("meta"):
+        model = vitlab.create_model(args.name)
+    prof = vitlab.profile_model(args.name, img_size=args.img_size, batch_size=args.batch_size)
+    console.print(f"[bold]{cfg.name}[/bold]  family={cfg.family}  paper: {cfg.paper}")
+    console.print(f"input {cfg.input_size}  mean {cfg.mean}  std {cfg.std}  crop_pct {cfg.crop_pct}  "
+                  f"classes {cfg.num_classes}  hub {cfg.hf_hub_id or '-'}")
+    console.print(_structure(model))
+    t = Table(title=f"profile at {prof.input_size}, batch {prof.batch_size}")
+    t.add_column("quantity")
+    t.add_column("ours", justify="right")
+    t.add_column("published", justify="right")
+    t.add_row("params (M)", f"{prof.params_m:.2f}", _fmt(cfg.published_params_m, ".2f"))
+    t.add_row("trainable params (M)", f"{prof.trainable_params_m:.2f}", "")
+    t.add_row("GMACs", f"{prof.gmacs:.3f}", _fmt(cfg.published_gmacs, ".2f"))
+    t.add_row("activations saved for backward (MB, fp32)", f"{prof.activation_mb:.1f}", "")
+    for q, gb in prof.memory_estimate_gb.items():
+        t.add_row(f"serving memory, seed 004 formula, {q}-bit (GB)", f"{gb:.3f}", "")
+    console.print(t)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vitlab", description="Build, train, benchmark and analyse Vision Transformers.")
+    p.add_argument("--version", action="version", version=f"vitlab {vitlab.__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("models", help="list registered models with params, GMACs and input size")
+    m.add_argument("pattern", nargs="*", help="fnmatch patterns, e.g. 'deit_*'")
+    m.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    m.set_defaults(func=cmd_models)
+
+    i = sub.add_parser("info", help="a model's config, structure and profile")
+    i.add_argument("name")
+    i.add_argument("--img-size", type=int, default=None)
+    i.add_argument("--batch-size", type=int, default=1)
+    i.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, CheckpointError) as e:  # user errors: one line, no traceback
+        print(f"vitlab: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
