@@ -53,19 +53,26 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def _drop_mismatched_head(sd: dict, model: nn.Module) -> dict:
+    """Classifier tensors ('head.*', 'head_dist.*', e.g. 'head.fc.weight') of another size are not loaded."""
     own = model.state_dict()
-    for name in _HEAD_KEYS:
-        w, b = f"{name}.weight", f"{name}.bias"
-        if w in sd and (w not in own or sd[w].shape != own[w].shape):
-            warnings.warn(f"checkpoint classifier '{name}' has {sd[w].shape[0]} classes, the model "
-                          f"{own[w].shape[0] if w in own else 0}: it is not loaded", stacklevel=3)
-            sd = {k: v for k, v in sd.items() if k not in (w, b)}
-    return sd
+    bad = [k for k in sd if k.split(".")[0] in _HEAD_KEYS and (k not in own or sd[k].shape != own[k].shape)]
+    for k in bad:
+        if k.endswith("weight") and sd[k].ndim >= 2:
+            ours = own[k].shape[0] if k in own else 0
+            warnings.warn(f"checkpoint classifier '{k}' has {sd[k].shape[0]} classes, the model {ours}: "
+                          f"it is not loaded", stacklevel=4)
+    return {k: v for k, v in sd.items() if k not in bad}
 
 
 def load_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> nn.Module:
     """Load a checkpoint file into ``model`` (in place) and return the model."""
-    sd = read_state_dict(path)
+    return load_state_dict(model, read_state_dict(path), strict=strict, source=str(path))
+
+
+def load_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True,
+                    source: str = "state dict") -> nn.Module:
+    """Load a (timm-format or our) state dict into ``model``: remap, check and report as :func:`load_checkpoint`."""
+    path = source
     filter_fn = getattr(model, "checkpoint_filter_fn", None)
     if filter_fn is not None:
         sd = filter_fn(sd, model)
