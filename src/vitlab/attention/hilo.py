@@ -1,0 +1,152 @@
+"""HiLo attention (Pan, Cai, Zhuang, "Fast Vision Transformers with HiLo Attention", NeurIPS 2022; LITv2;
+seed 002: Section B for the cost, Table III for the pooled-queries variant, row "HiLo" of Table IV).
+
+The heads are split in two groups with separate projections:
+
+* Hi-Fi (high frequencies), ``num_heads - floor(alpha * num_heads)`` heads: ordinary self-attention inside
+  non-overlapping s x s windows (fine local detail);
+* Lo-Fi (low frequencies), ``floor(alpha * num_heads)`` heads: queries from every token of the full map,
+  keys and values from the s x s average-pooled map (global context at 1/s^2 of the cost).
+
+Each group has its own output projection (``h_proj``, ``l_proj``); the two outputs are concatenated along the
+channels, Hi-Fi first, and there is no projection after the concatenation. This is the structure (and the
+parameter names) of the official LITv2 code, so its weights load as they are.
+
+Defaults are the authors' setting for 1/16-scale maps (LITv2 stage 3, Table IV): ``window_size=2``,
+``alpha=0.9`` -> with 12 heads, 10 Lo-Fi and 2 Hi-Fi heads; at dim 768 / 14x14: 2.20 M parameters,
+298.3 M MACs (Table IV: 2.20 M, 298.3 M). As in the official code, ``window_size=1`` turns every head into
+Lo-Fi with un-pooled keys, i.e. standard multi-head self-attention (LITv2's last stage, alpha=1, s=1).
+
+Any H x W: Hi-Fi pads the projected map to a multiple of s and masks the padded keys; the Lo-Fi pooling uses
+``ceil_mode`` so a partial window at the border averages only its real tokens. No prefix (class) tokens:
+a ValueError is raised when N != H*W.
+
+``pooled_queries=True`` is the Table III ablation: Lo-Fi queries come from the pooled map as well, its output
+(projected at the pooled resolution) is resized back to H x W with bilinear interpolation.
+
+:func:`hilo_flops` is the closed form of Section B, generalised from alpha = 1/2 to any split.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vitlab.attention._window import (
+    expand_heads,
+    grid_size,
+    pad_to_multiple,
+    partition_qkv,
+    reverse,
+    valid_keys,
+)
+from vitlab.layers.create_attn import register_attention
+from vitlab.layers.helpers import check_heads
+
+
+def hilo_flops(N: int, D: int, s: int, alpha: float = 0.5) -> float:
+    """MACs of one HiLo layer by seed 002, Section B: N tokens, D channels, window s, Lo-Fi share alpha.
+
+    Section B takes alpha = 1/2 and gets ``7/4 N D^2 + s^2 N D`` (Hi-Fi) plus
+    ``(3/4 + 1/s^2) N D^2 + N^2 D / s^2`` (Lo-Fi). With D_l = alpha D Lo-Fi channels and D_h = D - D_l Hi-Fi
+    channels the same three parts (projections, attention, output projection) read
+
+    * Hi-Fi: ``3 N D D_h + 2 s^2 N D_h + N D_h^2``
+    * Lo-Fi: ``N D D_l + 2 (N / s^2) D D_l + 2 N (N / s^2) D_l + N D_l^2``
+
+    Exact for the module when s divides H and W and alpha * num_heads is an integer (use alpha = Lo-Fi heads
+    / heads, e.g. 10/12 for the default 0.9 with 12 heads). For s = 1 the module makes every head Lo-Fi, which
+    this formula gives with alpha = 1.
+    """
+    d_l = alpha * D
+    d_h = D - d_l
+    hifi = 3 * N * D * d_h + 2 * s**2 * N * d_h + N * d_h**2
+    lofi = N * D * d_l + 2 * (N / s**2) * D * d_l + 2 * N * (N / s**2) * d_l + N * d_l**2
+    return hifi + lofi
+
+
+@register_attention("hilo")
+class HiLo(nn.Module):
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
+                 proj_drop: float = 0.0, window_size: int = 2, alpha: float = 0.9,
+                 pooled_queries: bool = False):
+        super().__init__()
+        self.head_dim = check_heads(dim, num_heads)
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+        if window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {window_size}")
+        self.dim = dim
+        self.ws = window_size
+        self.l_heads = int(num_heads * alpha + 1e-6)  # floor (official int()); eps: 0.29 * 100
+        if window_size == 1:  # s = 1: official code makes every head Lo-Fi (= MSA)
+            self.l_heads = num_heads
+        self.h_heads = num_heads - self.l_heads
+        self.l_dim = self.l_heads * self.head_dim
+        self.h_dim = self.h_heads * self.head_dim
+        self.pooled_queries = pooled_queries
+        self.attn_drop = attn_drop
+        if self.l_heads > 0:
+            self.l_q = nn.Linear(dim, self.l_dim, bias=qkv_bias)
+            self.l_kv = nn.Linear(dim, self.l_dim * 2, bias=qkv_bias)
+            self.l_proj = nn.Linear(self.l_dim, self.l_dim)
+        if self.h_heads > 0:
+            self.h_qkv = nn.Linear(dim, self.h_dim * 3, bias=qkv_bias)
+            self.h_proj = nn.Linear(self.h_dim, self.h_dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def hifi(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, h_dim): attention inside s x s windows."""
+        B, H, W, _ = x.shape
+        s = self.ws
+        qkv = pad_to_multiple(self.h_qkv(x), s, s)  # project, then pad: (B, Hp, Wp, 3 h_dim)
+        Hp, Wp = qkv.shape[1:3]
+        q, k, v = partition_qkv(qkv, s, s, self.h_heads)  # (B, nW * h_heads, s*s, d)
+        mask = valid_keys(H, W, s, s, x.device)  # (nW, 1, s*s) or None when s divides H and W
+        if mask is not None:
+            mask = expand_heads(mask, self.h_heads)  # (nW * h_heads, 1, s*s)
+        drop = self.attn_drop if self.training else 0.0
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nW * h, s*s, d)
+        o = reverse(o, s, s, Hp, Wp, self.h_heads)  # (B, Hp, Wp, h_dim)
+        if Hp != H or Wp != W:
+            o = o[:, :H, :W]
+        return self.h_proj(o)
+
+    def lofi(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, l_dim): queries attend to the s x s average-pooled map."""
+        B, H, W, C = x.shape
+        s = self.ws
+        if s > 1:
+            # channels-last view; ceil_mode: a border window averages only its real tokens (divisor = count)
+            pooled = F.avg_pool2d(x.permute(0, 3, 1, 2), s, s, ceil_mode=True)  # (B, C, Hs, Ws)
+            hs, ws = pooled.shape[-2:]
+            kv_in = pooled.flatten(2).transpose(1, 2)  # (B, M = Hs*Ws, C)
+        else:
+            hs, ws = H, W
+            kv_in = x.reshape(B, H * W, C)
+        M = kv_in.shape[1]
+        k, v = self.l_kv(kv_in).reshape(B, M, 2, self.l_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        drop = self.attn_drop if self.training else 0.0
+        if self.pooled_queries:  # Table III: M queries, output resized back to H x W
+            q = self.l_q(kv_in).reshape(B, M, self.l_heads, self.head_dim).transpose(1, 2)  # (B, l, M, d)
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, l_heads, M, d)
+            o = self.l_proj(o.transpose(1, 2).reshape(B, M, self.l_dim))  # (B, M, l_dim)
+            o = o.transpose(1, 2).reshape(B, self.l_dim, hs, ws)
+            o = F.interpolate(o, size=(H, W), mode="bilinear", align_corners=False)  # (B, l_dim, H, W)
+            return o.permute(0, 2, 3, 1)
+        q = self.l_q(x).reshape(B, H * W, self.l_heads, self.head_dim).transpose(1, 2)  # (B, l_heads, N, d)
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, l_heads, N, d)
+        return self.l_proj(o.transpose(1, 2).reshape(B, H, W, self.l_dim))
+
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+        H, W = grid_size(x, hw, "hilo")
+        B, N, C = x.shape
+        x = x.reshape(B, H, W, C)
+        if self.h_heads == 0:
+            out = self.lofi(x)
+        elif self.l_heads == 0:
+            out = self.hifi(x)
+        else:
+            out = torch.cat((self.hifi(x), self.lofi(x)), dim=-1)  # Hi-Fi channels first, as LITv2
+        return self.proj_drop(out.reshape(B, N, C))

@@ -1,0 +1,79 @@
+"""Measuring honestly: synchronised wall-clock medians after warm-up, paired A/B timing, atomic result files,
+and the device's own matmul peak (so utilisation is against what this machine reaches in this run)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_once(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def median_time(fn: Callable[[], object], device: torch.device, warmup: int = 3, runs: int = 10) -> float:
+    """Median seconds of ``fn()`` over ``runs`` timed calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(time_once(fn, device) for _ in range(runs))
+
+
+def paired_times(fn_a: Callable[[], object], fn_b: Callable[[], object], device: torch.device, warmup: int = 3,
+                 runs: int = 10) -> tuple[float, float, float]:
+    """Alternate A and B in one process; return (median A s, median B s, median of the per-pair B/A ratios).
+
+    Pairing cancels the drift of a noisy machine: each ratio compares two runs taken moments apart."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    ta, tb = [], []
+    for i in range(runs):  # alternate which goes first, so neither always runs on a warmer cache
+        first, second = (fn_a, fn_b) if i % 2 == 0 else (fn_b, fn_a)
+        t1, t2 = time_once(first, device), time_once(second, device)
+        a, b = (t1, t2) if i % 2 == 0 else (t2, t1)
+        ta.append(a)
+        tb.append(b)
+    return statistics.median(ta), statistics.median(tb), statistics.median(b / a for a, b in zip(ta, tb))
+
+
+def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, n: int | None = None, runs: int = 5) -> float:
+    """TFLOP/s of a large square matrix product in ``dtype`` on ``device`` (the peak utilisation is against)."""
+    n = n or (8192 if device.type == "cuda" else 2048)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = median_time(lambda: a @ b, device, warmup=2, runs=runs)
+    return 2 * n**3 / seconds / 1e12
+
+
+def atomic_write(path: str | Path, data: bytes) -> Path:
+    """Write through a temporary file in the target folder, fsync, then ``os.replace`` it into place: a crash
+    never leaves a half-written results file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
