@@ -1,22 +1,13 @@
-"""The ``vitlab`` command line: a thin layer over the Python API (parse, call, print).
-
-    vitlab models [PATTERN ...] [--json]     registered models with params, GMACs and input size
-    vitlab info NAME                         a model's config record, structure and profile
-"""
+"""``vitlab models`` and ``vitlab info``: the registry and each model's profile."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 
-from rich.console import Console
 from rich.table import Table
 
 import vitlab
-from vitlab.convert import CheckpointError
-
-console = Console()
+from vitlab.cli._console import console
 
 
 def _fmt(v, spec: str) -> str:
@@ -82,11 +73,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vitlab", description="Build, train, benchmark and analyse Vision Transformers.")
-    p.add_argument("--version", action="version", version=f"vitlab {vitlab.__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def register(sub) -> None:
     m = sub.add_parser("models", help="list registered models with params, GMACs and input size")
     m.add_argument("pattern", nargs="*", help="fnmatch patterns, e.g. 'deit_*'")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -97,17 +84,3 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--img-size", type=int, default=None)
     i.add_argument("--batch-size", type=int, default=1)
     i.set_defaults(func=cmd_info)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:  # user errors: one line, no traceback
-        print(f"vitlab: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

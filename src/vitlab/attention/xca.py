@@ -1,0 +1,48 @@
+"""Cross-covariance attention, XCA (El-Nouby, Touvron, Caron, Bojanowski, Douze, Joulin, Laptev, Neverova,
+Synnaeve, Verbeek, Jegou, "XCiT: Cross-Covariance Image Transformers", NeurIPS 2021; row "XCA" of Table IV in
+seed 002).
+
+Attention runs over *channels* instead of tokens: per head, queries and keys are transposed to (d, N),
+L2-normalised along the tokens, and the d x d cross-covariance ``softmax(tau * q_hat k_hat^T)`` (with a
+learned temperature tau per head) mixes the value channels, ``out = A v^T``. Cost is linear in the number of
+tokens, ``O(N d^2)`` per head. This is exactly softmax attention with the d channels as the "sequence" and the
+N tokens as the embedding, so it runs through ``scaled_dot_product_attention`` (tau folded into q_hat, scale
+1). At dim 768 / 12 heads / 14x14: 2.36 M parameters, 481.7 M MACs (MSA's projections + 2 x 9.6 M). Global
+over all tokens: prefix (class) tokens are allowed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vitlab.layers.create_attn import register_attention
+from vitlab.layers.helpers import check_heads
+
+
+@register_attention("xca")
+class XCA(nn.Module):
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
+                 proj_drop: float = 0.0):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = check_heads(dim, num_heads)
+        self.temperature = nn.Parameter(torch.ones(num_heads, 1, 1))  # tau, one per head (XCiT init: 1)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+        B, N, C = x.shape
+        if hw is not None and hw[0] * hw[1] > N:
+            raise ValueError(f"{N} tokens cannot hold a {hw[0]}x{hw[1]} grid")
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 4, 1)
+        q, k, v = qkv.unbind(0)  # (B, heads, d, N): channels are the sequence, tokens the embedding
+        q = F.normalize(q, dim=-1) * self.temperature  # L2 over tokens, tau folded in
+        k = F.normalize(k, dim=-1)
+        drop = self.attn_drop if self.training else 0.0
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, scale=1.0)  # (B, heads, d, N)
+        x = x.permute(0, 3, 1, 2).reshape(B, N, C)  # (B, N, heads * d)
+        return self.proj_drop(self.proj(x))

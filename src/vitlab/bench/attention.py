@@ -1,0 +1,205 @@
+"""Single-layer attention benchmark, Table IV of the LITv2 / HiLo supplementary (seed 002).
+
+Every registered mechanism is built with its defaults (its authors' settings for 1/16-scale maps) at ViT-B's
+shape (dim 768, 12 heads, a 14x14 map) and timed on a batch of 64 token maps: eval mode,
+``torch.inference_mode``, ``warmup`` untimed calls, then the median of ``runs`` individually timed calls (the
+device synchronised around each). Parameters and MACs ("FLOPs" as the paper counts them) are counted once at
+batch 1 on the meta device.
+
+Each row: ``name, params_m, mflops, device, dtype, batch_size, img_per_s, rel_msa`` (throughput relative to
+``msa`` measured in the same run, None when msa is not part of it) plus ``paper_params_m, paper_mflops,
+paper_cpu_img_per_s, paper_gpu_img_per_s`` (None for mechanisms without a Table IV row) and the run settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from vitlab.attention import create, list_attention
+from vitlab.bench.paper_table_iv import SETTINGS, paper_row
+from vitlab.profile import count_macs, count_params
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+ROW_KEYS = ("name", "params_m", "mflops", "device", "dtype", "batch_size", "img_per_s", "rel_msa")
+
+
+class _OnGrid(nn.Module):
+    """``forward(x)`` for a mechanism on a fixed grid (the FLOP counter calls ``model(x)``)."""
+
+    def __init__(self, attn: nn.Module, hw: tuple[int, int]):
+        super().__init__()
+        self.attn, self.hw = attn, hw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, self.hw)
+
+
+def attention_cost(name: str, hw=(14, 14), dim: int = 768, num_heads: int = 12,
+                   **kwargs) -> tuple[float, float]:
+    """(parameters in millions, MACs in millions) of one layer for one image, counted on the meta device."""
+    with torch.device("meta"):
+        attn = create(name, dim, num_heads, **kwargs).eval()
+        x = torch.zeros(1, hw[0] * hw[1], dim)
+    return count_params(attn)[0] / 1e6, count_macs(_OnGrid(attn, tuple(hw)), x) / 1e6
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_layer(attn: nn.Module, x: torch.Tensor, hw, warmup: int, runs: int) -> float:
+    """Median seconds of one forward pass over ``runs`` timed calls, after ``warmup`` untimed ones."""
+    times = []
+    with torch.inference_mode():
+        for _ in range(warmup):
+            attn(x, hw)
+        _sync(x.device)
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            attn(x, hw)
+            _sync(x.device)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _select(only: str | Iterable[str] | None) -> list[str]:
+    names = list_attention()
+    if only is None:
+        return names
+    wanted = [s.strip() for s in only.split(",")] if isinstance(only, str) else list(only)
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        raise ValueError(f"unknown attention {unknown}; choose from {names}")
+    return [n for n in names if n in wanted]
+
+
+def bench_attention(device: str | torch.device = "cpu", batch_size: int = 64,
+                    dtype: str | torch.dtype = "fp32", only: str | Iterable[str] | None = None,
+                    warmup: int = 3, runs: int = 10, hw=(14, 14), dim: int = 768, num_heads: int = 12,
+                    progress: bool = True) -> list[dict]:
+    """Benchmark every registered mechanism (or those in ``only``: names or "a,b") as one layer each.
+
+    Returns one dict per mechanism, in registry order (see the module docstring for the keys)."""
+    if runs < 1 or warmup < 0:
+        raise ValueError(f"need runs >= 1 and warmup >= 0, got runs={runs}, warmup={warmup}")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+        torch_dtype, dtype_name = DTYPES[dtype], dtype
+    else:
+        torch_dtype, dtype_name = dtype, str(dtype).removeprefix("torch.")
+    device = torch.device(device)
+    hw = tuple(hw)
+    names = _select(only)
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    rows = []
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, disable=not progress, transient=True) as bar:
+        task = bar.add_task("attention", total=len(names))
+        for name in names:
+            bar.update(task, description=f"{name} ({device.type}, {dtype_name}, batch {batch_size})")
+            params_m, mflops = attention_cost(name, hw, dim, num_heads)
+            torch.manual_seed(0)
+            attn = create(name, dim, num_heads).to(device=device, dtype=torch_dtype).eval()
+            x = torch.randn(batch_size, hw[0] * hw[1], dim, device=device, dtype=torch_dtype)
+            seconds = _time_layer(attn, x, hw, warmup, runs)
+            paper = paper_row(name) or {}
+            rows.append(dict(
+                name=name, params_m=round(params_m, 4), mflops=round(mflops, 2), device=device.type,
+                dtype=dtype_name, batch_size=batch_size, img_per_s=round(batch_size / seconds, 2),
+                rel_msa=None, median_ms=round(seconds * 1e3, 3), runs=runs, warmup=warmup, hw=list(hw),
+                dim=dim, num_heads=num_heads, paper_params_m=paper.get("params_m"),
+                paper_mflops=paper.get("mflops"), paper_cpu_img_per_s=paper.get("cpu_img_per_s"),
+                paper_gpu_img_per_s=paper.get("gpu_img_per_s")))
+            del attn, x
+            bar.advance(task)
+    base = next((r["img_per_s"] for r in rows if r["name"] == "msa"), None)
+    for r in rows:
+        r["rel_msa"] = None if base is None else round(r["img_per_s"] / base, 4)
+    return rows
+
+
+def _atomic_write(path: str | Path, write) -> Path:
+    """Write through a temporary file in the target folder, then ``os.replace`` it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_json(rows: list[dict], path: str | Path) -> Path:
+    """Save the rows as ``{"benchmark", "paper", "paper_settings", "torch", "rows"}`` JSON, atomically."""
+    payload = dict(benchmark="attention", paper="LITv2/HiLo supplementary, Table IV (seed 002)",
+                   paper_settings={**SETTINGS, "hw": list(SETTINGS["hw"])}, torch=torch.__version__,
+                   rows=rows)
+    data = (json.dumps(payload, indent=2) + "\n").encode()
+    return _atomic_write(path, lambda f: f.write(data))
+
+
+def plot(rows: list[dict], path: str | Path) -> Path:
+    """PNG of measured throughput against MACs, one labelled point per mechanism (Agg canvas, no display)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for r in rows:
+        color = "tab:red" if r["name"] == "msa" else "tab:blue"
+        ax.scatter(r["mflops"], r["img_per_s"], color=color, zorder=3)
+        ax.annotate(r["name"], (r["mflops"], r["img_per_s"]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8)
+    ax.set_xlabel("MACs per image (M)")
+    ax.set_ylabel("throughput (images/s)")
+    if rows:
+        r0 = rows[0]
+        ax.set_title(f"one attention layer, dim {r0.get('dim', '?')}, {r0.get('num_heads', '?')} heads, "
+                     f"{'x'.join(map(str, r0.get('hw', ['?'])))} map: {r0['device']}, {r0['dtype']}, "
+                     f"batch {r0['batch_size']}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    return _atomic_write(path, lambda f: fig.savefig(f, format="png"))
+
+
+def format_table(rows: list[dict]):
+    """A rich Table in Table IV's layout: name, params, FLOPs, img/s, rel. MSA, and the paper's CPU / GPU."""
+    from rich.table import Table
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    title = "Attention layers (Table IV layout)"
+    if rows:
+        r0 = rows[0]
+        title += f": {r0['device']}, {r0['dtype']}, batch {r0['batch_size']}"
+    table = Table(title=title)
+    table.add_column("Name")
+    for col in ("Params (M)", "FLOPs (M)", "img/s", "rel. MSA", "paper CPU", "paper GPU"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["name"], fmt(r["params_m"], ".2f"), fmt(r["mflops"], ".1f"),
+                      fmt(r["img_per_s"], ",.0f"), fmt(r["rel_msa"], ".2f"),
+                      fmt(r.get("paper_cpu_img_per_s"), ",d"), fmt(r.get("paper_gpu_img_per_s"), ",d"))
+    return table

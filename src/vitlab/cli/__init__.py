@@ -1,0 +1,47 @@
+"""The ``vitlab`` command line: a thin layer over the Python API (parse, call, print).
+
+Each module of this package adds its subcommands through ``register(subparsers)``:
+
+    vitlab models [PATTERN ...] [--json]     registered models with params, GMACs and input size   (models.py)
+    vitlab info NAME                         a model's config record, structure and profile        (models.py)
+    vitlab bench attention|models|ladder     benchmarks                                            (bench.py)
+
+User errors (bad names, bad paths, bad data) print one line ``vitlab: error: ...`` and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import vitlab
+from vitlab.convert import CheckpointError
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, CheckpointError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vitlab", description="Build, train, benchmark and analyse Vision Transformers.")
+    p.add_argument("--version", action="version", version=f"vitlab {vitlab.__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    for mod in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
+        importlib.import_module(f"{__name__}.{mod}").register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:  # user errors: one line, no traceback
+        print(f"vitlab: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("vitlab: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
