@@ -4,7 +4,7 @@ from vitlab.layers.attention import Attention
 from vitlab.layers.block import Block
 from vitlab.layers.create_attn import create_attention, list_attention, register_attention
 from vitlab.layers.drop import DropPath, drop_path, drop_path_schedule
-from vitlab.layers.helpers import check_heads, make_divisible, to_2tuple
+from vitlab.layers.helpers import check_heads, check_image, make_divisible, to_2tuple
 from vitlab.layers.layer_scale import LayerScale
 from vitlab.layers.mlp import Mlp, SwiGLU, create_mlp, get_act_layer, swiglu_hidden_dim
 from vitlab.layers.norm import RMSNorm, get_norm_layer
@@ -20,7 +20,7 @@ from vitlab.layers.pos_embed import (
 
 __all__ = [
     "Attention", "AttentionPool", "Block", "DropPath", "LayerScale", "LinearPatchEmbed", "Mlp", "PatchEmbed",
-    "RMSNorm", "RotaryEmbedding2D", "SwiGLU", "apply_rope", "check_heads", "check_pool_type",
+    "RMSNorm", "RotaryEmbedding2D", "SwiGLU", "apply_rope", "check_heads", "check_image", "check_pool_type",
     "conv_to_linear_patch_weight", "create_attention", "create_mlp", "drop_path", "drop_path_schedule",
     "get_act_layer", "get_norm_layer", "list_attention", "make_divisible", "pool_tokens", "register_attention",
     "resample_abs_pos_embed", "rope_frequencies", "sincos_2d_pos_embed", "swiglu_hidden_dim", "to_2tuple",

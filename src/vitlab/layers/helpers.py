@@ -26,3 +26,14 @@ def check_heads(dim: int, num_heads: int) -> int:
     if num_heads <= 0 or dim % num_heads:
         raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
     return dim // num_heads
+
+
+def check_image(x, in_chans: int) -> tuple[int, int]:
+    """Validate a (B, C, H, W) image batch against the model's channel count; return (H, W).
+
+    Every model calls this first so a wrong input fails with one clear line, not deep inside a conv."""
+    if x.ndim != 4:
+        raise ValueError(f"expected images of shape (B, C, H, W), got shape {tuple(x.shape)}")
+    if x.shape[1] != in_chans:
+        raise ValueError(f"expected {in_chans} input channels, got {x.shape[1]} (input shape {tuple(x.shape)})")
+    return x.shape[-2], x.shape[-1]

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from vitlab.layers.helpers import to_2tuple
+from vitlab.layers.helpers import check_image, to_2tuple
 
 
 class _PatchGrid(nn.Module):
@@ -52,11 +52,7 @@ class _PatchGrid(nn.Module):
         return h // ph, w // pw
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4:
-            raise ValueError(f"expected images of shape (B, C, H, W), got shape {tuple(x.shape)}")
-        _, c, h, w = x.shape
-        if c != self.in_chans:
-            raise ValueError(f"expected {self.in_chans} input channels, got {c} (input shape {tuple(x.shape)})")
+        h, w = check_image(x, self.in_chans)
         if self.strict_img_size and self.img_size is not None and (h, w) != self.img_size:
             raise ValueError(f"input size {h}x{w} does not match the model's {self.img_size[0]}x{self.img_size[1]}; "
                              f"create the model with img_size=({h}, {w}) or dynamic_img_size=True")

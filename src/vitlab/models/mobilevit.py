@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from vitlab.layers import (
     Block,
     DropPath,
+    check_image,
     drop_path_schedule,
     get_act_layer,
     get_norm_layer,
@@ -257,12 +258,7 @@ class MobileViT(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:
-        if x.ndim != 4:
-            raise ValueError(f"expected images of shape (B, C, H, W), got shape {tuple(x.shape)}")
-        _, c, h, w = x.shape
-        if c != self.in_chans:
-            raise ValueError(f"expected {self.in_chans} input channels, got {c} "
-                             f"(input shape {tuple(x.shape)})")
+        h, w = check_image(x, self.in_chans)
         dh, dw = self.size_divisor
         if not self.interpolate_patches and (h % dh or w % dw):
             ph, pw = self.patch_size

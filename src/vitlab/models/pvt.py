@@ -33,6 +33,7 @@ from vitlab.layers import (
     Block,
     PatchEmbed,
     check_heads,
+    check_image,
     check_pool_type,
     drop_path_schedule,
     get_norm_layer,
@@ -236,12 +237,7 @@ class PyramidVisionTransformer(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:
-        if x.ndim != 4:
-            raise ValueError(f"expected images of shape (B, C, H, W), got shape {tuple(x.shape)}")
-        _, c, h, w = x.shape
-        if c != self.in_chans:
-            raise ValueError(f"expected {self.in_chans} input channels, got {c} "
-                             f"(input shape {tuple(x.shape)})")
+        h, w = check_image(x, self.in_chans)
         d = self.size_divisor
         if h % d or w % d:
             p = self.stages[0].patch_embed.patch_size[0]
