@@ -1,0 +1,83 @@
+"""``vitlab bench attention | models | ladder``: the benchmarks of vitlab.bench, printed as tables and
+optionally written as JSON (atomically) and PNG plots."""
+
+from __future__ import annotations
+
+from vitlab.cli._console import console
+
+
+def _save(module, rows, args) -> None:
+    if args.json:
+        module.write_json(rows, args.json)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        module.plot(rows, args.plot)
+        console.print(f"wrote {args.plot}")
+
+
+def cmd_attention(args) -> int:
+    from vitlab.bench import attention
+
+    rows = attention.bench_attention(device=args.device, batch_size=args.batch_size, dtype=args.dtype,
+                                     only=args.only, warmup=args.warmup, runs=args.runs, progress=not args.quiet)
+    console.print(attention.format_table(rows))
+    _save(attention, rows, args)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from vitlab.bench import models
+
+    rows = models.bench_models(args.pattern or ["vit_base_patch16_224"], mode=args.mode, device=args.device,
+                               dtype=args.dtype, batch_size=args.batch_size, compile=args.compile,
+                               channels_last=args.channels_last, compare=args.compare, warmup=args.warmup,
+                               runs=args.runs, progress=not args.quiet)
+    console.print(models.format_table(rows))
+    _save(models, rows, args)
+    return 0
+
+
+def cmd_ladder(args) -> int:
+    from vitlab.bench import ladder
+
+    rows = ladder.bench_ladder(args.model, device=args.device, batch_size=args.batch_size, warmup=args.warmup,
+                               runs=args.runs, progress=not args.quiet)
+    console.print(ladder.format_table(rows))
+    _save(ladder, rows, args)
+    return 0
+
+
+def _common(p, batch_size: int, runs: int) -> None:
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")
+    p.add_argument("--runs", type=int, default=runs, help="timed runs; the median is reported")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: attention layers, whole models, the optimization ladder")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+
+    a = bsub.add_parser("attention", help="one attention layer per mechanism (Table IV of the HiLo paper)")
+    _common(a, 64, 10)
+    a.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    a.add_argument("--only", help="comma-separated mechanism names")
+    a.set_defaults(func=cmd_attention)
+
+    m = bsub.add_parser("models", help="whole-model throughput, memory and utilisation, optionally against timm")
+    m.add_argument("pattern", nargs="*", help="model names or fnmatch patterns (default: vit_base_patch16_224)")
+    _common(m, 32, 10)
+    m.add_argument("--mode", default="infer", choices=["infer", "train", "both"])
+    m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    m.add_argument("--compile", action="store_true", help="torch.compile both implementations")
+    m.add_argument("--channels-last", action="store_true")
+    m.add_argument("--compare", choices=["timm"], help="time timm's implementation with the same weights too")
+    m.set_defaults(func=cmd_models)
+
+    lad = bsub.add_parser("ladder", help="seed 004's optimization ladder for training one model")
+    lad.add_argument("model")
+    _common(lad, 8, 5)
+    lad.set_defaults(func=cmd_ladder)
