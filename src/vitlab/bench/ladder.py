@@ -180,7 +180,10 @@ def _largest_batch(name, rung, device, batch_size, warmup, runs) -> tuple[dict, 
         if "error" in res:
             break
         best, bs = res, 2 * bs
-    return (best or res), f"largest batch that fit: {best['batch_size']}" if best else "nothing fit"
+    if best is None:
+        return res, "nothing fit"
+    capped = best["batch_size"] >= 16 * batch_size
+    return best, f"largest batch that fit: {best['batch_size']}" + (" (the 16x cap)" if capped else "")
 
 
 def bench_ladder(name: str, device: str = "cpu", batch_size: int = 8, warmup: int = 2, runs: int = 5,

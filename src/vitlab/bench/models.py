@@ -64,6 +64,18 @@ def _step_fn(model: nn.Module, x: torch.Tensor, mode: str, dtype: torch.dtype):
     return step
 
 
+def _peak_mem_mb(step, dev: torch.device) -> float | None:
+    """Peak CUDA memory of one step of this implementation alone (None on the CPU)."""
+    if dev.type != "cuda":
+        return None
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    step()
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) / 2**20
+
+
 def _prepare(model: nn.Module, device, channels_last: bool, compile_: bool) -> nn.Module:
     model = model.to(device)
     if channels_last:
@@ -121,14 +133,12 @@ def _bench_one(name, input_size, prof, mode, dev, tdtype, dtype, batch_size, com
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
             steps = {k: _step_fn(v, x, mode, tdtype) for k, v in impls.items()}
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(dev)
             if "timm" in steps:
                 t_ours, t_timm, ratio = paired_times(steps["vitlab"], steps["timm"], dev, warmup, runs)
                 times = {"vitlab": t_ours, "timm": t_timm}
             else:
                 times, ratio = {"vitlab": median_time(steps["vitlab"], dev, warmup, runs)}, None
-            peak_mem = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
+            peak_mem = {k: _peak_mem_mb(step, dev) for k, step in steps.items()}
             break
         except torch.cuda.OutOfMemoryError:
             if bs == 1:
@@ -142,7 +152,7 @@ def _bench_one(name, input_size, prof, mode, dev, tdtype, dtype, batch_size, com
         out.append(dict(
             model=name, impl=impl, mode=mode, device=dev.type, dtype=dtype, batch_size=bs,
             img_per_s=round(bs / seconds, 2), step_ms=round(seconds * 1e3, 3),
-            peak_mem_mb=None if peak_mem is None else round(peak_mem, 1), params_m=round(prof.params_m, 2),
+            peak_mem_mb=None if peak_mem[impl] is None else round(peak_mem[impl], 1), params_m=round(prof.params_m, 2),
             gmacs=round(prof.gmacs, 3), tflops=round(tflops, 4), util=round(tflops / peak, 4),
             ratio_vs_timm=(None if ratio is None else round(ratio, 4)) if impl == "vitlab" else None,
             compile=compile_, channels_last=channels_last, note=note))
