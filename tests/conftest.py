@@ -27,3 +27,28 @@ def smoke_model(name: str, batch_size: int = 2, **kwargs) -> tuple[torch.nn.Modu
 def as_logits(out) -> torch.Tensor:
     """A distilled model in train mode returns (cls_logits, dist_logits); reduce to one tensor."""
     return sum(out) / len(out) if isinstance(out, tuple) else out
+
+
+def timm_pair(name: str, tmp_path, *, timm_name: str | None = None, timm_kwargs: dict | None = None,
+              prepare=None, seed: int | None = 0, **kwargs):
+    """A timm model (``timm_name``, default ``name``, built with ``timm_kwargs``, default ``kwargs``) with random
+    weights, changed in place by ``prepare(ref)`` if given, and ours loaded from its state dict through
+    ``create_model(name, checkpoint_path=..., **kwargs)``; both in eval mode."""
+    timm = pytest.importorskip("timm")
+    if seed is not None:
+        torch.manual_seed(seed)
+    ref = timm.create_model(timm_name or name, **(kwargs if timm_kwargs is None else timm_kwargs)).eval()
+    if prepare is not None:
+        prepare(ref)
+    path = tmp_path / f"{name}.pth"
+    torch.save(ref.state_dict(), path)
+    ours = vitlab.create_model(name, checkpoint_path=str(path), **kwargs).eval()
+    return ref, ours
+
+
+def check_published(name: str, rel_params: float = 0.01, rel_gmacs: float = 0.01) -> None:
+    """The profiled (meta-device) parameter count and GMACs of ``name`` match its config's published ones."""
+    cfg = vitlab.get_model_config(name)
+    prof = vitlab.profile_model(name)
+    assert prof.params_m == pytest.approx(cfg.published_params_m, rel=rel_params)
+    assert prof.gmacs == pytest.approx(cfg.published_gmacs, rel=rel_gmacs)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import vitlab
+from tests.conftest import check_published, timm_pair
 from vitlab.models.cait import Cait, TalkingHeadAttn
 
 timm = pytest.importorskip("timm")
@@ -19,25 +20,20 @@ SMALL = dict(img_size=64, depth=2)
 def _timm_pair(name: str, tmp_path, **kwargs):
     """A timm model whose LayerScale vectors are O(1) (at their 1e-5 init every block would be ~identity and
     the comparison empty), and ours loaded from its state dict through create_model."""
-    torch.manual_seed(0)
-    tname = TIMM_NAMES.get(name, name)
-    ref = timm.create_model(tname, **({"img_size": 224} | kwargs)).eval()
+    return timm_pair(name, tmp_path, timm_name=TIMM_NAMES.get(name, name), timm_kwargs={"img_size": 224} | kwargs,
+                     prepare=_scale_gammas, **kwargs)
+
+
+def _scale_gammas(ref) -> None:
     with torch.no_grad():
         for n, p in ref.named_parameters():
             if "gamma" in n:
                 p.copy_(0.5 + 0.5 * torch.rand_like(p))
-    path = tmp_path / "timm.pth"
-    torch.save(ref.state_dict(), path)
-    ours = vitlab.create_model(name, checkpoint_path=str(path), **kwargs).eval()
-    return ref, ours
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_published_params_and_gmacs(name):
-    cfg = vitlab.get_model_config(name)
-    prof = vitlab.profile_model(name)  # on the meta device
-    assert prof.params_m == pytest.approx(cfg.published_params_m, rel=0.01)
-    assert prof.gmacs == pytest.approx(cfg.published_gmacs, rel=0.01)
+    check_published(name)  # on the meta device
 
 
 def test_equals_timm_xxs24(tmp_path):

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import vitlab
+from tests.conftest import check_published, timm_pair
 from vitlab.models.efficientformer import EfficientFormer, Flat, MetaBlock1d, MetaBlock2d
 
 NAMES = ["efficientformer_l1", "efficientformer_l3", "efficientformer_l7"]
@@ -36,20 +37,10 @@ def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def _timm_pair(name: str, tmp_path):
-    timm = pytest.importorskip("timm")
-    torch.manual_seed(0)
-    ref = _randomize(timm.create_model(name)).eval()
-    path = tmp_path / f"{name}.pth"
-    torch.save(ref.state_dict(), path)
-    ours = vitlab.create_model(name, checkpoint_path=str(path)).eval()
-    return ref, ours
+    return timm_pair(name, tmp_path, prepare=_randomize)
 
 
-def _check_published(name):
-    cfg = vitlab.get_model_config(name)
-    prof = vitlab.profile_model(name)
-    assert prof.params_m == pytest.approx(cfg.published_params_m, rel=0.01)
-    assert prof.gmacs == pytest.approx(cfg.published_gmacs, rel=0.01)
+_check_published = check_published
 
 
 def test_published_params_and_gmacs_l1():

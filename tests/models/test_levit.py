@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import vitlab
+from tests.conftest import check_published, timm_pair
 from vitlab.models.levit import Levit
 
 NAMES = ["levit_128s", "levit_128", "levit_192", "levit_256", "levit_384"]
@@ -42,21 +43,13 @@ def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def _timm_pair(name: str, tmp_path, **kwargs):
-    timm = pytest.importorskip("timm")
-    torch.manual_seed(0)
-    ref = _randomize(timm.create_model(name, **kwargs)).eval()
-    path = tmp_path / f"{name}.pth"
-    torch.save(ref.state_dict(), path)
-    ours = vitlab.create_model(name, checkpoint_path=str(path), **kwargs).eval()
-    return ref, ours
+    return timm_pair(name, tmp_path, prepare=_randomize, **kwargs)
 
 
 # ---- published figures --------------------------------------------------------------------------------------
 def _check_published(name):
     cfg = vitlab.get_model_config(name)
-    prof = vitlab.profile_model(name)
-    assert prof.params_m == pytest.approx(cfg.published_params_m, rel=_tolerance(cfg.published_params_m))
-    assert prof.gmacs == pytest.approx(cfg.published_gmacs, rel=_tolerance(cfg.published_gmacs * 1000))
+    check_published(name, _tolerance(cfg.published_params_m), _tolerance(cfg.published_gmacs * 1000))
 
 
 def test_published_params_and_gmacs_128s():

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import vitlab
+from tests.conftest import timm_pair
 from vitlab.profile import count_macs
 
 timm = pytest.importorskip("timm")
@@ -30,12 +31,7 @@ def _randomize_bn(model: nn.Module) -> None:
 
 def _pair(name: str, tmp_path, **kwargs):
     """A timm model with random weights and ours loaded from its state dict through create_model."""
-    ref = timm.create_model(name, **kwargs).eval()
-    _randomize_bn(ref)
-    path = tmp_path / f"{name}.pth"
-    torch.save(ref.state_dict(), path)
-    ours = vitlab.create_model(name, checkpoint_path=str(path), **kwargs).eval()
-    return ref, ours
+    return timm_pair(name, tmp_path, prepare=_randomize_bn, seed=None, **kwargs)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import vitlab
+from tests.conftest import check_published, timm_pair
 from vitlab.models.swin import SwinTransformer, shifted_window_mask
 
 timm = pytest.importorskip("timm")
@@ -16,22 +17,12 @@ NAMES = ["swin_tiny_patch4_window7_224", "swin_small_patch4_window7_224", "swin_
 SMALL = dict(img_size=64, window_size=4, depths=(2, 2, 2, 2))
 
 
-def _timm_pair(name: str, tmp_path, **kwargs):
-    """A timm model with random weights and ours loaded from its state dict through create_model."""
-    torch.manual_seed(0)
-    ref = timm.create_model(name, **kwargs).eval()
-    path = tmp_path / "timm.pth"
-    torch.save(ref.state_dict(), path)
-    ours = vitlab.create_model(name, checkpoint_path=str(path), **kwargs).eval()
-    return ref, ours
+_timm_pair = timm_pair
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_published_params_and_gmacs(name):
-    cfg = vitlab.get_model_config(name)
-    prof = vitlab.profile_model(name)  # on the meta device
-    assert prof.params_m == pytest.approx(cfg.published_params_m, rel=0.01)
-    assert prof.gmacs == pytest.approx(cfg.published_gmacs, rel=0.01)
+    check_published(name)  # on the meta device
 
 
 def test_equals_timm_tiny(tmp_path):

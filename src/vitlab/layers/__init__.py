@@ -2,12 +2,15 @@
 
 from vitlab.layers.attention import Attention
 from vitlab.layers.block import Block
+from vitlab.layers.classifier import check_pool, create_classifier
 from vitlab.layers.create_attn import create_attention, list_attention, register_attention
 from vitlab.layers.drop import DropPath, drop_path, drop_path_schedule
+from vitlab.layers.features import feature_take_indices, intermediates_plan
 from vitlab.layers.helpers import check_heads, check_image, make_divisible, to_2tuple
-from vitlab.layers.layer_scale import LayerScale
+from vitlab.layers.layer_scale import LayerScale, LayerScale2d
 from vitlab.layers.mlp import Mlp, SwiGLU, create_mlp, get_act_layer, swiglu_hidden_dim
 from vitlab.layers.norm import RMSNorm, get_norm_layer
+from vitlab.layers.offset_bias_attn import OffsetBiasAttentionBase, downsample_size
 from vitlab.layers.patch_embed import LinearPatchEmbed, PatchEmbed, conv_to_linear_patch_weight
 from vitlab.layers.pool import AttentionPool, check_pool_type, pool_tokens
 from vitlab.layers.pos_embed import (
@@ -19,9 +22,11 @@ from vitlab.layers.pos_embed import (
 )
 
 __all__ = [
-    "Attention", "AttentionPool", "Block", "DropPath", "LayerScale", "LinearPatchEmbed", "Mlp", "PatchEmbed",
-    "RMSNorm", "RotaryEmbedding2D", "SwiGLU", "apply_rope", "check_heads", "check_image", "check_pool_type",
-    "conv_to_linear_patch_weight", "create_attention", "create_mlp", "drop_path", "drop_path_schedule",
-    "get_act_layer", "get_norm_layer", "list_attention", "make_divisible", "pool_tokens", "register_attention",
-    "resample_abs_pos_embed", "rope_frequencies", "sincos_2d_pos_embed", "swiglu_hidden_dim", "to_2tuple",
+    "Attention", "AttentionPool", "Block", "DropPath", "LayerScale", "LayerScale2d", "LinearPatchEmbed", "Mlp",
+    "OffsetBiasAttentionBase", "PatchEmbed", "RMSNorm", "RotaryEmbedding2D", "SwiGLU", "apply_rope", "check_heads",
+    "check_image", "check_pool", "check_pool_type", "conv_to_linear_patch_weight", "create_attention",
+    "create_classifier", "create_mlp", "downsample_size", "drop_path", "drop_path_schedule",
+    "feature_take_indices", "get_act_layer", "get_norm_layer", "intermediates_plan", "list_attention",
+    "make_divisible", "pool_tokens", "register_attention", "resample_abs_pos_embed", "rope_frequencies",
+    "sincos_2d_pos_embed", "swiglu_hidden_dim", "to_2tuple",
 ]

@@ -14,3 +14,14 @@ class LayerScale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.gamma
+
+
+class LayerScale2d(nn.Module):
+    """LayerScale on (B, C, H, W) maps: a per-channel scale ``gamma`` (C,)."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5):
+        super().__init__()
+        self.gamma = nn.Parameter(init_values * torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma.view(1, -1, 1, 1)

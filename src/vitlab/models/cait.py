@@ -26,8 +26,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from vitlab.layers import DropPath, Mlp, PatchEmbed, check_heads, get_norm_layer, resample_abs_pos_embed
-from vitlab.models.vision_transformer import feature_take_indices
+from vitlab.layers import (
+    DropPath,
+    Mlp,
+    PatchEmbed,
+    check_heads,
+    check_pool,
+    get_norm_layer,
+    intermediates_plan,
+    resample_abs_pos_embed,
+)
+from vitlab.models._base import TimmApiMixin
 from vitlab.registry import ModelConfig, register_model
 
 _PAPER = "Touvron et al., Going deeper with Image Transformers, ICCV 2021"
@@ -143,9 +152,11 @@ class LayerScaleBlockClassAttn(nn.Module):
         return x_cls + self.drop_path(self.gamma_2 * self.mlp(self.norm2(x_cls)))
 
 
-class Cait(nn.Module):
+class Cait(TimmApiMixin, nn.Module):
     """CaiT: ``depth`` talking-heads self-attention blocks on the patches, then ``depth_token_only``
     class-attention blocks. ``forward_features`` returns the normed (B, 1 + N, C) tokens, class token first."""
+
+    pool_types = _POOL_TYPES
 
     def __init__(
         self,
@@ -173,8 +184,7 @@ class Cait(nn.Module):
         weight_init: str = "trunc_normal",
     ):
         super().__init__()
-        if global_pool not in _POOL_TYPES:
-            raise ValueError(f"unknown global_pool {global_pool!r}; choose from {list(_POOL_TYPES)}")
+        check_pool(global_pool, _POOL_TYPES)
         check_heads(embed_dim, num_heads)
         self.num_classes = num_classes
         self.global_pool = global_pool
@@ -202,7 +212,7 @@ class Cait(nn.Module):
             LayerScaleBlockClassAttn(mlp_ratio=mlp_ratio_token_only, **common) for _ in range(depth_token_only)])
         self.norm = norm(embed_dim)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = self._make_head(num_classes)
         if weight_init == "trunc_normal":
             self._init_trunc_normal()
         elif weight_init != "none":
@@ -223,23 +233,6 @@ class Cait(nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token"}
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool is not None:
-            if global_pool not in _POOL_TYPES:
-                raise ValueError(f"unknown global_pool {global_pool!r}; choose from {list(_POOL_TYPES)}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        device = self.cls_token.device
-        self.head = nn.Linear(self.embed_dim, num_classes, device=device) if num_classes > 0 else nn.Identity()
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -280,21 +273,16 @@ class Cait(nn.Module):
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
                               output_fmt: str = "NCHW", intermediates_only: bool = False,
                               stop_early: bool = False):
         """Patch tokens (stride 16) after the chosen self-attention blocks (an int n = the last n; None = all),
         as (B, C, H, W) or (B, H*W, C). Returns ``(final_features, intermediates)`` unless
         ``intermediates_only``; ``final_features`` equals :meth:`forward_features` (unless stopped early)."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take = feature_take_indices(len(self.blocks), indices)
+        take, last = intermediates_plan(len(self.blocks), indices, output_fmt, stop_early, intermediates_only)
         B = x.shape[0]
         x, (H, W) = self._embed(x)
-        blocks = self.blocks[: max(take) + 1] if (stop_early or intermediates_only) else self.blocks
+        blocks = self.blocks[: last + 1]
         feats = []
         for i, blk in enumerate(blocks):
             x = self._run_block(blk, x)

@@ -24,9 +24,20 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from vitlab.layers import DropPath, LayerScale, Mlp, check_image, drop_path_schedule, to_2tuple
-from vitlab.models.levit import OffsetBiasAttentionBase, levit_out_size
-from vitlab.models.vision_transformer import feature_take_indices
+from vitlab.layers import (
+    DropPath,
+    LayerScale,
+    LayerScale2d,
+    Mlp,
+    OffsetBiasAttentionBase,
+    check_image,
+    check_pool,
+    downsample_size,
+    drop_path_schedule,
+    intermediates_plan,
+    to_2tuple,
+)
+from vitlab.models._base import TimmApiMixin
 from vitlab.registry import ModelConfig, register_model
 
 __all__ = ["EfficientFormer"]
@@ -101,17 +112,6 @@ class Pooling(nn.Module):
         return self.pool(x) - x
 
 
-class LayerScale2d(nn.Module):
-    """LayerScale on (B, C, H, W) maps: a per-channel scale ``gamma`` (C,)."""
-
-    def __init__(self, dim: int, init_values: float = 1e-5):
-        super().__init__()
-        self.gamma = nn.Parameter(init_values * torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gamma.view(1, -1, 1, 1)
-
-
 class ConvMlpWithNorm(nn.Module):
     """1x1 conv -> BN -> GELU -> 1x1 conv -> BN on (B, C, H, W)."""
 
@@ -178,7 +178,7 @@ class EfficientFormerStage(nn.Module):
         self.grad_checkpointing = False
         if downsample:
             self.downsample = Downsample(dim, dim_out)
-            resolution = tuple(levit_out_size(r) for r in resolution)
+            resolution = tuple(downsample_size(r) for r in resolution)
         else:
             if dim != dim_out:
                 raise ValueError(f"a stage without downsampling keeps its width: {dim} != {dim_out}")
@@ -204,8 +204,10 @@ class EfficientFormerStage(nn.Module):
         return self.blocks(x)
 
 
-class EfficientFormer(nn.Module):
+class EfficientFormer(TimmApiMixin, nn.Module):
     """EfficientFormer (V1) with the class and distillation heads."""
+
+    pool_types = ("avg", "")
 
     def __init__(
         self,
@@ -225,9 +227,7 @@ class EfficientFormer(nn.Module):
         super().__init__()
         if len(depths) != len(embed_dims):
             raise ValueError(f"{len(depths)} depths for {len(embed_dims)} stage widths")
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"EfficientFormer pools by averaging: global_pool must be 'avg' or '', "
-                             f"got {global_pool!r}")
+        check_pool(global_pool, self.pool_types, "EfficientFormer")
         self.img_size = to_2tuple(img_size)
         self.in_chans = in_chans
         self.num_classes = num_classes
@@ -237,7 +237,7 @@ class EfficientFormer(nn.Module):
         self.grad_checkpointing = False
 
         self.stem = Stem4(in_chans, embed_dims[0])
-        resolution = tuple(levit_out_size(levit_out_size(r)) for r in self.img_size)
+        resolution = tuple(downsample_size(downsample_size(r)) for r in self.img_size)
         dpr = drop_path_schedule(drop_path_rate, sum(depths))  # linear over all blocks, as the official code
         stages, self.feature_info = [], []
         start, prev = 0, embed_dims[0]
@@ -254,8 +254,8 @@ class EfficientFormer(nn.Module):
         self.grid_size = resolution  # of the last stage
         self.norm = nn.LayerNorm(self.num_features)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-        self.head_dist = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = self._make_head(num_classes)
+        self.head_dist = self._make_head(num_classes)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -271,28 +271,8 @@ class EfficientFormer(nn.Module):
         return {k for k, _ in self.named_parameters() if "attention_biases" in k}
 
     @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-        for s in self.stages:
-            s.grad_checkpointing = enable
-
-    @torch.jit.ignore
     def set_distilled_training(self, enable: bool = True) -> None:
         self.distilled_training = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return nn.ModuleList([self.head, self.head_dist])
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        with torch.device(self.norm.weight.device):
-            self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-            self.head_dist = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
     @staticmethod
     def checkpoint_filter_fn(state_dict: dict, model: EfficientFormer) -> dict:
@@ -324,9 +304,6 @@ class EfficientFormer(nn.Module):
             return x, x_dist
         return (x + x_dist) / 2
 
-    def forward(self, x: torch.Tensor):
-        return self.forward_head(self.forward_features(x))
-
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
                               output_fmt: str = "NCHW", intermediates_only: bool = False,
                               stop_early: bool = False):
@@ -334,13 +311,11 @@ class EfficientFormer(nn.Module):
         (or 'NLC': (B, H*W, C)). ``norm`` applies the final LayerNorm to the last stage's features. Returns
         ``(final_features, intermediates)`` unless ``intermediates_only``; ``final_features`` equals
         :meth:`forward_features`."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take = feature_take_indices(len(self.stages), indices)
+        take, stop = intermediates_plan(len(self.stages), indices, output_fmt, stop_early, intermediates_only)
         self._check_input(x)
         x = self.stem(x)
         last = len(self.stages) - 1
-        stages = self.stages[: max(take) + 1] if (stop_early or intermediates_only) else self.stages
+        stages = self.stages[: stop + 1]
         feats = []
         for i, stage in enumerate(stages):
             x = stage(x)

@@ -39,16 +39,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from vitlab.layers import DropPath, check_image, get_act_layer, to_2tuple
-from vitlab.models.vision_transformer import feature_take_indices
+from vitlab.layers import (
+    DropPath,
+    OffsetBiasAttentionBase,
+    check_image,
+    check_pool,
+    downsample_size,
+    get_act_layer,
+    intermediates_plan,
+    to_2tuple,
+)
+from vitlab.models._base import TimmApiMixin
 from vitlab.registry import ModelConfig, register_model
 
 __all__ = ["Levit", "OffsetBiasAttentionBase", "fuse_batchnorms", "levit_out_size"]
 
 
-def levit_out_size(size: int) -> int:
-    """Output length of a 3x3 stride-2 pad-1 convolution (ceil(size / 2))."""
-    return (size - 1) // 2 + 1
+levit_out_size = downsample_size  # the 3x3 stride-2 grid rule, kept under its old name
 
 
 # ---- BatchNorm-carrying layers and their fusion ------------------------------------------------------------
@@ -162,69 +169,7 @@ class Stem16(nn.Sequential):
                 self.add_module(f"act{i + 1}", act_layer())
 
 
-# ---- attention with a learned relative-offset bias ------------------------------------------------------------
-def _offset_index(q_pos: torch.Tensor, k_pos: torch.Tensor, width: int) -> torch.Tensor:
-    """(2, Nq), (2, Nk) grid positions -> (Nq, Nk) index ``|dy| * width + |dx|`` into a bias table."""
-    rel = (q_pos[:, :, None] - k_pos[:, None, :]).abs()  # (2, Nq, Nk)
-    return rel[0] * width + rel[1]
-
-
-def _grid_positions(h: int, w: int, stride: int = 1, device=None) -> torch.Tensor:
-    ys = torch.arange(0, h, stride, device=device)
-    xs = torch.arange(0, w, stride, device=device)
-    return torch.stack(torch.meshgrid(ys, xs, indexing="ij")).flatten(1)  # (2, N), row-major
-
-
-class OffsetBiasAttentionBase(nn.Module):
-    """Shared by both LeViT attentions: the learned per-head bias table ``attention_biases`` (heads, H*W), one
-    entry per offset (|dy|, |dx|), gathered into a (heads, Nq, Nk) additive mask.
-
-    The gather is cached for inference (eval mode, no gradient wanted): it depends only on the parameters, so it
-    is recomputed only when they change (train(), .to(), load_state_dict, an in-place update)."""
-
-    attention_bias_idxs: torch.Tensor
-    fused_attn: bool | None = None  # use F.scaled_dot_product_attention; None: on CUDA only (measured faster)
-
-    def _init_bias(self, num_heads: int, resolution: tuple[int, int], q_stride: int) -> None:
-        H, W = resolution
-        self.attention_biases = nn.Parameter(torch.zeros(num_heads, H * W))
-        idx = _offset_index(_grid_positions(H, W, q_stride), _grid_positions(H, W), W)  # (Nq, Nk)
-        self.register_buffer("attention_bias_idxs", idx, persistent=False)  # derived, not a weight
-        self._bias_cache: torch.Tensor | None = None
-        self._bias_cache_version = -1
-
-    def train(self, mode: bool = True):
-        self._bias_cache = None
-        return super().train(mode)
-
-    def _apply(self, fn, *args, **kwargs):
-        self._bias_cache = None
-        return super()._apply(fn, *args, **kwargs)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._bias_cache = None
-        return super()._load_from_state_dict(*args, **kwargs)
-
-    def get_attention_biases(self) -> torch.Tensor:  # (heads, Nq, Nk)
-        if torch.compiler.is_compiling() or self.training or (
-                torch.is_grad_enabled() and self.attention_biases.requires_grad):
-            return self.attention_biases[:, self.attention_bias_idxs]
-        version = self.attention_biases._version
-        if self._bias_cache is None or self._bias_cache_version != version:
-            self._bias_cache = self.attention_biases[:, self.attention_bias_idxs]
-            self._bias_cache_version = version
-        return self._bias_cache
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, h, Nq, D), k (B, h, Nk, D), v (B, h, Nk, Dv) -> (B, h, Nq, Dv): softmax(q k^T / sqrt(D) + bias) v."""
-        bias = self.get_attention_biases()
-        fused = self.fused_attn if self.fused_attn is not None else q.device.type == "cuda"
-        if fused:  # SDPA's kernels win on GPU; on CPU with a float mask they are slower than matmul-softmax-matmul
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=self.scale)
-        attn = (q * self.scale) @ k.transpose(-2, -1) + bias  # (B, h, Nq, Nk)
-        return attn.softmax(dim=-1) @ v
-
-
+# ---- attention with a learned relative-offset bias (the base class lives in vitlab.layers) -------------------
 class Attention(OffsetBiasAttentionBase):
     """LeViT attention on a fixed H x W grid: (B, N, C) -> (B, N, C)."""
 
@@ -364,7 +309,7 @@ class LevitStage(nn.Module):
             self.downsample = LevitDownsample(
                 in_dim, out_dim, key_dim, num_heads=down_heads or in_dim // key_dim, attn_ratio=down_attn_ratio,
                 mlp_ratio=down_mlp_ratio, resolution=resolution, act_layer=act_layer, drop_path=drop_path)
-            resolution = tuple(levit_out_size(r) for r in resolution)
+            resolution = tuple(downsample_size(r) for r in resolution)
         else:
             if in_dim != out_dim:
                 raise ValueError(f"a stage without downsampling keeps its width: {in_dim} != {out_dim}")
@@ -391,8 +336,10 @@ def _per_stage(value, n: int, what: str) -> tuple:
     return value
 
 
-class Levit(nn.Module):
+class Levit(TimmApiMixin, nn.Module):
     """LeViT with the class and distillation heads (timm's ``LevitDistilled``; ``distilled=False``: one head)."""
+
+    pool_types = ("avg", "")
 
     def __init__(
         self,
@@ -422,8 +369,7 @@ class Levit(nn.Module):
         attn_ratio = _per_stage(attn_ratio, n, "attn_ratio")
         mlp_ratio = _per_stage(mlp_ratio, n, "mlp_ratio")
         down_heads = (None,) * n if down_heads is None else (None,) + _per_stage(down_heads, n - 1, "down_heads")
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"LeViT pools by averaging: global_pool must be 'avg' or '', got {global_pool!r}")
+        check_pool(global_pool, self.pool_types, "LeViT")
         act = get_act_layer(act_layer)
         self.img_size = to_2tuple(img_size)
         self.in_chans = in_chans
@@ -441,7 +387,7 @@ class Levit(nn.Module):
         stride = self.stem.stride
         resolution = self.img_size
         for _ in range(4):  # the grid the stem really produces (timm's img_size // 16 for multiples of 16)
-            resolution = tuple(levit_out_size(r) for r in resolution)
+            resolution = tuple(downsample_size(r) for r in resolution)
         self.grid_size = resolution
 
         # official LeViT / timm: every residual branch gets the same drop-path rate (no linear schedule)
@@ -454,7 +400,7 @@ class Levit(nn.Module):
                 down_mlp_ratio=down_mlp_ratio, drop_path=drop_path_rate))
             if i > 0:
                 stride *= 2
-                resolution = tuple(levit_out_size(r) for r in resolution)
+                resolution = tuple(downsample_size(r) for r in resolution)
             self.feature_info.append(dict(num_chs=embed_dim[i], reduction=stride, module=f"stages.{i}"))
             in_dim = embed_dim[i]
         self.stages = nn.Sequential(*stages)
@@ -462,7 +408,9 @@ class Levit(nn.Module):
         self.head_dist = self._make_head(num_classes) if distilled else None
 
     def _make_head(self, num_classes: int) -> nn.Module:
-        return NormLinear(self.num_features, num_classes, drop=self.drop_rate) if num_classes > 0 else nn.Identity()
+        if num_classes <= 0:
+            return nn.Identity()
+        return NormLinear(self.num_features, num_classes, drop=self.drop_rate).train(self.training)
 
     # ---- timm-style API -------------------------------------------------------------------------------
     @torch.jit.ignore
@@ -470,29 +418,8 @@ class Levit(nn.Module):
         return {k for k, _ in self.named_parameters() if "attention_biases" in k}
 
     @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-        for s in self.stages:
-            s.grad_checkpointing = enable
-
-    @torch.jit.ignore
     def set_distilled_training(self, enable: bool = True) -> None:
         self.distilled_training = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head if self.head_dist is None else nn.ModuleList([self.head, self.head_dist])
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        with torch.device(next(self.stem.parameters()).device):
-            self.head = self._make_head(num_classes).train(self.training)
-            if self.head_dist is not None:
-                self.head_dist = self._make_head(num_classes).train(self.training)
 
     @torch.no_grad()
     def fuse(self) -> Levit:
@@ -555,9 +482,6 @@ class Levit(nn.Module):
             return x, x_dist  # the trainer applies the class loss to one, the distillation loss to the other
         return (x + x_dist) / 2
 
-    def forward(self, x: torch.Tensor):
-        return self.forward_head(self.forward_features(x))
-
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
                               output_fmt: str = "NCHW", intermediates_only: bool = False,
                               stop_early: bool = False):
@@ -565,12 +489,10 @@ class Levit(nn.Module):
         16, 32, 64, as (B, C, H, W) or (B, N, C). Returns ``(final_features, intermediates)`` unless
         ``intermediates_only``; ``final_features`` equals :meth:`forward_features`. LeViT has no final norm, so
         ``norm`` changes nothing."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take = feature_take_indices(len(self.stages), indices)
+        take, last = intermediates_plan(len(self.stages), indices, output_fmt, stop_early, intermediates_only)
         x = self._stem_tokens(x)
         B = x.shape[0]
-        stages = self.stages[: max(take) + 1] if (stop_early or intermediates_only) else self.stages
+        stages = self.stages[: last + 1]
         feats = []
         for i, stage in enumerate(stages):
             x = stage(x)

@@ -53,12 +53,14 @@ from vitlab.layers import (
     DropPath,
     PatchEmbed,
     check_heads,
+    check_pool,
     drop_path_schedule,
     get_act_layer,
     get_norm_layer,
+    intermediates_plan,
     to_2tuple,
 )
-from vitlab.models.vision_transformer import feature_take_indices
+from vitlab.models._base import TimmApiMixin
 from vitlab.registry import ModelConfig, register_model
 
 _PAPER = "Pan, Cai, Zhuang, Fast Vision Transformers with HiLo Attention, NeurIPS 2022"
@@ -223,8 +225,10 @@ class LITv2Stage(nn.Module):
         return x, hw
 
 
-class LITv2(nn.Module):
+class LITv2(TimmApiMixin, nn.Module):
     """LITv2. ``forward_features`` returns the normed last-stage tokens (B, H/32 * W/32, 8C)."""
+
+    pool_types = _POOL_TYPES
 
     def __init__(
         self,
@@ -249,8 +253,7 @@ class LITv2(nn.Module):
         dynamic_img_size: bool = True,  # always on: nothing in the model depends on the input size
     ):
         super().__init__()
-        if global_pool not in _POOL_TYPES:
-            raise ValueError(f"unknown global_pool {global_pool!r}; choose from {list(_POOL_TYPES)}")
+        check_pool(global_pool, _POOL_TYPES)
         n = len(depths)
         if not (len(num_heads) == len(local_ws) == n):
             raise ValueError(f"depths {tuple(depths)}, num_heads {tuple(num_heads)} and local_ws "
@@ -282,7 +285,7 @@ class LITv2(nn.Module):
                              for i, d in enumerate(dims)]
         self.norm = norm(self.num_features)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = self._make_head(num_classes)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -306,25 +309,6 @@ class LITv2(nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return set()  # no position embeddings or bias tables (the official set names a non-existent tensor)
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        for stage in self.layers:
-            stage.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool is not None:
-            if global_pool not in _POOL_TYPES:
-                raise ValueError(f"unknown global_pool {global_pool!r}; choose from {list(_POOL_TYPES)}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        device = self.norm.weight.device
-        self.head = (nn.Linear(self.num_features, num_classes, device=device) if num_classes > 0
-                     else nn.Identity())
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _check_size(self, h: int, w: int, what: str = "input") -> None:
@@ -360,9 +344,6 @@ class LITv2(nn.Module):
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
                               norm: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
                               stop_early: bool = False):
@@ -370,11 +351,9 @@ class LITv2(nn.Module):
         strides 4/8/16/32, as (B, C_i, H_i, W_i) or (B, H_i*W_i, C_i). ``norm`` applies the final norm to the
         last stage (the only one it is sized for). Returns ``(final_features, intermediates)`` unless
         ``intermediates_only``; ``final_features`` equals :meth:`forward_features` (unless stopped early)."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take = feature_take_indices(self.num_layers, indices)
+        take, stop = intermediates_plan(self.num_layers, indices, output_fmt, stop_early, intermediates_only)
         last = self.num_layers - 1
-        stages = self.layers[: max(take) + 1] if (stop_early or intermediates_only) else self.layers
+        stages = self.layers[: stop + 1]
         x, hw = self._embed(x)
         feats = []
         for i, stage in enumerate(stages):

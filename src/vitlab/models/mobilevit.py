@@ -39,13 +39,16 @@ from vitlab.layers import (
     Block,
     DropPath,
     check_image,
+    check_pool,
+    create_classifier,
     drop_path_schedule,
     get_act_layer,
     get_norm_layer,
+    intermediates_plan,
     make_divisible,
     to_2tuple,
 )
-from vitlab.models.vision_transformer import feature_take_indices
+from vitlab.models._base import TimmApiMixin
 from vitlab.registry import ModelConfig, register_model
 
 _PAPER = ("Mehta & Rastegari, MobileViT: Light-weight, General-purpose, and Mobile-friendly Vision "
@@ -137,7 +140,7 @@ class ClassifierHead(nn.Module):
         super().__init__()
         self.pool_type = _check_pool(pool_type)
         self.drop = nn.Dropout(drop_rate)
-        self.fc = nn.Linear(in_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.fc = create_classifier(in_features, num_classes)
 
     def forward(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = x.mean((2, 3)) if self.pool_type == "avg" else x.amax((2, 3))  # (B, C, H, W) -> (B, C)
@@ -146,12 +149,10 @@ class ClassifierHead(nn.Module):
 
 
 def _check_pool(pool_type: str) -> str:
-    if pool_type not in _POOL_TYPES:
-        raise ValueError(f"unknown global_pool {pool_type!r} for MobileViT; choose from {list(_POOL_TYPES)}")
-    return pool_type
+    return check_pool(pool_type, _POOL_TYPES, "MobileViT")
 
 
-class MobileViT(nn.Module):
+class MobileViT(TimmApiMixin, nn.Module):
     """MobileViT v1. ``chs``: widths of the five stages; ``transformer_dims`` / ``transformer_depths``: d and
     L of the MobileViT blocks in stages 3-5; ``ir_depths``: MV2 blocks in stages 1-2."""
 
@@ -241,10 +242,6 @@ class MobileViT(nn.Module):
         return set()
 
     @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
     def get_classifier(self) -> nn.Module:
         return self.head.fc
 
@@ -252,9 +249,7 @@ class MobileViT(nn.Module):
         self.num_classes = num_classes
         if global_pool is not None:
             self.head.pool_type = _check_pool(global_pool)
-        device = self.final_conv.conv.weight.device
-        self.head.fc = nn.Linear(self.num_features, num_classes, device=device) if num_classes > 0 \
-            else nn.Identity()
+        self.head.fc = create_classifier(self.num_features, num_classes, self.final_conv.conv.weight.device)
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:
@@ -281,9 +276,6 @@ class MobileViT(nn.Module):
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         return self.head(x, pre_logits=pre_logits)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
                               norm: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
                               stop_early: bool = False):
@@ -291,10 +283,7 @@ class MobileViT(nn.Module):
         (stride 32; the last stage's output through the 1x1 conv, as timm). An int n = the last n levels.
         ``norm`` is accepted for API symmetry (the model has no final norm). Returns
         ``(forward_features(x), [features])`` unless ``intermediates_only``."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take = feature_take_indices(len(self.feature_info), indices)
-        last = max(take) if (stop_early or intermediates_only) else len(self.feature_info) - 1
+        take, last = intermediates_plan(len(self.feature_info), indices, output_fmt, stop_early, intermediates_only)
         self._check_input(x)
         x = self.stem(x)
         feats = []

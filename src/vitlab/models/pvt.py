@@ -37,11 +37,12 @@ from vitlab.layers import (
     check_pool_type,
     drop_path_schedule,
     get_norm_layer,
+    intermediates_plan,
     pool_tokens,
     resample_abs_pos_embed,
     to_2tuple,
 )
-from vitlab.models.vision_transformer import feature_take_indices
+from vitlab.models._base import TimmApiMixin
 from vitlab.registry import ModelConfig, register_model
 
 _PAPER = ("Wang et al., Pyramid Vision Transformer: A Versatile Backbone for Dense Prediction without "
@@ -136,7 +137,9 @@ class PVTStage(nn.Module):
         return x, hw  # (B, prefix + h*w, C)
 
 
-class PyramidVisionTransformer(nn.Module):
+class PyramidVisionTransformer(TimmApiMixin, nn.Module):
+    pool_types = ("token", "avg")  # reset_classifier's choice
+
     def __init__(
         self,
         img_size=224,
@@ -193,7 +196,7 @@ class PyramidVisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dims[-1]))
         self.norm = get_norm_layer(norm_layer)(embed_dims[-1])
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self.head = self._make_head(num_classes)
         self.feature_info = [dict(num_chs=d, reduction=patch_size * 2**i, module=f"stages.{i}")
                              for i, d in enumerate(embed_dims)]
         self._init_weights()
@@ -214,26 +217,6 @@ class PyramidVisionTransformer(nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {"cls_token"} | {f"stages.{i}.pos_embed" for i in range(len(self.stages))}
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-        for stage in self.stages:
-            stage.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        self.num_classes = num_classes
-        if global_pool is not None:
-            if global_pool not in ("token", "avg"):
-                raise ValueError(f"PVT pools with 'token' or 'avg', got global_pool={global_pool!r}")
-            self.global_pool = global_pool
-        device = self.cls_token.device
-        self.head = nn.Linear(self.num_features, num_classes, device=device) if num_classes > 0 \
-            else nn.Identity()
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:
@@ -264,9 +247,6 @@ class PyramidVisionTransformer(nn.Module):
         x = self.head_drop(pool_tokens(x, self.global_pool, self.num_prefix_tokens))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
                               norm: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
                               stop_early: bool = False):
@@ -274,11 +254,8 @@ class PyramidVisionTransformer(nn.Module):
         (B, C_i, H_i, W_i) or (B, H_i*W_i, C_i). ``norm`` applies the final LayerNorm to the last stage (the
         only one that has a norm). Returns ``(forward_features(x), [features])`` unless
         ``intermediates_only``."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         n = len(self.stages)
-        take = feature_take_indices(n, indices)
-        last = max(take) if (stop_early or intermediates_only) else n - 1
+        take, last = intermediates_plan(n, indices, output_fmt, stop_early, intermediates_only)
         self._check_input(x)
         B, feats = x.shape[0], []
         for i, (tokens, hw) in enumerate(self._stages(x, last)):

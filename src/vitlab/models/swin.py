@@ -37,11 +37,13 @@ from vitlab.layers import (
     Mlp,
     PatchEmbed,
     check_heads,
+    check_pool,
     drop_path_schedule,
     get_norm_layer,
+    intermediates_plan,
     to_2tuple,
 )
-from vitlab.models.vision_transformer import feature_take_indices
+from vitlab.models._base import TimmApiMixin
 from vitlab.registry import ModelConfig, register_model
 
 _PAPER = "Liu et al., Swin Transformer: Hierarchical Vision Transformer using Shifted Windows, ICCV 2021"
@@ -228,9 +230,11 @@ class SwinTransformerStage(nn.Module):
         return x
 
 
-class SwinTransformer(nn.Module):
+class SwinTransformer(TimmApiMixin, nn.Module):
     """Swin Transformer. ``forward_features`` returns the normed last-stage map in NHWC:
     (B, H/32, W/32, 8C)."""
+
+    pool_types = _POOL_TYPES
 
     def __init__(
         self,
@@ -255,8 +259,7 @@ class SwinTransformer(nn.Module):
         weight_init: str = "trunc_normal",
     ):
         super().__init__()
-        if global_pool not in _POOL_TYPES:
-            raise ValueError(f"unknown global_pool {global_pool!r}; choose from {list(_POOL_TYPES)}")
+        check_pool(global_pool, _POOL_TYPES)
         if dynamic_img_size:
             raise ValueError("Swin precomputes its shifted-window masks for one input size; create the model "
                              "with img_size=(H, W) instead of dynamic_img_size=True")
@@ -288,7 +291,7 @@ class SwinTransformer(nn.Module):
         self.layers = nn.Sequential(*layers)
         self.norm = norm(self.num_features)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = self._make_head(num_classes)
         if weight_init == "trunc_normal":
             self._init_trunc_normal()
         elif weight_init != "none":
@@ -309,25 +312,6 @@ class SwinTransformer(nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {n for n, _ in self.named_parameters() if "relative_position_bias_table" in n}
 
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        for stage in self.layers:
-            stage.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool is not None:
-            if global_pool not in _POOL_TYPES:
-                raise ValueError(f"unknown global_pool {global_pool!r}; choose from {list(_POOL_TYPES)}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        device = self.norm.weight.device
-        self.head = (nn.Linear(self.num_features, num_classes, device=device) if num_classes > 0
-                     else nn.Identity())
-
     # ---- forward ---------------------------------------------------------------------------------------
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)  # (B, H/4, W/4, C)
@@ -342,9 +326,6 @@ class SwinTransformer(nn.Module):
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
                               norm: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
                               stop_early: bool = False):
@@ -352,11 +333,9 @@ class SwinTransformer(nn.Module):
         strides 4/8/16/32, as (B, C_i, H_i, W_i) or (B, H_i*W_i, C_i). ``norm`` applies the final norm to the
         last stage (the only one it is sized for). Returns ``(final_features, intermediates)`` unless
         ``intermediates_only``; ``final_features`` equals :meth:`forward_features` (unless stopped early)."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take = feature_take_indices(self.num_layers, indices)
+        take, stop = intermediates_plan(self.num_layers, indices, output_fmt, stop_early, intermediates_only)
         last = self.num_layers - 1
-        stages = self.layers[: max(take) + 1] if (stop_early or intermediates_only) else self.layers
+        stages = self.layers[: stop + 1]
         x = self.patch_embed(x)
         feats = []
         for i, stage in enumerate(stages):

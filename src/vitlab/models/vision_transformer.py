@@ -23,18 +23,22 @@ from vitlab.layers import (
     RotaryEmbedding2D,
     check_heads,
     check_pool_type,
+    create_classifier,
     drop_path_schedule,
+    feature_take_indices,
     get_norm_layer,
+    intermediates_plan,
     pool_tokens,
     resample_abs_pos_embed,
     sincos_2d_pos_embed,
 )
+from vitlab.models._base import TimmApiMixin
 from vitlab.registry import INCEPTION_MEAN, INCEPTION_STD, ModelConfig, register_model
 
 POS_EMBED_TYPES = ("learn", "sincos", "rope", "none")
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(TimmApiMixin, nn.Module):
     def __init__(
         self,
         img_size=224,
@@ -126,9 +130,8 @@ class VisionTransformer(nn.Module):
         self.attn_pool = AttentionPool(embed_dim) if global_pool == "attn" else None
         self.fc_norm = norm(embed_dim) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.head_dist = (nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()) \
-            if dist_token else None
+        self.head = create_classifier(embed_dim, num_classes)
+        self.head_dist = create_classifier(embed_dim, num_classes) if dist_token else None
         if weight_init == "trunc_normal":
             self._init_trunc_normal()
         elif weight_init != "none":
@@ -155,14 +158,6 @@ class VisionTransformer(nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token", "dist_token", "reg_token"}
 
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head if self.head_dist is None else nn.ModuleList([self.head, self.head_dist])
-
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         self.num_classes = num_classes
         if global_pool is not None:
@@ -170,10 +165,9 @@ class VisionTransformer(nn.Module):
             if global_pool == "attn" and self.attn_pool is None:
                 self.attn_pool = AttentionPool(self.embed_dim)
         device = self.patch_embed.proj.weight.device
-        self.head = nn.Linear(self.embed_dim, num_classes, device=device) if num_classes > 0 else nn.Identity()
+        self.head = create_classifier(self.embed_dim, num_classes, device)
         if self.head_dist is not None:
-            self.head_dist = (nn.Linear(self.embed_dim, num_classes, device=device)
-                              if num_classes > 0 else nn.Identity())
+            self.head_dist = create_classifier(self.embed_dim, num_classes, device)
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _grid(self, x: torch.Tensor) -> tuple[int, int]:
@@ -232,22 +226,17 @@ class VisionTransformer(nn.Module):
         x = self.head_drop(self.fc_norm(self.pool(x)))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor):
-        return self.forward_head(self.forward_features(x))
-
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
                               output_fmt: str = "NCHW", intermediates_only: bool = False,
                               return_prefix_tokens: bool = False, stop_early: bool = False):
         """Features after the chosen blocks (an int n = the last n blocks; None = all), as (B, C, H, W)
         or (B, N, C) patch tokens. Returns ``(final_features, intermediates)`` unless ``intermediates_only``;
         ``final_features`` equals :meth:`forward_features`."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take = feature_take_indices(len(self.blocks), indices)
+        take, last = intermediates_plan(len(self.blocks), indices, output_fmt, stop_early, intermediates_only)
         B, hw = x.shape[0], self._grid(x)
         x = self._pos_embed(self.patch_embed(x), hw)
         rope = self._rope(x, hw)
-        blocks = self.blocks[: max(take) + 1] if (stop_early or intermediates_only) else self.blocks
+        blocks = self.blocks[: last + 1]
         feats = []
         for i, blk in enumerate(blocks):
             x = self._run_block(blk, x, hw, rope)
@@ -262,20 +251,6 @@ class VisionTransformer(nn.Module):
         if intermediates_only:
             return feats
         return self.norm(x), feats
-
-
-def feature_take_indices(num_blocks: int, indices: int | list[int] | None) -> list[int]:
-    """timm's convention: None -> every block, int n -> the last n blocks, list -> those (negatives allowed)."""
-    if indices is None:
-        return list(range(num_blocks))
-    if isinstance(indices, int):
-        if not 0 < indices <= num_blocks:
-            raise ValueError(f"indices={indices} must be in 1..{num_blocks}")
-        return list(range(num_blocks - indices, num_blocks))
-    out = [i % num_blocks if -num_blocks <= i < num_blocks else None for i in indices]
-    if None in out:
-        raise ValueError(f"feature indices {list(indices)} out of range for {num_blocks} blocks")
-    return out
 
 
 def checkpoint_filter_fn(state_dict: dict, model: VisionTransformer) -> dict:
