@@ -128,3 +128,17 @@ def test_prefix_tokens_rejected():
 @pytest.mark.parametrize("pooled", [False, True])
 def test_forward_backward(dtype, pooled):
     check_forward_backward("hilo", dtype, pooled_queries=pooled)
+
+
+@pytest.mark.parametrize("hw", [(8, 8), (13, 17)])
+def test_autocast_bf16_close_to_fp32(hw):
+    # the Hi-Fi windows run in fp32 under CPU autocast (bf16 SDPA of 4-token windows is slow): same function
+    torch.manual_seed(0)
+    m = A.create("hilo", 64, 4, alpha=0.5).eval()
+    x = torch.randn(2, hw[0] * hw[1], 64)
+    with torch.no_grad():
+        ref = m(x, hw)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = m(x, hw)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)

@@ -19,3 +19,14 @@ def test_matches_explicit_cross_covariance():
         a = (F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1) * attn.temperature).softmax(-1)
         ref = attn.proj((a @ v).permute(0, 3, 1, 2).reshape(2, 13, 32))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_autocast_bf16_close_to_fp32():
+    torch.manual_seed(0)
+    attn = create("xca", 64, 4).eval()
+    x = torch.randn(2, 49, 64)
+    with torch.no_grad():
+        ref = attn(x, (7, 7))
+        with torch.autocast("cpu", torch.bfloat16):
+            out = attn(x, (7, 7))
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)

@@ -63,3 +63,13 @@ def test_unknown_name_and_bad_dtype_are_refused():
 def test_every_mechanism_runs_once_at_tiny_size():
     rows = bench_attention(batch_size=1, warmup=0, runs=1, hw=(6, 6), dim=64, num_heads=4, progress=False)
     assert [r["name"] for r in rows] == list_attention()
+
+
+def test_bf16_means_autocast_with_fp32_weights():
+    kw = dict(device="cpu", batch_size=1, dtype="bf16", only=["msa", "hilo"], warmup=0, runs=1, hw=(4, 4), dim=32,
+              num_heads=4, progress=False)
+    rows = bench_attention(**kw)
+    assert all(r["dtype"] == "bf16" and r["autocast"] for r in rows)
+    cast = bench_attention(**kw, autocast=False)  # the module cast to bf16 instead
+    assert all(not r["autocast"] for r in cast)
+    assert all(r["autocast"] is False for r in bench_attention(**{**kw, "dtype": "fp32"}))

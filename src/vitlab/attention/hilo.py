@@ -33,14 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.attention._window import (
-    expand_heads,
-    grid_size,
-    pad_to_multiple,
-    partition_qkv,
-    reverse,
-    valid_keys,
-)
+from vitlab.attention._window import expand_heads, grid_size, pad_to_multiple, valid_keys
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
 
@@ -96,28 +89,42 @@ class HiLo(nn.Module):
             self.h_proj = nn.Linear(self.h_dim, self.h_dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def hifi(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, H, W, C) -> (B, H, W, h_dim): attention inside s x s windows."""
-        B, H, W, _ = x.shape
-        s = self.ws
-        qkv = pad_to_multiple(self.h_qkv(x), s, s)  # project, then pad: (B, Hp, Wp, 3 h_dim)
-        Hp, Wp = qkv.shape[1:3]
-        q, k, v = partition_qkv(qkv, s, s, self.h_heads)  # (B, nW * h_heads, s*s, d)
-        mask = valid_keys(H, W, s, s, x.device)  # (nW, 1, s*s) or None when s divides H and W
+    def hifi(self, qkv: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        """Projected (B, H, W, 3 h_dim) -> (B, nh, s, nw, s, h_dim): attention inside s x s windows.
+
+        The result is the projected output of the padded (B, Hp = nh s, Wp = nw s) map as a strided view: the
+        caller writes it into its slice of the output in one copy (no separate window-reverse copy)."""
+        B, s, h, d = qkv.shape[0], self.ws, self.h_heads, self.head_dim
+        qkv = pad_to_multiple(qkv, s, s)  # pad after projecting: (B, Hp, Wp, 3 h_dim)
+        nh, nw = qkv.shape[1] // s, qkv.shape[2] // s
+        # Window partition, one copy for q, k and v: (3, B, nh, nw, h, s, s, d) -> (3, B, nW * h, s*s, d).
+        # The windows hold s*s = 4 tokens: on the CPU, SDPA of such tiny sequences is several times slower in
+        # bf16 than in fp32 (no low-precision fast path), so reduced precision is computed in fp32 here; the
+        # cast rides on the partition copy (copy=True: ``to`` would return the strided view when the dtype
+        # already matches), and h_proj (autocast or the module's dtype) casts back.
+        dtype = qkv.dtype
+        work = torch.float32 if qkv.device.type == "cpu" and qkv.dtype in (torch.bfloat16, torch.float16) else dtype
+        qkv = qkv.view(B, nh, s, nw, s, 3, h, d).permute(5, 0, 1, 3, 6, 2, 4, 7)
+        qkv = qkv.to(work, memory_format=torch.contiguous_format, copy=True)
+        q, k, v = qkv.view(3, B, nh * nw * h, s * s, d).unbind(0)
+        mask = valid_keys(H, W, s, s, qkv.device)  # (nW, 1, s*s) or None when s divides H and W
         if mask is not None:
-            mask = expand_heads(mask, self.h_heads)  # (nW * h_heads, 1, s*s)
+            mask = expand_heads(mask, h)  # (nW * h, 1, s*s)
         drop = self.attn_drop if self.training else 0.0
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nW * h, s*s, d)
-        o = reverse(o, s, s, Hp, Wp, self.h_heads)  # (B, Hp, Wp, h_dim)
-        if Hp != H or Wp != W:
-            o = o[:, :H, :W]
-        return self.h_proj(o)
+        # h_proj mixes channels only, so it runs in window order: (B, s*s, nW, h*d) tokens. The CPU kernel
+        # returns o laid out as (B, s*s, nW * h, d), which makes this transpose + reshape free.
+        o = self.h_proj(o.transpose(1, 2).reshape(B, s, s, nh, nw, h * d).to(dtype))  # (B, s, s, nh, nw, h_dim)
+        return o.permute(0, 3, 1, 4, 2, 5)  # (B, nh, s, nw, s, h_dim) view
 
-    def lofi(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, H, W, C) -> (B, H, W, l_dim): queries attend to the s x s average-pooled map."""
+    def lofi(self, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, l_dim): queries attend to the s x s average-pooled map.
+
+        ``q``: the Lo-Fi queries (B, H, W, l_dim) when the caller projected them already (fused projection)."""
         B, H, W, C = x.shape
         s = self.ws
         if s > 1:
+            # Pool first, then project k and v: s^2 times fewer MACs than projecting the full map.
             # channels-last view; ceil_mode: a border window averages only its real tokens (divisor = count)
             pooled = F.avg_pool2d(x.permute(0, 3, 1, 2), s, s, ceil_mode=True)  # (B, C, Hs, Ws)
             hs, ws = pooled.shape[-2:]
@@ -135,18 +142,46 @@ class HiLo(nn.Module):
             o = o.transpose(1, 2).reshape(B, self.l_dim, hs, ws)
             o = F.interpolate(o, size=(H, W), mode="bilinear", align_corners=False)  # (B, l_dim, H, W)
             return o.permute(0, 2, 3, 1)
-        q = self.l_q(x).reshape(B, H * W, self.l_heads, self.head_dim).transpose(1, 2)  # (B, l_heads, N, d)
-        o = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, l_heads, N, d)
+        if q is None:
+            q = self.l_q(x)
+        q = q.reshape(B, H * W, self.l_heads, self.head_dim).transpose(1, 2)  # (B, l_heads, N, d), a view
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, l_heads, N, d), laid out (B, N, l, d)
         return self.l_proj(o.transpose(1, 2).reshape(B, H, W, self.l_dim))
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
         H, W = grid_size(x, hw, "hilo")
         B, N, C = x.shape
         x = x.reshape(B, H, W, C)
+        if self.l_heads == 0:
+            return self.proj_drop(self._place_hifi(None, self.hifi(self.h_qkv(x), H, W), H, W).reshape(B, N, C))
         if self.h_heads == 0:
-            out = self.lofi(x)
-        elif self.l_heads == 0:
-            out = self.hifi(x)
+            return self.proj_drop(self.lofi(x).reshape(B, N, C))
+        if self.pooled_queries:
+            hi, lo = self.hifi(self.h_qkv(x), H, W), self.lofi(x)
         else:
-            out = torch.cat((self.hifi(x), self.lofi(x)), dim=-1)  # Hi-Fi channels first, as LITv2
+            # One projection for everything computed from the full map, Hi-Fi q, k, v and Lo-Fi q: one large
+            # GEMM (and, under autocast, one bf16 cast of x) instead of two. Same weights, same MACs.
+            w = torch.cat((self.h_qkv.weight, self.l_q.weight))  # (3 h_dim + l_dim, C)
+            b = None if self.h_qkv.bias is None else torch.cat((self.h_qkv.bias, self.l_q.bias))
+            y = F.linear(x, w, b)  # (B, H, W, 3 h_dim + l_dim)
+            hq = 3 * self.h_dim
+            hi, lo = self.hifi(y[..., :hq], H, W), self.lofi(x, y[..., hq:])
+        # Hi-Fi channels first, as LITv2. Filled slice by slice rather than torch.cat, whose last-dim kernel is
+        # several times slower than a strided copy on the CPU (and the Hi-Fi slice takes its window reverse).
+        out = lo.new_empty(B, H, W, C)
+        out[..., self.h_dim:] = lo
+        self._place_hifi(out[..., :self.h_dim], hi, H, W)
         return self.proj_drop(out.reshape(B, N, C))
+
+    @staticmethod
+    def _place_hifi(dst: torch.Tensor | None, hi: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        """Copy Hi-Fi's windowed (B, nh, s, nw, s, h_dim) view into ``dst`` (B, H, W, h_dim), cropping the
+        padding; a new tensor when ``dst`` is None."""
+        B, nh, s, nw, _, c = hi.shape
+        if nh * s != H or nw * s != W:  # padded: reverse the windows, then crop
+            hi = hi.reshape(B, nh * s, nw * s, c)[:, :H, :W]
+            return hi.contiguous() if dst is None else dst.copy_(hi)
+        if dst is None:
+            return hi.reshape(B, H, W, c)
+        dst.view(B, nh, s, nw, s, c).copy_(hi)
+        return dst

@@ -5,10 +5,11 @@ seed 002).
 Attention runs over *channels* instead of tokens: per head, queries and keys are transposed to (d, N),
 L2-normalised along the tokens, and the d x d cross-covariance ``softmax(tau * q_hat k_hat^T)`` (with a
 learned temperature tau per head) mixes the value channels, ``out = A v^T``. Cost is linear in the number of
-tokens, ``O(N d^2)`` per head. This is exactly softmax attention with the d channels as the "sequence" and the
-N tokens as the embedding, so it runs through ``scaled_dot_product_attention`` (tau folded into q_hat, scale
-1). At dim 768 / 12 heads / 14x14: 2.36 M parameters, 481.7 M MACs (MSA's projections + 2 x 9.6 M). Global
-over all tokens: prefix (class) tokens are allowed.
+tokens, ``O(N d^2)`` per head. This is softmax attention with the d channels as the "sequence" and the N
+tokens as the embedding; it is computed with two batched GEMMs on the token-major (N, d) layout rather than
+through ``scaled_dot_product_attention``, which would need q, k and v transposed to (d, N) in memory (slow on
+the CPU, in bf16 above all). At dim 768 / 12 heads / 14x14: 2.36 M parameters, 481.7 M MACs (MSA's
+projections + 2 x 9.6 M). Global over all tokens: prefix (class) tokens are allowed.
 """
 
 from __future__ import annotations
@@ -38,11 +39,19 @@ class XCA(nn.Module):
         B, N, C = x.shape
         if hw is not None and hw[0] * hw[1] > N:
             raise ValueError(f"{N} tokens cannot hold a {hw[0]}x{hw[1]} grid")
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 4, 1)
-        q, k, v = qkv.unbind(0)  # (B, heads, d, N): channels are the sequence, tokens the embedding
-        q = F.normalize(q, dim=-1) * self.temperature  # L2 over tokens, tau folded in
-        k = F.normalize(k, dim=-1)
-        drop = self.attn_drop if self.training else 0.0
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, scale=1.0)  # (B, heads, d, N)
-        x = x.permute(0, 3, 1, 2).reshape(B, N, C)  # (B, N, heads * d)
+        # (3, B, heads, N, d), made contiguous in one copy that keeps d innermost; the channel-as-sequence view
+        # (d, N) is then a free transpose that the batched GEMMs take as is. (Permuting to (B, heads, d, N) in
+        # memory is an element-wise transpose, and on the CPU in bf16 it cost more than the projections.)
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
+        q, k, v = qkv.unbind(0)  # (B, heads, N, d)
+        # XCiT L2-normalises every channel of q and k over the tokens; normalize(q)^T normalize(k) equals
+        # q^T k / (|q| |k|^T), so the norms divide the d x d product (d^2 divisions instead of 2 N d, no copies).
+        # clamp_min(1e-12) is F.normalize's eps.
+        q_norm = torch.linalg.vector_norm(q, dim=-2).clamp_min(1e-12)  # (B, heads, d)
+        k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(1e-12)
+        attn = q.transpose(-2, -1) @ k  # (B, heads, d, d) cross-covariance
+        attn = attn / (q_norm.unsqueeze(-1) * k_norm.unsqueeze(-2)) * self.temperature
+        attn = F.dropout(attn.softmax(dim=-1), self.attn_drop if self.training else 0.0)
+        x = v @ attn.transpose(-2, -1).to(v.dtype)  # (B, heads, N, d): out = A v^T, token-major
+        x = x.transpose(1, 2).reshape(B, N, C)  # (B, N, heads * d)
         return self.proj_drop(self.proj(x))

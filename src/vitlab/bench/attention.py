@@ -3,8 +3,11 @@
 Every registered mechanism is built with its defaults (its authors' settings for 1/16-scale maps) at ViT-B's
 shape (dim 768, 12 heads, a 14x14 map) and timed on a batch of 64 token maps: eval mode,
 ``torch.inference_mode``, ``warmup`` untimed calls, then the median of ``runs`` individually timed calls (the
-device synchronised around each). Parameters and MACs ("FLOPs" as the paper counts them) are counted once at
-batch 1 on the meta device.
+device synchronised around each), the layers timed in round robin so that a noisy machine's drift falls on all
+of them alike. A reduced precision (bf16 / fp16) means mixed precision by default, as used in training and in
+issue 4: weights and input stay fp32 and the layer runs under ``torch.autocast`` (``autocast=False`` casts the
+module and the input to that dtype instead). Parameters and MACs ("FLOPs" as the paper counts them) are
+counted once at batch 1 on the meta device.
 
 Each row: ``name, params_m, mflops, device, dtype, batch_size, img_per_s, rel_msa`` (throughput relative to
 ``msa`` measured in the same run, None when msa is not part of it) plus ``paper_params_m, paper_mflops,
@@ -59,19 +62,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_layer(attn: nn.Module, x: torch.Tensor, hw, warmup: int, runs: int) -> float:
-    """Median seconds of one forward pass over ``runs`` timed calls, after ``warmup`` untimed ones."""
-    times = []
-    with torch.inference_mode():
-        for _ in range(warmup):
-            attn(x, hw)
+def _time_layers(layers: dict[str, nn.Module], x: torch.Tensor, hw, warmup: int, runs: int,
+                 autocast_dtype: torch.dtype | None = None, on_run=None) -> dict[str, float]:
+    """Median seconds of one forward pass of each layer over ``runs`` timed calls, after ``warmup`` untimed ones
+    (under ``torch.autocast(device, autocast_dtype)`` when given).
+
+    Round robin: every run times each layer once, one after the other, so the drift of a shared, noisy machine
+    (other jobs starting and stopping) falls on all of them alike and the ratios to ``msa`` stay fair; timing
+    the layers one after the other would hand each the load of its own minutes."""
+    times: dict[str, list[float]] = {name: [] for name in layers}
+    amp = torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    with torch.inference_mode(), amp:
+        for attn in layers.values():
+            for _ in range(warmup):
+                attn(x, hw)
         _sync(x.device)
         for _ in range(runs):
-            t0 = time.perf_counter()
-            attn(x, hw)
-            _sync(x.device)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            for name, attn in layers.items():
+                t0 = time.perf_counter()
+                attn(x, hw)
+                _sync(x.device)
+                times[name].append(time.perf_counter() - t0)
+            if on_run is not None:
+                on_run()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _select(only: str | Iterable[str] | None) -> list[str]:
@@ -88,10 +102,14 @@ def _select(only: str | Iterable[str] | None) -> list[str]:
 def bench_attention(device: str | torch.device = "cpu", batch_size: int = 64,
                     dtype: str | torch.dtype = "fp32", only: str | Iterable[str] | None = None,
                     warmup: int = 3, runs: int = 10, hw=(14, 14), dim: int = 768, num_heads: int = 12,
-                    progress: bool = True) -> list[dict]:
+                    progress: bool = True, autocast: bool = True) -> list[dict]:
     """Benchmark every registered mechanism (or those in ``only``: names or "a,b") as one layer each.
 
-    Returns one dict per mechanism, in registry order (see the module docstring for the keys)."""
+    A bf16 / fp16 ``dtype`` runs under ``torch.autocast`` with fp32 weights and input (``autocast=False``:
+    module and input cast to ``dtype``). fp32 ignores ``autocast``.
+
+    Returns one dict per mechanism, in registry order (see the module docstring for the keys). All layers are
+    built first and timed in round robin (see :func:`_time_layers`)."""
     if runs < 1 or warmup < 0:
         raise ValueError(f"need runs >= 1 and warmup >= 0, got runs={runs}, warmup={warmup}")
     if isinstance(dtype, str):
@@ -103,30 +121,39 @@ def bench_attention(device: str | torch.device = "cpu", batch_size: int = 64,
     device = torch.device(device)
     hw = tuple(hw)
     names = _select(only)
+    use_amp = autocast and torch_dtype != torch.float32
+    param_dtype = torch.float32 if use_amp else torch_dtype  # autocast: fp32 master weights and input
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    rows = []
+    layers, costs = {}, {}
+    for name in names:
+        costs[name] = attention_cost(name, hw, dim, num_heads)
+        torch.manual_seed(0)
+        layers[name] = create(name, dim, num_heads).to(device=device, dtype=param_dtype).eval()
+    torch.manual_seed(0)
+    x = torch.randn(batch_size, hw[0] * hw[1], dim, device=device, dtype=param_dtype)
+
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=not progress, transient=True) as bar:
-        task = bar.add_task("attention", total=len(names))
-        for name in names:
-            bar.update(task, description=f"{name} ({device.type}, {dtype_name}, batch {batch_size})")
-            params_m, mflops = attention_cost(name, hw, dim, num_heads)
-            torch.manual_seed(0)
-            attn = create(name, dim, num_heads).to(device=device, dtype=torch_dtype).eval()
-            x = torch.randn(batch_size, hw[0] * hw[1], dim, device=device, dtype=torch_dtype)
-            seconds = _time_layer(attn, x, hw, warmup, runs)
-            paper = paper_row(name) or {}
-            rows.append(dict(
-                name=name, params_m=round(params_m, 4), mflops=round(mflops, 2), device=device.type,
-                dtype=dtype_name, batch_size=batch_size, img_per_s=round(batch_size / seconds, 2),
-                rel_msa=None, median_ms=round(seconds * 1e3, 3), runs=runs, warmup=warmup, hw=list(hw),
-                dim=dim, num_heads=num_heads, paper_params_m=paper.get("params_m"),
-                paper_mflops=paper.get("mflops"), paper_cpu_img_per_s=paper.get("cpu_img_per_s"),
-                paper_gpu_img_per_s=paper.get("gpu_img_per_s")))
-            del attn, x
-            bar.advance(task)
+        task = bar.add_task(f"{len(names)} layers ({device.type}, {dtype_name}, batch {batch_size}): runs",
+                            total=runs)
+        seconds = _time_layers(layers, x, hw, warmup, runs, torch_dtype if use_amp else None,
+                               on_run=lambda: bar.advance(task))
+    del layers, x
+
+    rows = []
+    for name in names:
+        params_m, mflops = costs[name]
+        paper = paper_row(name) or {}
+        rows.append(dict(
+            name=name, params_m=round(params_m, 4), mflops=round(mflops, 2), device=device.type,
+            dtype=dtype_name, autocast=use_amp, batch_size=batch_size,
+            img_per_s=round(batch_size / seconds[name], 2),
+            rel_msa=None, median_ms=round(seconds[name] * 1e3, 3), runs=runs, warmup=warmup, hw=list(hw),
+            dim=dim, num_heads=num_heads, paper_params_m=paper.get("params_m"),
+            paper_mflops=paper.get("mflops"), paper_cpu_img_per_s=paper.get("cpu_img_per_s"),
+            paper_gpu_img_per_s=paper.get("gpu_img_per_s")))
     base = next((r["img_per_s"] for r in rows if r["name"] == "msa"), None)
     for r in rows:
         r["rel_msa"] = None if base is None else round(r["img_per_s"] / base, 4)

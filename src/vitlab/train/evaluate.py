@@ -1,0 +1,139 @@
+"""``evaluate(checkpoint, data)`` (top-1, top-5, per-class accuracy, confusion matrix as JSON and PNG) and
+``predict(checkpoint, images)`` (top-k labels with probabilities). A checkpoint is a run directory (its best
+checkpoint), a checkpoint directory, or a ``model.safetensors`` written by ``vitlab train``: the model's
+description (name, classes, input size, normalisation) travels in its metadata."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from vitlab.data import DataConfig, build, check_num_classes
+from vitlab.train import checkpoint as ck
+
+
+def load_model(checkpoint: str | Path, weights: str = "auto", device: str | torch.device = "cpu"):
+    """(model in eval mode, meta) from a checkpoint written by ``vitlab train``."""
+    from vitlab.train.loop import create_from_description
+
+    sd, meta = ck.load_weights(checkpoint, weights=weights)
+    model = create_from_description(meta)
+    model.load_state_dict(sd)
+    return model.to(device).eval(), meta
+
+
+def _data_config(data: str | DataConfig | None, meta: dict) -> DataConfig:
+    trained = meta.get("data") or {}
+    if data is None:
+        if not trained:
+            raise ValueError("the checkpoint does not say which data it was trained on; pass --data")
+        cfg = DataConfig(**trained)
+    elif isinstance(data, DataConfig):
+        cfg = data
+    else:
+        same = trained.get("dataset") == data
+        cfg = DataConfig(**trained) if same else DataConfig(dataset=data, crop_pct=meta.get("crop_pct"))
+    return replace(cfg, img_size=meta["img_size"])
+
+
+def _plot_confusion(conf: torch.Tensor, names: list[str], title: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = conf.shape[0]
+    size = min(4 + 0.35 * k, 30)
+    fig, ax = plt.subplots(figsize=(size, size * 0.9))
+    im = ax.imshow(conf.numpy(), cmap="Blues")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    if k <= 40:
+        ax.set_xticks(range(k), names, rotation=90 if k > 10 else 0)
+        ax.set_yticks(range(k), names)
+        if k <= 20:
+            for i in range(k):
+                for j in range(k):
+                    v = int(conf[i, j])
+                    if v:
+                        ax.text(j, i, str(v), ha="center", va="center", fontsize=8,
+                                color="white" if v > conf.max().item() / 2 else "black")
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def evaluate(checkpoint: str | Path, data: str | DataConfig | None = None, split: str = "test",
+             output_dir: str | Path | None = None, weights: str = "auto", batch_size: int = 256,
+             device: str = "cpu") -> dict:
+    """Top-1 / top-5 / per-class accuracy (%) and the confusion matrix of a checkpoint on ``data``'s ``split``
+    ('test', falling back to 'val' when the data has no test split). Writes ``eval-<split>.json`` and
+    ``confusion-<split>.png`` to ``output_dir`` (default: the checkpoint's run directory)."""
+    from vitlab.train.loop import evaluate_model
+
+    model, meta = load_model(checkpoint, weights=weights, device=device)
+    bundle = build(_data_config(data, meta), mean=meta["mean"], std=meta["std"], in_chans=meta["in_chans"])
+    check_num_classes(bundle, meta["num_classes"])
+    if split == "test" and bundle.test is None:
+        split = "val"
+    r = evaluate_model(model, bundle.loader(split, batch_size=batch_size), torch.device(device), bundle.num_classes)
+    conf = r["confusion"]
+    per_class = (100.0 * conf.diag().float() / conf.sum(1).clamp(min=1).float()).tolist()
+    result = {"checkpoint": str(checkpoint), "model": meta["model"], "dataset": bundle.name, "split": split,
+              "num_images": int(conf.sum()), "top1": r["top1"], "top5": r["top5"], "loss": r["loss"],
+              "per_class_top1": dict(zip(bundle.class_names, per_class)), "class_names": bundle.class_names,
+              "confusion_matrix": conf.tolist()}
+    out = Path(output_dir) if output_dir else _default_out(Path(checkpoint))
+    ck.atomic_write(out / f"eval-{split}.json", json.dumps(result, indent=2).encode())
+    ck.atomic_write(out / f"confusion-{split}.png",
+                    _plot_confusion(conf, bundle.class_names, f"{meta['model']} on {bundle.name} {split}: "
+                                                              f"top-1 {r['top1']:.2f}%"))
+    result["json_path"] = str(out / f"eval-{split}.json")
+    result["png_path"] = str(out / f"confusion-{split}.png")
+    return result
+
+
+def _default_out(checkpoint: Path) -> Path:
+    """The run directory a checkpoint belongs to (RUN, RUN/best, RUN/checkpoints/epoch-N[/model.safetensors])."""
+    p = checkpoint.resolve()
+    if p.is_file():
+        p = p.parent
+    if p.parent.name == ck.CKPT_DIR:
+        return p.parent.parent
+    return p
+
+
+def predict(checkpoint: str | Path, images: list[str | Path], topk: int = 5, weights: str = "auto",
+            device: str = "cpu") -> list[dict]:
+    """For each image: ``{"image": path, "top": [(label, probability), ...]}`` with ``topk`` entries."""
+    if not images:
+        raise ValueError("no images given")
+    model, meta = load_model(checkpoint, weights=weights, device=device)
+    from vitlab.data import load_image
+    from vitlab.data.transforms import channel_stats, eval_transform
+
+    tf = eval_transform(meta["img_size"], crop_pct=meta.get("crop_pct") or 1.0,
+                        mean=channel_stats(meta["mean"], meta["in_chans"]),
+                        std=channel_stats(meta["std"], meta["in_chans"]))
+    for p in images:
+        if not Path(p).is_file():
+            raise FileNotFoundError(f"image not found: {p}")
+    x = torch.stack([tf(load_image(p, meta["in_chans"])) for p in images]).to(device)
+    names = meta.get("class_names") or [str(i) for i in range(meta["num_classes"])]
+    with torch.no_grad():
+        out = model(x)
+        out = out[0] if isinstance(out, tuple) else out
+        probs = out.float().softmax(-1)
+    k = min(topk, probs.shape[-1])
+    top = probs.topk(k, dim=-1)
+    return [{"image": str(p), "top": [(names[i], float(v)) for v, i in zip(top.values[j].tolist(),
+                                                                             top.indices[j].tolist())]}
+            for j, p in enumerate(images)]

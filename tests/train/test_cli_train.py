@@ -1,0 +1,143 @@
+"""The command line: eval/predict outputs, and every bad input -> one line on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from vitlab.cli import main
+from vitlab.train import evaluate, predict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run_all(cmds: list[list[str]], cwd) -> list[subprocess.CompletedProcess]:
+    """Start every ``python -m vitlab ...`` at once (each spends most of its time importing torch)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    procs = [subprocess.Popen([sys.executable, "-m", "vitlab", *c], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for c in cmds]
+    out = []
+    for c, p in zip(cmds, procs):
+        so, se = p.communicate(timeout=240)
+        out.append(subprocess.CompletedProcess(c, p.returncode, so, se))
+    return out
+
+
+def test_eval_outputs(trained_run, tmp_path):
+    run, summary = trained_run
+    r = evaluate(run, "digits", output_dir=tmp_path)
+    assert r["split"] == "test" and r["num_images"] == 270
+    assert r["top1"] == pytest.approx(summary["test_top1"])  # the same best weights as fit's test
+    assert 0 <= r["top1"] <= r["top5"] <= 100
+    assert sorted(r["per_class_top1"]) == [str(i) for i in range(10)]
+    saved = json.loads((tmp_path / "eval-test.json").read_text())
+    assert saved["confusion_matrix"] == r["confusion_matrix"] and len(saved["confusion_matrix"]) == 10
+    assert sum(map(sum, saved["confusion_matrix"])) == 270
+    assert (tmp_path / "confusion-test.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_predict_outputs(trained_run, tmp_path):
+    run, _ = trained_run
+    paths = []
+    for i, shade in enumerate((0, 255)):
+        p = tmp_path / f"img{i}.png"
+        Image.new("RGB", (20, 12), (shade, shade, shade)).save(p)  # any size, any mode: converted and resized
+        paths.append(p)
+    rows = predict(run / "best" / "model.safetensors", paths, topk=3)
+    assert [r["image"] for r in rows] == [str(p) for p in paths]
+    for r in rows:
+        assert len(r["top"]) == 3 and all(label in [str(i) for i in range(10)] for label, _ in r["top"])
+        probs = [p for _, p in r["top"]]
+        assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-6
+
+
+def test_cli_eval_predict_and_config(trained_run, tmp_path, capsys):
+    run, _ = trained_run
+    img = tmp_path / "x.png"
+    Image.new("L", (8, 8), 128).save(img)
+    assert main(["predict", "--checkpoint", str(run), str(img), "--topk", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 1 and len(rows[0]["top"]) == 2
+    assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dataset"] == "digits"  # the data it was trained on
+    assert main(["train", "--print-config", "--epochs", "3", "--lr", "0.01", "--data.img_size", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "epochs: 3" in text and "lr: 0.01" in text and "img_size: 16" in text
+
+
+def _bad_cases(run, tmp_path) -> dict[str, tuple[list[str], str]]:
+    bad_img = tmp_path / "broken.png"
+    bad_img.write_bytes(b"not an image")
+    (tmp_path / "bad.yaml").write_text("epochs: [1, 2\n")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    empty = tmp_path / "emptyfolder"
+    (empty / "train" / "cat").mkdir(parents=True)
+    (empty / "val").mkdir()
+    three = tmp_path / "three"
+    for split in ("train", "val"):
+        for c in ("a", "b", "c"):
+            (three / split / c).mkdir(parents=True)
+            Image.new("L", (8, 8), 40).save(three / split / c / "0.png")
+    return {
+        "missing data dir": (["train", "--data", f"imagefolder:{tmp_path / 'nope'}"], "missing directory"),
+        "class dir without images": (["train", "--data", f"imagefolder:{empty}"], "cat"),
+        "cifar not downloaded": (["train", "--data", f"cifar10:{tmp_path / 'c10'}"], "--download"),
+        "unknown dataset": (["train", "--data", "mnist"], "unknown dataset"),
+        "unknown model": (["train", "--model", "vit_nope"], "unknown model"),
+        "unknown key": (["train", "--no_such_key", "1"], "unknown config key"),
+        "bad value": (["train", "--data.img_size", "big"], "cannot read"),
+        "bad range": (["train", "--epochs", "0"], "epochs must be"),
+        "missing config": (["train", "--config", str(tmp_path / "none.yaml")], "config file not found"),
+        "bad yaml": (["train", "--config", str(tmp_path / "bad.yaml")], "not valid YAML"),
+        "yaml not a mapping": (["train", "--config", str(tmp_path / "list.yaml")], "mapping"),
+        "resume nothing": (["train", "--resume", str(tmp_path / "norun")], "no run to resume"),
+        "ddp without torchrun": (["train", "--strategy", "ddp"], "torchrun"),
+        "missing checkpoint": (["eval", "--checkpoint", str(tmp_path / "no.safetensors"), "--data", "digits"],
+                               "not found"),
+        "class count mismatch": (["eval", "--checkpoint", str(run), "--data", f"imagefolder:{three}"],
+                                 "3 classes but the checkpoint has 10"),
+        "missing image": (["predict", "--checkpoint", str(run), str(tmp_path / "no.png")], "image not found"),
+        "unreadable image": (["predict", "--checkpoint", str(run), str(bad_img)], "unreadable image"),
+        "not a checkpoint": (["predict", "--checkpoint", str(tmp_path / "bad.yaml"), str(bad_img)],
+                             "checkpoint"),
+    }
+
+
+def _check(name, needle, code, stderr):
+    lines = stderr.strip().splitlines()
+    assert code == 2, (name, code, stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("vitlab: error: "), (name, stderr[-2000:])
+    assert "Traceback" not in stderr and needle in lines[0], (name, lines)
+
+
+def test_bad_inputs_give_one_line_and_exit_2(trained_run, tmp_path, capsys):
+    """Every bad input through main() (the CLI's error boundary) in this process."""
+    run, _ = trained_run
+    for name, (argv, needle) in _bad_cases(run, tmp_path).items():
+        code = main(argv)
+        _check(name, needle, code, capsys.readouterr().err)
+
+
+SUBPROCESS_CASES = ("missing data dir", "class count mismatch", "unreadable image")
+
+
+def test_bad_inputs_through_python_m_vitlab(trained_run, tmp_path):
+    """A few of them as a user meets them: a fresh ``python -m vitlab`` process."""
+    run, _ = trained_run
+    cases = {k: v for k, v in _bad_cases(run, tmp_path).items() if k in SUBPROCESS_CASES}
+    for (name, (_, needle)), r in zip(cases.items(), _run_all([c for c, _ in cases.values()], cwd=tmp_path)):
+        _check(name, needle, r.returncode, r.stderr)
+
+
+@pytest.mark.slow
+def test_every_bad_input_through_python_m_vitlab(trained_run, tmp_path):
+    run, _ = trained_run
+    cases = _bad_cases(run, tmp_path)
+    for (name, (_, needle)), r in zip(cases.items(), _run_all([c for c, _ in cases.values()], cwd=tmp_path)):
+        _check(name, needle, r.returncode, r.stderr)
