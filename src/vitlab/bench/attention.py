@@ -16,10 +16,9 @@ paper_cpu_img_per_s, paper_gpu_img_per_s`` (None for mechanisms without a Table 
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from vitlab._io import atomic_write
 from vitlab.attention import create, list_attention
 from vitlab.bench.paper_table_iv import SETTINGS, paper_row
 from vitlab.profile import count_macs, count_params
@@ -160,29 +160,13 @@ def bench_attention(device: str | torch.device = "cpu", batch_size: int = 64,
     return rows
 
 
-def _atomic_write(path: str | Path, write) -> Path:
-    """Write through a temporary file in the target folder, then ``os.replace`` it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
 def write_json(rows: list[dict], path: str | Path) -> Path:
     """Save the rows as ``{"benchmark", "paper", "paper_settings", "torch", "rows"}`` JSON, atomically."""
     payload = dict(benchmark="attention", paper="LITv2/HiLo supplementary, Table IV (seed 002)",
                    paper_settings={**SETTINGS, "hw": list(SETTINGS["hw"])}, torch=torch.__version__,
                    rows=rows)
     data = (json.dumps(payload, indent=2) + "\n").encode()
-    return _atomic_write(path, lambda f: f.write(data))
+    return atomic_write(path, data)
 
 
 def plot(rows: list[dict], path: str | Path) -> Path:
@@ -207,7 +191,9 @@ def plot(rows: list[dict], path: str | Path) -> Path:
                      f"batch {r0['batch_size']}", fontsize=9)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    return _atomic_write(path, lambda f: fig.savefig(f, format="png"))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return atomic_write(path, buf.getvalue())
 
 
 def format_table(rows: list[dict]):

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from vitlab.bench.timing import atomic_write, matmul_peak_tflops, median_time
+from vitlab._io import atomic_write
+from vitlab.bench.timing import matmul_peak_tflops, median_time
 from vitlab.profile import memory_estimate_gb, profile_model
 
 

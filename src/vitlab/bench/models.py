@@ -16,7 +16,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from vitlab.bench.timing import atomic_write, matmul_peak_tflops, median_time, paired_times
+from vitlab._io import atomic_write
+from vitlab.bench.timing import matmul_peak_tflops, median_time, paired_times
 from vitlab.convert import load_state_dict
 from vitlab.profile import profile_model
 from vitlab.registry import create_model, get_model_config, list_models

@@ -3,12 +3,9 @@ and the device's own matmul peak (so utilisation is against what this machine re
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -58,22 +55,3 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, n: int | None =
     b = torch.randn(n, n, device=device, dtype=dtype)
     seconds = median_time(lambda: a @ b, device, warmup=2, runs=runs)
     return 2 * n**3 / seconds / 1e12
-
-
-def atomic_write(path: str | Path, data: bytes) -> Path:
-    """Write through a temporary file in the target folder, fsync, then ``os.replace`` it into place: a crash
-    never leaves a half-written results file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vitlab._io import _UMASK, _fsync_dir, atomic_write  # noqa: F401  (atomic_write: re-exported)
 from vitlab.convert import CheckpointError, read_state_dict
 
 WEIGHTS = "model.safetensors"
@@ -40,55 +41,12 @@ CKPT_DIR = "checkpoints"
 # ---------------------------------------------------------------- atomic files
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _umask()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_file(path: Path, data: bytes) -> None:
     """Write and fsync (inside a temporary checkpoint directory: the directory rename is the commit)."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def atomic_write(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` through a temporary file in the same folder, fsync, then ``os.replace`` it into place: a
-    crash never leaves a half-written file (the same idea as ``vitlab.bench.timing.atomic_write``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would make results unreadable to others
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def _atomic_symlink(link: Path, target: str) -> None:
