@@ -86,9 +86,11 @@ def _prepare(model: nn.Module, device, channels_last: bool, compile_: bool) -> n
 
 def bench_models(patterns: str | Iterable[str] = "*", mode: str = "infer", device: str = "cpu",
                  dtype: str = "fp32", batch_size: int = 32, compile: bool = False, channels_last: bool = False,
-                 compare: str | None = None, warmup: int = 3, runs: int = 10, progress: bool = True) -> list[dict]:
+                 compare: str | None = None, warmup: int = 3, runs: int = 10, progress: bool = True,
+                 fuse: bool = False) -> list[dict]:
     """Benchmark the registered models matching ``patterns`` (see the module docstring); one row per
-    (model, implementation, mode)."""
+    (model, implementation, mode). ``fuse`` folds our BatchNorms for inference where a model has ``fuse()``
+    (LeViT); timm's model is timed as timm ships it."""
     if mode not in (*MODES, "both"):
         raise ValueError(f"mode must be 'infer', 'train' or 'both', got {mode!r}")
     if dtype not in DTYPES:
@@ -114,19 +116,22 @@ def bench_models(patterns: str | Iterable[str] = "*", mode: str = "infer", devic
             for m in modes:
                 bar.update(task, description=f"{name} {m} ({dev.type}, {dtype}, batch {batch_size})")
                 rows.extend(_bench_one(name, cfg.input_size, prof, m, dev, tdtype, dtype, batch_size, compile,
-                                       channels_last, compare, warmup, runs, peak))
+                                       channels_last, compare, warmup, runs, peak, fuse and m == "infer"))
                 bar.advance(task)
     return rows
 
 
 def _bench_one(name, input_size, prof, mode, dev, tdtype, dtype, batch_size, compile_, channels_last, compare,
-               warmup, runs, peak) -> list[dict]:
+               warmup, runs, peak, fuse) -> list[dict]:
     bs, note = batch_size, ""
     while True:
         try:
             torch.manual_seed(0)
             ours = create_model(name)
             twin = _timm_twin(name, ours) if compare == "timm" else None
+            fused = fuse and hasattr(ours, "fuse")
+            if fused:
+                ours = ours.eval().fuse()
             impls = {"vitlab": _prepare(ours, dev, channels_last, compile_)}
             if twin is not None:
                 impls["timm"] = _prepare(twin, dev, channels_last, compile_)
@@ -156,7 +161,7 @@ def _bench_one(name, input_size, prof, mode, dev, tdtype, dtype, batch_size, com
             peak_mem_mb=None if peak_mem[impl] is None else round(peak_mem[impl], 1), params_m=round(prof.params_m, 2),
             gmacs=round(prof.gmacs, 3), tflops=round(tflops, 4), util=round(tflops / peak, 4),
             ratio_vs_timm=(None if ratio is None else round(ratio, 4)) if impl == "vitlab" else None,
-            compile=compile_, channels_last=channels_last, note=note))
+            compile=compile_, channels_last=channels_last, fused=fused and impl == "vitlab", note=note))
     return out
 
 

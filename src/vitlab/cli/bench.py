@@ -31,7 +31,7 @@ def cmd_models(args) -> int:
     rows = models.bench_models(args.pattern or ["vit_base_patch16_224"], mode=args.mode, device=args.device,
                                dtype=args.dtype, batch_size=args.batch_size, compile=args.compile,
                                channels_last=args.channels_last, compare=args.compare, warmup=args.warmup,
-                               runs=args.runs, progress=not args.quiet)
+                               runs=args.runs, progress=not args.quiet, fuse=args.fuse)
     console.print(models.format_table(rows))
     _save(models, rows, args)
     return 0
@@ -75,6 +75,7 @@ def register(sub) -> None:
     m.add_argument("--compile", action="store_true", help="torch.compile both implementations")
     m.add_argument("--channels-last", action="store_true")
     m.add_argument("--compare", choices=["timm"], help="time timm's implementation with the same weights too")
+    m.add_argument("--fuse", action="store_true", help="inference: fold our BatchNorms first (LeViT's fuse())")
     m.set_defaults(func=cmd_models)
 
     lad = bsub.add_parser("ladder", help="seed 004's optimization ladder for training one model")
