@@ -46,6 +46,14 @@ def timm_pair(name: str, tmp_path, *, timm_name: str | None = None, timm_kwargs:
     return ref, ours
 
 
+def check_published_params(name: str, rel: float = 0.01) -> None:
+    """The parameter count alone against the config's published one (built on meta: nothing runs)."""
+    cfg = vitlab.get_model_config(name)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in vitlab.create_model(name).parameters()) / 1e6
+    assert n == pytest.approx(cfg.published_params_m, rel=rel)
+
+
 def check_published(name: str, rel_params: float = 0.01, rel_gmacs: float = 0.01) -> None:
     """The profiled (meta-device) parameter count and GMACs of ``name`` match its config's published ones."""
     cfg = vitlab.get_model_config(name)

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import vitlab
-from tests.conftest import check_published, timm_pair
+from tests.conftest import check_published, check_published_params, timm_pair
 from vitlab.models.efficientformer import EfficientFormer, Flat, MetaBlock1d, MetaBlock2d
 
 NAMES = ["efficientformer_l1", "efficientformer_l3", "efficientformer_l7"]
@@ -56,10 +56,7 @@ def test_published_params_and_gmacs(name):
 @pytest.mark.parametrize("name", NAMES[1:])
 def test_published_params(name):
     """The parameter counts alone (cheap: the model is built on the meta device, nothing runs)."""
-    cfg = vitlab.get_model_config(name)
-    with torch.device("meta"):
-        n = sum(p.numel() for p in vitlab.create_model(name).parameters()) / 1e6
-    assert n == pytest.approx(cfg.published_params_m, rel=0.01)
+    check_published_params(name)
 
 
 def _check_timm(name, tmp_path):

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import vitlab
-from tests.conftest import check_published, timm_pair
+from tests.conftest import check_published, check_published_params, timm_pair
 from vitlab.models.levit import Levit
 
 NAMES = ["levit_128s", "levit_128", "levit_192", "levit_256", "levit_384"]
@@ -65,10 +65,7 @@ def test_published_params_and_gmacs(name):
 @pytest.mark.parametrize("name", NAMES[1:])
 def test_published_params(name):
     """The parameter counts alone (cheap: the model is built on the meta device, nothing runs)."""
-    cfg = vitlab.get_model_config(name)
-    with torch.device("meta"):
-        n = sum(p.numel() for p in vitlab.create_model(name).parameters()) / 1e6
-    assert n == pytest.approx(cfg.published_params_m, rel=_tolerance(cfg.published_params_m))
+    check_published_params(name, rel=_tolerance(vitlab.get_model_config(name).published_params_m))
 
 
 @pytest.mark.parametrize("name", ["levit_128s_ablation_a1", "levit_128s_ablation_a6"])
