@@ -65,8 +65,9 @@ class TalkingHeadAttn(nn.Module):
         """(B, h, N, N) -> (B, h, N, N), out[:, g] = sum_h W[g, h] attn[:, h] + b[g]: one (h x h) @ (h x N*N)
         matmul per image on the contiguous map, instead of permuting the map to heads-last and back."""
         B, h, N, M = attn.shape
-        out = torch.matmul(lin.weight, attn.reshape(B, h, N * M))  # (B, h, N*N)
-        return (out + lin.bias[:, None]).view(B, h, N, M)
+        w = lin.weight.to(attn.dtype).expand(B, h, h)  # a broadcast view: no copy per image
+        out = torch.baddbmm(lin.bias.to(attn.dtype)[None, :, None], w, attn.reshape(B, h, N * M))  # bias in the GEMM
+        return out.view(B, h, N, M)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, C = x.shape
