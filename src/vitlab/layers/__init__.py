@@ -6,7 +6,7 @@ from vitlab.layers.classifier import check_pool, create_classifier
 from vitlab.layers.create_attn import create_attention, list_attention, register_attention
 from vitlab.layers.drop import DropPath, drop_path, drop_path_schedule
 from vitlab.layers.features import feature_take_indices, intermediates_plan
-from vitlab.layers.helpers import check_heads, check_image, make_divisible, to_2tuple
+from vitlab.layers.helpers import check_heads, check_image, init_linears_trunc_normal_, make_divisible, to_2tuple
 from vitlab.layers.layer_scale import LayerScale, LayerScale2d
 from vitlab.layers.mlp import Mlp, SwiGLU, create_mlp, get_act_layer, swiglu_hidden_dim
 from vitlab.layers.norm import RMSNorm, get_norm_layer
@@ -26,7 +26,8 @@ __all__ = [
     "OffsetBiasAttentionBase", "PatchEmbed", "RMSNorm", "RotaryEmbedding2D", "SwiGLU", "apply_rope", "check_heads",
     "check_image", "check_pool", "check_pool_type", "conv_to_linear_patch_weight", "create_attention",
     "create_classifier", "create_mlp", "downsample_size", "drop_path", "drop_path_schedule",
-    "feature_take_indices", "get_act_layer", "get_norm_layer", "intermediates_plan", "list_attention",
+    "feature_take_indices", "get_act_layer", "get_norm_layer", "init_linears_trunc_normal_", "intermediates_plan",
+    "list_attention",
     "make_divisible", "pool_tokens", "register_attention", "resample_abs_pos_embed", "rope_frequencies",
     "sincos_2d_pos_embed", "swiglu_hidden_dim", "to_2tuple",
 ]

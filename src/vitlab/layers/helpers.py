@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections.abc
 import math
 
+import torch.nn as nn
+
 
 def to_2tuple(x) -> tuple:
     """``7 -> (7, 7)``; an iterable of two is returned as a tuple."""
@@ -37,3 +39,12 @@ def check_image(x, in_chans: int) -> tuple[int, int]:
     if x.shape[1] != in_chans:
         raise ValueError(f"expected {in_chans} input channels, got {x.shape[1]} (input shape {tuple(x.shape)})")
     return x.shape[-2], x.shape[-1]
+
+
+def init_linears_trunc_normal_(module, std: float = 0.02) -> None:
+    """The ViT-family init of every ``nn.Linear`` inside ``module``: truncated-normal weights, zero biases."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)

@@ -33,6 +33,7 @@ from vitlab.layers import (
     check_heads,
     check_pool,
     get_norm_layer,
+    init_linears_trunc_normal_,
     intermediates_plan,
     resample_abs_pos_embed,
 )
@@ -224,11 +225,7 @@ class Cait(TimmApiMixin, nn.Module):
         linears, zero biases."""
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears_trunc_normal_(self)
 
     # ---- timm-style API -------------------------------------------------------------------------------
     @torch.jit.ignore

@@ -34,6 +34,7 @@ from vitlab.layers import (
     check_pool,
     downsample_size,
     drop_path_schedule,
+    init_linears_trunc_normal_,
     intermediates_plan,
     to_2tuple,
 )
@@ -256,14 +257,7 @@ class EfficientFormer(TimmApiMixin, nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = self._make_head(num_classes)
         self.head_dist = self._make_head(num_classes)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+        init_linears_trunc_normal_(self)
 
     # ---- timm-style API -------------------------------------------------------------------------------
     @torch.jit.ignore

@@ -57,6 +57,7 @@ from vitlab.layers import (
     drop_path_schedule,
     get_act_layer,
     get_norm_layer,
+    init_linears_trunc_normal_,
     intermediates_plan,
     to_2tuple,
 )
@@ -292,12 +293,9 @@ class LITv2(TimmApiMixin, nn.Module):
         """The official init: truncated normal (std 0.02) linears with zero biases, LayerNorm (1, 0), the
         ConvFFN depthwise convs N(0, sqrt(2 / fan_out)) with fan_out = 9; the patch embedding and the
         deformable convs keep nn.Conv2d's default, the offset convs zero."""
+        init_linears_trunc_normal_(self)
         for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
+            if isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
             elif isinstance(m, ConvFFN):

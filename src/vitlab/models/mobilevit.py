@@ -44,6 +44,7 @@ from vitlab.layers import (
     drop_path_schedule,
     get_act_layer,
     get_norm_layer,
+    init_linears_trunc_normal_,
     intermediates_plan,
     make_divisible,
     to_2tuple,
@@ -231,10 +232,7 @@ class MobileViT(TimmApiMixin, nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears_trunc_normal_(self)
 
     # ---- timm-style API -------------------------------------------------------------------------------
     @torch.jit.ignore

@@ -37,6 +37,7 @@ from vitlab.layers import (
     check_pool_type,
     drop_path_schedule,
     get_norm_layer,
+    init_linears_trunc_normal_,
     intermediates_plan,
     pool_tokens,
     resample_abs_pos_embed,
@@ -207,11 +208,7 @@ class PyramidVisionTransformer(TimmApiMixin, nn.Module):
         for stage in self.stages:
             nn.init.trunc_normal_(stage.pos_embed, std=0.02)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears_trunc_normal_(self)
 
     # ---- timm-style API -------------------------------------------------------------------------------
     @torch.jit.ignore

@@ -40,6 +40,7 @@ from vitlab.layers import (
     check_pool,
     drop_path_schedule,
     get_norm_layer,
+    init_linears_trunc_normal_,
     intermediates_plan,
     to_2tuple,
 )
@@ -299,12 +300,9 @@ class SwinTransformer(TimmApiMixin, nn.Module):
 
     def _init_trunc_normal(self) -> None:
         """The paper's init: truncated normal (std 0.02) for linears and the bias tables, zero biases."""
+        init_linears_trunc_normal_(self)
         for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, WindowAttention):
+            if isinstance(m, WindowAttention):
                 nn.init.trunc_normal_(m.relative_position_bias_table, std=0.02)
 
     # ---- timm-style API -------------------------------------------------------------------------------

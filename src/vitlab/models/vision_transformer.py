@@ -27,6 +27,7 @@ from vitlab.layers import (
     drop_path_schedule,
     feature_take_indices,
     get_norm_layer,
+    init_linears_trunc_normal_,
     intermediates_plan,
     pool_tokens,
     resample_abs_pos_embed,
@@ -147,11 +148,7 @@ class VisionTransformer(TimmApiMixin, nn.Module):
                 nn.init.normal_(tok, std=1e-6)
         if self.dist_token is not None:
             nn.init.trunc_normal_(self.dist_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears_trunc_normal_(self)
 
     # ---- timm-style API -------------------------------------------------------------------------------
     @torch.jit.ignore
