@@ -50,6 +50,7 @@ from vitlab.attention._window import (
 )
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
+from vitlab.layers.linear import Linear
 
 
 def _neighbour_slots(ws: int, e: int) -> torch.Tensor:
@@ -94,7 +95,7 @@ class FocalAttention(nn.Module):
         ws, L = window_size, window_size**2
         self.window_size, self.expand_size = ws, expand_size
         self.focal_level, self.focal_window, self.pool_method = focal_level, focal_window, pool_method
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * ws - 1) ** 2, num_heads))
         trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.register_buffer("relative_position_index", relative_position_index(ws, ws), persistent=False)
@@ -106,7 +107,7 @@ class FocalAttention(nn.Module):
             trunc_normal_(self.relative_position_bias_table_to_neighbors, std=0.02)
         if focal_level > 1:
             if pool_method == "fc":
-                self.pool_layers = nn.ModuleList([nn.Linear(L, 1)])
+                self.pool_layers = nn.ModuleList([Linear(L, 1)])
                 nn.init.constant_(self.pool_layers[0].weight, 1.0 / L)
                 nn.init.zeros_(self.pool_layers[0].bias)
             table = torch.zeros(num_heads, (ws + focal_window - 1) ** 2)
@@ -115,7 +116,7 @@ class FocalAttention(nn.Module):
             self.register_buffer("relative_position_index_0", _window_to_pooled_index(ws, focal_window),
                                  persistent=False)
         self.attn_drop = attn_drop
-        self.proj = nn.Linear(dim, dim)
+        self.proj = Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def _surroundings(self, t: torch.Tensor, heads: int) -> torch.Tensor:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from vitlab.attention._window import expand_heads, grid_size, pad_to_multiple, valid_keys
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
+from vitlab.layers.linear import Linear
 
 
 def hilo_flops(N: int, D: int, s: int, alpha: float = 0.5) -> float:
@@ -81,12 +82,12 @@ class HiLo(nn.Module):
         self.pooled_queries = pooled_queries
         self.attn_drop = attn_drop
         if self.l_heads > 0:
-            self.l_q = nn.Linear(dim, self.l_dim, bias=qkv_bias)
-            self.l_kv = nn.Linear(dim, self.l_dim * 2, bias=qkv_bias)
-            self.l_proj = nn.Linear(self.l_dim, self.l_dim)
+            self.l_q = Linear(dim, self.l_dim, bias=qkv_bias)
+            self.l_kv = Linear(dim, self.l_dim * 2, bias=qkv_bias)
+            self.l_proj = Linear(self.l_dim, self.l_dim)
         if self.h_heads > 0:
-            self.h_qkv = nn.Linear(dim, self.h_dim * 3, bias=qkv_bias)
-            self.h_proj = nn.Linear(self.h_dim, self.h_dim)
+            self.h_qkv = Linear(dim, self.h_dim * 3, bias=qkv_bias)
+            self.h_proj = Linear(self.h_dim, self.h_dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def hifi(self, qkv: torch.Tensor, H: int, W: int) -> torch.Tensor:

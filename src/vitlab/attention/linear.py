@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
+from vitlab.layers.linear import Linear
 
 
 @register_attention("linear")
@@ -27,9 +28,9 @@ class LinearAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = check_heads(dim, num_heads)
         self.eps = eps
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
         self.attn_drop = attn_drop  # there is no attention matrix to drop from; kept for the common signature
-        self.proj = nn.Linear(dim, dim)
+        self.proj = Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     @staticmethod

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from vitlab.layers.helpers import check_image, to_2tuple
+from vitlab.layers.linear import Linear
 
 
 class _PatchGrid(nn.Module):
@@ -92,7 +93,7 @@ class LinearPatchEmbed(_PatchGrid):
         patch_dim = in_chans * ph * pw
         self.flatten = flatten
         self.pre_norm = nn.LayerNorm(patch_dim) if pre_norm else nn.Identity()
-        self.proj = nn.Linear(patch_dim, embed_dim, bias=bias)
+        self.proj = Linear(patch_dim, embed_dim, bias=bias)
         self.norm = norm_layer(embed_dim) if norm_layer else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,78 @@
+"""Linear layers whose CPU inference runs oneDNN's matmul with the bias and activation in the GEMM's epilogue.
+
+Eager ``nn.Linear`` on the CPU computes fp32 products with BLAS (MKL in the official wheels) after copying the
+bias into the output, and the activation is one more pass over memory. oneDNN's matmul -- the
+``mkldnn._linear_pointwise`` kernel that Inductor's CPU freezing pass emits -- adds the bias and applies GELU,
+ReLU, SiLU or Hardswish inside the GEMM. On the ViTs' tall-skinny (tokens x channels) products it is 1.3-1.8x
+faster in fp32 on the AVX-512 machine of ``docs/benchmarks.md``. It computes the same function (max |diff|
+~1e-6 in fp32, from the summation order).
+
+The fast path is taken only where it is that same function and nothing is lost: CPU fp32 tensors, autograd off
+(the kernel has no backward), no CPU autocast (it would not cast), not while ``torch.compile`` traces (Inductor
+fuses by itself), and no hooks on the module. Everything else is plain ``F.linear``. bf16 already runs oneDNN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# activation module type -> (oneDNN post-op name, algorithm of the module) for the fused epilogue
+_EPILOGUES = {
+    nn.GELU: lambda m: ("gelu", m.approximate),
+    nn.ReLU: lambda m: ("relu", ""),
+    nn.SiLU: lambda m: ("swish", ""),
+    nn.Hardswish: lambda m: ("hardswish", ""),
+}
+
+
+@functools.cache
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's fused linear kernel (and it computes ``F.linear``)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
+        with torch.no_grad():
+            out = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return torch.allclose(out, F.linear(x, w, b), atol=1e-5)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _cpu_autocast() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4 takes no device
+        return torch.is_autocast_cpu_enabled()
+
+
+def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when ``F.linear(x, weight, ...)`` may run oneDNN's kernel (the module docstring gives the conditions)."""
+    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.dim() >= 2 and not torch.is_grad_enabled()
+            and not _cpu_autocast() and onednn_linear_available())
+
+
+def linear_act(layer: nn.Linear, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+    """``act(layer(x))``, with the activation fused into the GEMM where :func:`use_onednn` allows it and ``layer``
+    is a plain linear without hooks (a wrapped or hooked layer is called as a module)."""
+    epilogue = _EPILOGUES.get(type(act)) if act is not None else (lambda m: ("none", ""))
+    plain = type(layer) in (nn.Linear, Linear) and not layer._forward_hooks and not layer._forward_pre_hooks
+    if epilogue is None or not plain or not use_onednn(x, layer.weight):
+        x = layer(x)
+        return x if act is None else act(x)
+    attr, algorithm = epilogue(act)
+    return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, attr, [], algorithm)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state dict) whose CPU fp32 inference runs oneDNN's matmul."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_onednn(x, self.weight):
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
