@@ -50,7 +50,7 @@ from vitlab.attention._window import (
 )
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear
+from vitlab.layers.linear import Linear, linear
 
 
 def _neighbour_slots(ws: int, e: int) -> torch.Tensor:
@@ -174,7 +174,7 @@ class FocalAttention(nn.Module):
             win = rearrange(pad_to_multiple(xm, ws, ws), "b (nh wh) (nw ww) c -> b nh nw c (wh ww)", wh=ws,
                             ww=ws)  # (B, nWh, nWw, C, L)
             pooled = self.pool_layers[0](win)[..., 0] if self.pool_method == "fc" else win.mean(-1)
-            kv = F.linear(pooled, self.qkv.weight[C:], None if self.qkv.bias is None else self.qkv.bias[C:])
+            kv = linear(pooled, self.qkv.weight[C:], None if self.qkv.bias is None else self.qkv.bias[C:])
             kv = self._pooled_neighbourhood(kv)  # (B, nWh, nWw, fw^2, 2C)
             kp, vp = rearrange(kv, "b nh nw j (two h d) -> two b (nh nw h) j d", two=2, h=h).unbind(0)
             ks.append(kp)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from vitlab.attention._window import expand_heads, grid_size, pad_to_multiple, valid_keys
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear
+from vitlab.layers.linear import Linear, linear
 
 
 def hilo_flops(N: int, D: int, s: int, alpha: float = 0.5) -> float:
@@ -164,7 +164,7 @@ class HiLo(nn.Module):
             # GEMM (and, under autocast, one bf16 cast of x) instead of two. Same weights, same MACs.
             w = torch.cat((self.h_qkv.weight, self.l_q.weight))  # (3 h_dim + l_dim, C)
             b = None if self.h_qkv.bias is None else torch.cat((self.h_qkv.bias, self.l_q.bias))
-            y = F.linear(x, w, b)  # (B, H, W, 3 h_dim + l_dim)
+            y = linear(x, w, b)  # (B, H, W, 3 h_dim + l_dim)
             hq = 3 * self.h_dim
             hi, lo = self.hifi(y[..., :hq], H, W), self.lofi(x, y[..., hq:])
         # Hi-Fi channels first, as LITv2. Filled slice by slice rather than torch.cat, whose last-dim kernel is

@@ -59,9 +59,11 @@ def _gather_children(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     [0, P): returns (B, h, Q, 4K, d), the 4 children of each of the K parents."""
     B, h, L, d = t.shape
     Q, K = idx.shape[-2:]
-    grouped = t.reshape(B, h, L // 4, 4 * d)  # (B, h, P, 4d): a parent's children are contiguous in Z-order
-    out = grouped.gather(2, idx.reshape(B, h, Q * K, 1).expand(-1, -1, -1, 4 * d))  # (B, h, Q*K, 4d)
-    return out.view(B, h, Q, 4 * K, d)
+    P = L // 4
+    # A parent's children are contiguous in Z-order, so each selection is one row of 4d values: index_select
+    # copies whole rows (on the CPU 1.4x faster than gather with an expanded index in fp32, 8x in bf16).
+    rows = (idx + torch.arange(B * h, device=idx.device).view(B, h, 1, 1) * P).reshape(-1)  # (B*h*Q*K,)
+    return t.reshape(B * h * P, 4 * d).index_select(0, rows).view(B, h, Q, 4 * K, d)
 
 
 @register_attention("quadtree")

@@ -57,22 +57,29 @@ def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not _cpu_autocast() and onednn_linear_available())
 
 
-def linear_act(layer: nn.Linear, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
-    """``act(layer(x))``, with the activation fused into the GEMM where :func:`use_onednn` allows it and ``layer``
-    is a plain linear without hooks (a wrapped or hooked layer is called as a module)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           act: nn.Module | None = None) -> torch.Tensor:
+    """``act(F.linear(x, weight, bias))``: one oneDNN kernel, activation fused, where :func:`use_onednn` allows it
+    and the activation has an epilogue (GELU, ReLU, SiLU, Hardswish); otherwise ATen's ops."""
     epilogue = _EPILOGUES.get(type(act)) if act is not None else (lambda m: ("none", ""))
-    plain = type(layer) in (nn.Linear, Linear) and not layer._forward_hooks and not layer._forward_pre_hooks
-    if epilogue is None or not plain or not use_onednn(x, layer.weight):
-        x = layer(x)
-        return x if act is None else act(x)
-    attr, algorithm = epilogue(act)
-    return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, attr, [], algorithm)
+    if epilogue is not None and use_onednn(x, weight):
+        attr, algorithm = epilogue(act)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+    x = F.linear(x, weight, bias)
+    return x if act is None else act(x)
+
+
+def linear_act(layer: nn.Linear, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+    """``act(layer(x))`` through :func:`linear` when ``layer`` is a plain linear without hooks; a wrapped or
+    hooked layer is called as a module."""
+    if type(layer) in (nn.Linear, Linear) and not layer._forward_hooks and not layer._forward_pre_hooks:
+        return linear(x, layer.weight, layer.bias, act)
+    x = layer(x)
+    return x if act is None else act(x)
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) whose CPU fp32 inference runs oneDNN's matmul."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_onednn(x, self.weight):
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
