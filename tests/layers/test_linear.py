@@ -81,3 +81,12 @@ def test_mlp_inference_equals_training_graph():
     expected = mlp.fc2(F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)))  # autograd on: the ATen path
     with torch.inference_mode():
         torch.testing.assert_close(mlp(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fx_symbolic_trace_records_the_aten_graph():
+    torch.manual_seed(0)
+    mlp = Mlp(16, 32).eval()
+    traced = torch.fx.symbolic_trace(mlp)
+    x = torch.randn(2, 5, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(traced(x), mlp(x), atol=1e-5, rtol=1e-5)

@@ -8,8 +8,9 @@ faster in fp32 on the AVX-512 machine of ``docs/benchmarks.md``. It computes the
 ~1e-6 in fp32, from the summation order).
 
 The fast path is taken only where it is that same function and nothing is lost: CPU fp32 tensors, autograd off
-(the kernel has no backward), no CPU autocast (it would not cast), not while ``torch.compile`` traces (Inductor
-fuses by itself), and no hooks on the module. Everything else is plain ``F.linear``. bf16 already runs oneDNN.
+(the kernel has no backward), no CPU autocast (it would not cast), not while ``torch.compile`` or ``torch.fx``
+trace (they record the portable ATen graph; Inductor fuses by itself), and no hooks on the module. Everything
+else is plain ``F.linear``; bf16 products already run on oneDNN in ATen.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import functools
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx import _symbolic_trace
+
+# torch.fx symbolic tracing (the newer name does not warn; torch < 2.5 has only the older one)
+_fx_tracing = getattr(_symbolic_trace, "is_fx_symbolic_tracing", None) or _symbolic_trace.is_fx_tracing
 
 # activation module type -> (oneDNN post-op name, algorithm of the module) for the fused epilogue
 _EPILOGUES = {
@@ -52,7 +57,9 @@ def _cpu_autocast() -> bool:
 
 def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when ``F.linear(x, weight, ...)`` may run oneDNN's kernel (the module docstring gives the conditions)."""
-    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
+    if torch.compiler.is_compiling() or _fx_tracing():  # tracers record the portable ATen graph
+        return False
+    return (x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and x.dim() >= 2 and not torch.is_grad_enabled()
             and not _cpu_autocast() and onednn_linear_available())
 
