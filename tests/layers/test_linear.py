@@ -90,3 +90,14 @@ def test_fx_symbolic_trace_records_the_aten_graph():
     x = torch.randn(2, 5, 16)
     with torch.inference_mode():
         torch.testing.assert_close(traced(x), mlp(x), atol=1e-5, rtol=1e-5)
+
+
+def test_env_switch_turns_the_fast_path_off(monkeypatch):
+    monkeypatch.setenv("VITLAB_ONEDNN", "0")
+    onednn_linear_available.cache_clear()
+    try:
+        with torch.inference_mode():
+            assert not use_onednn(torch.randn(3, 8), torch.randn(4, 8))
+    finally:
+        monkeypatch.undo()
+        onednn_linear_available.cache_clear()

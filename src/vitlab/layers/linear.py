@@ -16,6 +16,7 @@ else is plain ``F.linear``; bf16 products already run on oneDNN in ATen.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn as nn
@@ -36,8 +37,10 @@ _EPILOGUES = {
 
 @functools.cache
 def onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN's fused linear kernel (and it computes ``F.linear``)."""
-    if not torch.backends.mkldnn.is_available():
+    """Whether this torch build has oneDNN's fused linear kernel (and it computes ``F.linear``) and the
+    environment does not switch it off (``VITLAB_ONEDNN=0``: plain ATen everywhere, e.g. to compare with timm
+    bit for bit)."""
+    if os.environ.get("VITLAB_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():
         return False
     try:
         x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
