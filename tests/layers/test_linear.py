@@ -101,3 +101,13 @@ def test_env_switch_turns_the_fast_path_off(monkeypatch):
     finally:
         monkeypatch.undo()
         onednn_linear_available.cache_clear()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:FutureWarning")  # deprecated, still used by ONNX export
+def test_jit_trace_records_portable_aten_ops():
+    mlp = Mlp(16, 32).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        traced = torch.jit.trace(mlp, x)
+        torch.testing.assert_close(traced(x), mlp(x), atol=1e-5, rtol=1e-5)
+    assert "mkldnn" not in str(traced.graph)  # ONNX export (TorchScript path) knows ATen's linear, not oneDNN's

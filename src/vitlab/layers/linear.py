@@ -8,9 +8,10 @@ faster in fp32 on the AVX-512 machine of ``docs/benchmarks.md``. It computes the
 ~1e-6 in fp32, from the summation order).
 
 The fast path is taken only where it is that same function and nothing is lost: CPU fp32 tensors, autograd off
-(the kernel has no backward), no CPU autocast (it would not cast), not while ``torch.compile`` or ``torch.fx``
-trace (they record the portable ATen graph; Inductor fuses by itself), and no hooks on the module. Everything
-else is plain ``F.linear``; bf16 products already run on oneDNN in ATen.
+(the kernel has no backward), no CPU autocast (it would not cast), not while ``torch.compile``, ``torch.fx`` or
+``torch.jit.trace`` (and so the TorchScript ONNX export) trace -- they record the portable ATen graph, and
+Inductor fuses by itself -- and no hooks on the module. Everything else is plain ``F.linear``; bf16 products
+already run on oneDNN in ATen. ``VITLAB_ONEDNN=0`` in the environment switches the fast path off.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _cpu_autocast() -> bool:
 
 def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when ``F.linear(x, weight, ...)`` may run oneDNN's kernel (the module docstring gives the conditions)."""
-    if torch.compiler.is_compiling() or _fx_tracing():  # tracers record the portable ATen graph
+    if torch.compiler.is_compiling() or _fx_tracing() or torch.jit.is_tracing():  # tracers get portable ATen ops
         return False
     return (x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and x.dim() >= 2 and not torch.is_grad_enabled()
