@@ -111,3 +111,11 @@ def test_jit_trace_records_portable_aten_ops():
         traced = torch.jit.trace(mlp, x)
         torch.testing.assert_close(traced(x), mlp(x), atol=1e-5, rtol=1e-5)
     assert "mkldnn" not in str(traced.graph)  # ONNX export (TorchScript path) knows ATen's linear, not oneDNN's
+
+
+def test_activation_hooks_still_fire():
+    act, seen = nn.GELU(), []
+    act.register_forward_hook(lambda m, i, o: seen.append(True))
+    with torch.inference_mode():
+        y = linear_act(Linear(8, 8), torch.randn(2, 8), act)
+    assert seen == [True] and y.shape == (2, 8)

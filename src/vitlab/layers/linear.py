@@ -68,16 +68,22 @@ def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not _cpu_autocast() and onednn_linear_available())
 
 
+def _fusable(act: nn.Module | None) -> bool:
+    """No activation, or one oneDNN applies in the GEMM's epilogue (and no hook that fusing would skip)."""
+    return act is None or (type(act) in _EPILOGUES and not act._forward_hooks and not act._forward_pre_hooks)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            act: nn.Module | None = None) -> torch.Tensor:
-    """``act(F.linear(x, weight, bias))``: one oneDNN kernel, activation fused, where :func:`use_onednn` allows it
-    and the activation has an epilogue (GELU, ReLU, SiLU, Hardswish); otherwise ATen's ops."""
-    epilogue = _EPILOGUES.get(type(act)) if act is not None else (lambda m: ("none", ""))
-    if epilogue is not None and use_onednn(x, weight):
-        attr, algorithm = epilogue(act)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
-    x = F.linear(x, weight, bias)
-    return x if act is None else act(x)
+    """``act(F.linear(x, weight, bias))``. Where :func:`use_onednn` allows it, the product runs on oneDNN with
+    the activation in its epilogue when it has one (GELU, ReLU, SiLU, Hardswish); otherwise ATen's ops."""
+    if not use_onednn(x, weight):
+        x = F.linear(x, weight, bias)
+        return x if act is None else act(x)
+    fused = _fusable(act)
+    attr, algorithm = _EPILOGUES[type(act)](act) if fused and act is not None else ("none", "")
+    x = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+    return x if fused else act(x)
 
 
 def linear_act(layer: nn.Linear, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
