@@ -22,10 +22,7 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.fx import _symbolic_trace
-
-# torch.fx symbolic tracing (the newer name does not warn; torch < 2.5 has only the older one)
-_fx_tracing = getattr(_symbolic_trace, "is_fx_symbolic_tracing", None) or _symbolic_trace.is_fx_tracing
+from torch.fx import Proxy
 
 # activation module type -> (oneDNN post-op name, algorithm of the module) for the fused epilogue
 _EPILOGUES = {
@@ -61,11 +58,14 @@ def _cpu_autocast() -> bool:
 
 def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when ``F.linear(x, weight, ...)`` may run oneDNN's kernel (the module docstring gives the conditions)."""
-    if torch.compiler.is_compiling() or _fx_tracing() or torch.jit.is_tracing():  # tracers get portable ATen ops
+    # Cheapest tests first: training and GPU tensors leave after two or three attribute reads. An fx Proxy
+    # (symbolic tracing) has no device to ask; torch.compile and torch.jit.trace record portable ATen ops.
+    if torch.is_grad_enabled() or isinstance(x, Proxy) or isinstance(weight, Proxy):
         return False
-    return (x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.dim() >= 2 and not torch.is_grad_enabled()
-            and not _cpu_autocast() and onednn_linear_available())
+    if not x.is_cpu or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() < 2:
+        return False
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not _cpu_autocast()
+            and onednn_linear_available())
 
 
 def _fusable(act: nn.Module | None) -> bool:
