@@ -6,8 +6,10 @@ Two changes make deep ViTs train, and a third separates the two jobs of the clas
   small (1e-5 for the 24-block models), ``x + gamma * F(Norm(x))``, so each block starts near the identity.
 - **Talking-heads attention** (Shazeer et al., 2020) in the self-attention blocks: the attention logits are
   mixed across heads by a learned h x h linear map before the softmax (``proj_l``) and the weights again
-  after it (``proj_w``): ``A = W_w softmax(W_l (Q K^T / sqrt(d)))``, ``out = A V``. Because heads are mixed on
-  both sides of the softmax this is not a plain scaled-dot-product attention and runs explicitly.
+  after it (``proj_w``): ``A = W_w softmax(W_l (Q K^T / sqrt(d)))``, ``out = A V``. Heads are mixed on both
+  sides of the softmax, so the direct form materialises the (B, h, N, N) map several times. On the GPU the
+  same function runs as one fused SDPA call over h "folded" heads of width C = h d (see
+  ``TalkingHeadAttn.forward_folded``): 4x the attention MACs, but no N x N map in memory.
 - **Class attention**: the patch tokens go through the self-attention blocks *without* a class token; only
   the last two blocks (``blocks_token_only``) add it, and there only the class token is updated: its query
   attends to the keys/values of ``[cls, patches]`` (a 1-query attention, run with fused SDPA), then an MLP
@@ -47,14 +49,19 @@ _POOL_TYPES = ("token", "avg", "")
 
 class TalkingHeadAttn(nn.Module):
     """Self-attention with talking heads: learned head mixing of the logits (``proj_l``) and of the softmax
-    weights (``proj_w``). ``forward(x)``: (B, N, C) -> (B, N, C)."""
+    weights (``proj_w``). ``forward(x)``: (B, N, C) -> (B, N, C).
+
+    ``folded``: None (default) runs the folded form (``forward_folded``) on CUDA tensors and the direct form
+    elsewhere; True / False force one. Attention dropout during training needs the direct form (it drops
+    entries of the mixed map, which the folded form never builds)."""
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0):
+                 proj_drop: float = 0.0, folded: bool | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = check_heads(dim, num_heads)
         self.scale = self.head_dim**-0.5
+        self.folded = folded
         self.qkv = Linear(dim, 3 * dim, bias=qkv_bias)
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = Linear(dim, dim)
@@ -71,14 +78,45 @@ class TalkingHeadAttn(nn.Module):
         out = torch.baddbmm(lin.bias.to(attn.dtype)[None, :, None], w, attn.reshape(B, h, N * M))  # bias in the GEMM
         return out.view(B, h, N, M)
 
+    def _use_folded(self, x: torch.Tensor) -> bool:
+        if self.training and self.attn_drop.p > 0:
+            return False
+        return x.is_cuda if self.folded is None else self.folded
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, C = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        attn = (q * self.scale) @ k.transpose(-2, -1)  # (B, h, N, N) logits
-        attn = self._mix_heads(attn, self.proj_l).softmax(dim=-1)
-        attn = self.attn_drop(self._mix_heads(attn, self.proj_w))
-        x = (attn @ v).transpose(1, 2).reshape(B, N, C)  # (B, N, C)
+        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
+        if self._use_folded(x):
+            x = self.forward_folded(qkv)
+        else:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, h, N, d) each
+            attn = (q * self.scale) @ k.transpose(-2, -1)  # (B, h, N, N) logits
+            attn = self._mix_heads(attn, self.proj_l).softmax(dim=-1)
+            attn = self.attn_drop(self._mix_heads(attn, self.proj_w))
+            x = (attn @ v).transpose(1, 2).reshape(B, N, C)  # (B, N, C)
         return self.proj_drop(self.proj(x))
+
+    def forward_folded(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The same attention without the N x N map: (B, N, 3, h, d) projections -> (B, N, C) head outputs.
+
+        Pre-softmax mixing is linear in q, so logit map g is one dot product of width C = h d:
+        ``sum_h W_l[g, h] s q_h k_h^T = [W_l[g, 0] s q_0, ..., W_l[g, h-1] s q_{h-1}] [k_0, ..., k_{h-1}]^T``;
+        the bias ``b_l[g]`` is constant along each row, which the softmax ignores. With A_g = softmax(that),
+        post-softmax mixing gives head j's output ``sum_g W_w[j, g] A_g v_j + b_w[j] sum_n v_j[n]``, and
+        A_g v_j for every j is block j of ``A_g [v_0, ..., v_{h-1}]``. So one SDPA call with h query heads
+        of width C against a single shared key/value head of width C yields every A_g v_j."""
+        B, N, _, h, d = qkv.shape
+        q, k, v = qkv.unbind(2)  # (B, N, h, d) each
+        w_l = self.proj_l.weight.to(q.dtype) * self.scale  # (g, h)
+        q_fold = torch.einsum("gh,bnhd->bgnhd", w_l, q).reshape(B, h, N, h * d)  # (B, g, N, C)
+        kv = qkv[:, :, 1:].reshape(B, 1, N, 2, h * d)  # (B, 1, N, 2, C): keys and values, all heads side by side
+        k_all = kv[..., 0, :].expand(B, h, N, h * d)  # shared by every folded head (a view)
+        v_all = kv[..., 1, :].expand(B, h, N, h * d)
+        o = F.scaled_dot_product_attention(q_fold, k_all, v_all, scale=1.0)  # (B, g, N, C): A_g [v_0 .. v_{h-1}]
+        o = o.reshape(B, h, N, h, d)  # o[:, g, n, j] = (A_g v_j)[n]
+        out = torch.einsum("jg,bgnjd->bnjd", self.proj_w.weight.to(o.dtype), o)  # (B, N, h, d)
+        out = out + self.proj_w.bias.to(o.dtype)[:, None] * v.sum(1, keepdim=True)  # b_w[j] sum_n v_j[n]
+        return out.reshape(B, N, h * d)
 
 
 class ClassAttn(nn.Module):
