@@ -1,0 +1,63 @@
+"""CUDA paths (skipped without a GPU, so CI on CPU skips them): every registered model computes on the GPU
+what it computes on the CPU -- this covers the code that only CUDA takes (CaiT's folded talking heads, the
+fused-attention backends) -- forward and backward, in fp32 and under bf16 autocast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vitlab
+from tests.conftest import as_logits, smoke_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """cuDNN convolutions default to TF32 (10-bit mantissa): compare true fp32 with the CPU."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("name", vitlab.list_models())
+def test_cuda_matches_cpu(name):
+    model, x = smoke_model(name, num_classes=5)
+    model.eval()
+    with torch.no_grad():  # features, not logits: a zero-initialised head would hide every difference
+        ref = model.forward_features(x)
+        gpu = model.cuda()
+        out = gpu.forward_features(x.cuda()).cpu()
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            low = gpu.forward_features(x.cuda()).float().cpu()
+    assert torch.isfinite(low).all()
+    assert (low - ref).abs().max().item() < 0.1 * max(1.0, ref.abs().max().item())
+    gpu.train()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = as_logits(gpu(x.cuda())).float().square().mean()
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in gpu.parameters() if p.grad is not None)
+
+
+def test_cait_folded_on_cuda_equals_direct():
+    from vitlab.models.cait import TalkingHeadAttn
+
+    torch.manual_seed(0)
+    attn = TalkingHeadAttn(192, num_heads=4).cuda()
+    with torch.no_grad():
+        for lin in (attn.proj_l, attn.proj_w):
+            lin.weight.normal_()
+            lin.bias.normal_()
+    x = torch.randn(2, 196, 192, device="cuda", requires_grad=True)
+    outs = []
+    for folded in (None, False):  # None: CUDA takes the folded form
+        attn.folded = folded
+        out = attn(x)
+        (g,) = torch.autograd.grad(out.square().sum(), [x])
+        outs.append((out, g))
+    assert attn._use_folded(x) is False and TalkingHeadAttn(8, 2).cuda()._use_folded(x)
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-2, atol=1e-2)
