@@ -59,5 +59,6 @@ def test_cait_folded_on_cuda_equals_direct():
         (g,) = torch.autograd.grad(out.square().sum(), [x])
         outs.append((out, g))
     assert attn._use_folded(x) is False and TalkingHeadAttn(8, 2).cuda()._use_folded(x)
+    assert not TalkingHeadAttn(384, 8).cuda()._use_folded(x)  # wider than the flash kernels: direct form
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-2, atol=1e-2)

@@ -45,15 +45,18 @@ from vitlab.registry import ModelConfig, register_model
 
 _PAPER = "Touvron et al., Going deeper with Image Transformers, ICCV 2021"
 _POOL_TYPES = ("token", "avg", "")
+_FOLD_MAX_WIDTH = 256  # widest head the fused (flash) attention kernels take
 
 
 class TalkingHeadAttn(nn.Module):
     """Self-attention with talking heads: learned head mixing of the logits (``proj_l``) and of the softmax
     weights (``proj_w``). ``forward(x)``: (B, N, C) -> (B, N, C).
 
-    ``folded``: None (default) runs the folded form (``forward_folded``) on CUDA tensors and the direct form
-    elsewhere; True / False force one. Attention dropout during training needs the direct form (it drops
-    entries of the mixed map, which the folded form never builds)."""
+    ``folded``: None (default) runs the folded form (``forward_folded``) on CUDA tensors when its head width
+    C = h d is at most 256 (the flash kernels' limit: XXS24's 192, not XS24's 288 or S24's 384, which would
+    fall back to a kernel that builds the maps anyway) and the direct form elsewhere; True / False force one.
+    Attention dropout during training needs the direct form (it drops entries of the mixed map, which the
+    folded form never builds)."""
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, folded: bool | None = None):
@@ -81,7 +84,9 @@ class TalkingHeadAttn(nn.Module):
     def _use_folded(self, x: torch.Tensor) -> bool:
         if self.training and self.attn_drop.p > 0:
             return False
-        return x.is_cuda if self.folded is None else self.folded
+        if self.folded is None:
+            return x.is_cuda and self.num_heads * self.head_dim <= _FOLD_MAX_WIDTH
+        return self.folded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, C = x.shape
