@@ -71,6 +71,10 @@ def test_patch_embed_hooked_projection_runs_as_a_module():
     pe.proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     out = pe(torch.randn(1, 3, 16, 16))
     assert seen == [(1, 4, 2, 2)] and out.shape == (1, 4, 4)
+    pe = PatchEmbed(img_size=16, patch_size=8, in_chans=3, embed_dim=4, strict_img_size=False)
+    pe.proj = torch.nn.Conv2d(3, 4, kernel_size=8, stride=4)  # overlapping patches: not what the GEMM computes
+    x = torch.randn(1, 3, 16, 16)
+    torch.testing.assert_close(pe(x), pe.proj(x).flatten(2).transpose(1, 2))
 
 
 def test_patch_embed_errors_and_dynamic_pad():

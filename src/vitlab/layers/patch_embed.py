@@ -81,13 +81,19 @@ class PatchEmbed(_PatchGrid):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._prepare(x)
-        if type(self.proj) is nn.Conv2d and not self.proj._forward_hooks and not self.proj._forward_pre_hooks:
+        if self._is_patch_gemm():
             x = self._patch_gemm(x)  # (B, H', W', D)
             x = x.flatten(1, 2) if self.flatten else x
-        else:  # a replaced or hooked projection runs as the module it is
+        else:  # a replaced, reshaped or hooked projection runs as the module it is
             x = self.proj(x)  # (B, D, H', W')
             x = x.flatten(2).transpose(1, 2) if self.flatten else x.permute(0, 2, 3, 1)
         return self.norm(x)
+
+    def _is_patch_gemm(self) -> bool:
+        """Whether ``proj`` is still a plain, hook-free, non-overlapping ``p x p`` conv (what the GEMM computes)."""
+        p = self.proj
+        return (type(p) is nn.Conv2d and p.kernel_size == p.stride == self.patch_size and p.padding == (0, 0)
+                and p.dilation == (1, 1) and p.groups == 1 and not p._forward_hooks and not p._forward_pre_hooks)
 
     def _patch_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """``proj(x)`` as one GEMM, laid out (B, H', W', D): (B, C, H, W) -> patches (B, H', W', C*p1*p2)."""
