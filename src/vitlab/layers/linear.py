@@ -56,16 +56,22 @@ def _cpu_autocast() -> bool:
         return torch.is_autocast_cpu_enabled()
 
 
-def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when ``F.linear(x, weight, ...)`` may run oneDNN's kernel (the module docstring gives the conditions)."""
+def cpu_fp32_inference(x: torch.Tensor) -> bool:
+    """True when ``x`` is an fp32 CPU tensor in eager inference: autograd off, no CPU autocast, and no
+    ``torch.compile``, ``torch.fx`` or ``torch.jit.trace`` tracing. Where this holds, inference-only kernels
+    (oneDNN's fused linear, :mod:`vitlab.kernels`) may replace ATen's ops without changing the function."""
     # Cheapest tests first: training and GPU tensors leave after two or three attribute reads. An fx Proxy
     # (symbolic tracing) has no device to ask; torch.compile and torch.jit.trace record portable ATen ops.
-    if torch.is_grad_enabled() or isinstance(x, Proxy) or isinstance(weight, Proxy):
+    if torch.is_grad_enabled() or isinstance(x, Proxy) or not x.is_cpu or x.dtype != torch.float32:
         return False
-    if not x.is_cpu or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() < 2:
+    return not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not _cpu_autocast()
+
+
+def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when ``F.linear(x, weight, ...)`` may run oneDNN's kernel (the module docstring gives the conditions)."""
+    if isinstance(weight, Proxy) or weight.dtype != torch.float32 or not cpu_fp32_inference(x) or x.dim() < 2:
         return False
-    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not _cpu_autocast()
-            and onednn_linear_available())
+    return onednn_linear_available()
 
 
 def _fusable(act: nn.Module | None) -> bool:

@@ -1,0 +1,137 @@
+"""vitlab.kernels: the compiled HiLo attention kernels compute what PyTorch's SDPA computes, on any shape they
+accept, reject the others with a clear error, and build once into an atomic, per-CPU cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vitlab import kernels
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.status()}")
+
+
+def _window_reference(qkv: torch.Tensor, s: int, heads: int) -> torch.Tensor:
+    """Attention of each s x s window (cut at the border) over its real tokens, one window at a time."""
+    B, H, W, C3 = qkv.shape
+    d = C3 // (3 * heads)
+    out = torch.empty(B, H, W, heads * d)
+    for r in range(0, H, s):
+        for c in range(0, W, s):
+            win = qkv[:, r:r + s, c:c + s]  # (B, h', w', 3 * heads * d)
+            h_, w_ = win.shape[1:3]
+            q, k, v = win.reshape(B, h_ * w_, 3, heads, d).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v)  # (B, heads, T, d)
+            out[:, r:r + s, c:c + s] = o.transpose(1, 2).reshape(B, h_, w_, heads * d)
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [16, 32, 48, 64])
+@pytest.mark.parametrize("m", [1, 5, 16, 49, 64])
+@pytest.mark.parametrize("n", [1, 7, 196])
+def test_lofi_equals_sdpa(d, m, n):
+    torch.manual_seed(0)
+    B, H = 2, 3
+    q = torch.randn(B, n, 2 * H * d)[..., H * d:].reshape(B, n, H, d).transpose(1, 2)  # strided, as HiLo's
+    kv = torch.randn(B, m, 2, H, d).permute(2, 0, 3, 1, 4)  # k and v: views of one projection
+    k, v = kv.unbind(0)
+    with torch.inference_mode():
+        out = kernels.lofi_attention(q, k, v)
+        ref = F.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    assert out.transpose(1, 2).is_contiguous()  # (B, N, heads, d) memory, as SDPA's CPU output
+
+
+@needs_kernels
+def test_lofi_scale_and_large_logits():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 9, 32) * 30, torch.randn(1, 2, 49, 32) * 30, torch.randn(1, 2, 49, 32)
+    with torch.no_grad():
+        for scale in (None, 1.0, 0.01):
+            torch.testing.assert_close(kernels.lofi_attention(q, k, v, scale=scale),
+                                       F.scaled_dot_product_attention(q, k, v, scale=scale), atol=2e-5, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("hw", [(14, 14), (13, 17), (1, 1), (3, 2)])
+@pytest.mark.parametrize("s", [1, 2, 3, 8])
+@pytest.mark.parametrize("d", [16, 64])
+def test_window_attention_equals_per_window_sdpa(hw, s, d):
+    torch.manual_seed(0)
+    heads = 2
+    y = torch.randn(2, *hw, 3 * heads * d + 40)  # a wider projection: the kernel reads a channel slice in place
+    qkv = y[..., :3 * heads * d]
+    with torch.inference_mode():
+        out = kernels.window_attention(qkv, s, heads)
+    assert out.shape == (2, *hw, heads * d) and out.is_contiguous()
+    torch.testing.assert_close(out, _window_reference(qkv, s, heads), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernels
+def test_results_do_not_depend_on_threads():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 5, 50, 64), torch.randn(4, 5, 49, 64), torch.randn(4, 5, 49, 64)
+    qkv = torch.randn(3, 14, 14, 3 * 2 * 64)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = kernels.lofi_attention(q, k, v), kernels.window_attention(qkv, 2, 2)
+            torch.set_num_threads(max(2, threads))
+            many = kernels.lofi_attention(q, k, v), kernels.window_attention(qkv, 2, 2)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, many):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
+def test_unsupported_input_is_a_clear_error():
+    q, kv = torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="head_dim a multiple of 16"):
+            kernels.lofi_attention(q, kv, kv)
+        with pytest.raises(ValueError, match="65 keys"):
+            kernels.lofi_attention(torch.randn(1, 2, 8, 16), *[torch.randn(1, 2, 65, 16)] * 2)
+        with pytest.raises(ValueError, match="fp32 CPU"):
+            kernels.lofi_attention(*[torch.randn(1, 2, 8, 16, dtype=torch.float64)] * 3)
+        with pytest.raises(ValueError, match="window 9"):
+            kernels.window_attention(torch.randn(1, 9, 9, 3 * 16), 9, 1)
+        with pytest.raises(ValueError, match="do not split"):
+            kernels.window_attention(torch.randn(1, 4, 4, 50), 2, 1)
+    with pytest.raises(ValueError, match="no autograd"):
+        kernels.lofi_attention(*[torch.randn(1, 2, 8, 16, requires_grad=True)] * 3)
+    assert kernels.lofi_supported(64, 49) and not kernels.lofi_supported(80, 49)
+    assert kernels.window_supported(32, 8) and not kernels.window_supported(32, 9)
+
+
+@needs_kernels
+def test_build_is_cached_per_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITLAB_CACHE_DIR", str(tmp_path))
+    cc = kernels._compiler()
+    lib = kernels._build(cc)
+    assert lib.parent == tmp_path / "kernels" and lib.exists()
+    assert not [p for p in lib.parent.iterdir() if p.name.endswith(".tmp")]  # no temporary left behind
+    mtime = lib.stat().st_mtime_ns
+    assert kernels._build(cc) == lib and lib.stat().st_mtime_ns == mtime  # found, not rebuilt
+
+
+def test_switched_off_by_environment():
+    code = "from vitlab import kernels; print(kernels.available(), kernels.status())"
+    env = {**os.environ, "VITLAB_CKERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False switched off by VITLAB_CKERNELS=0"
+
+
+def test_unavailable_kernels_raise_with_the_reason(monkeypatch):
+    monkeypatch.setattr(kernels, "_library", lambda: None)
+    monkeypatch.setattr(kernels, "_reason", "no C compiler found (set CC, or install gcc)")
+    assert not kernels.available() and kernels.status().startswith("no C compiler")
+    with pytest.raises(RuntimeError, match="not available: no C compiler"):
+        kernels.window_attention(torch.randn(1, 2, 2, 48), 2, 1)
