@@ -22,7 +22,7 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i16v __attribute__((vector_size(64)));
 
 #define INLINE static inline __attribute__((always_inline))
-#define R 4 /* query rows per register block of the Lo-Fi kernel */
+#define R 6 /* query rows per register block of the Lo-Fi kernel: 6 x 4 accumulators + 4 + 1 of 32 registers */
 #define MAXW 64 /* most tokens in a Hi-Fi window (s <= 8) */
 
 INLINE v16 load(const float *p) { return *(const v16u *)p; }
