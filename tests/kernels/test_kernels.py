@@ -135,3 +135,16 @@ def test_unavailable_kernels_raise_with_the_reason(monkeypatch):
     assert not kernels.available() and kernels.status().startswith("no C compiler")
     with pytest.raises(RuntimeError, match="not available: no C compiler"):
         kernels.window_attention(torch.randn(1, 2, 2, 48), 2, 1)
+
+
+@needs_kernels
+def test_nan_propagates_as_in_sdpa():
+    q, k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
+    k[0, 1, 3, 0] = float("nan")  # head 1: every query row sees one NaN logit
+    qkv = torch.randn(1, 2, 2, 3 * 16)
+    qkv[0, 1, 1, 16] = float("nan")  # one key of the only window
+    with torch.no_grad():
+        out = kernels.lofi_attention(q, k, v)
+        win = kernels.window_attention(qkv, 2, 1)
+    assert out[0, 0].isfinite().all() and out[0, 1].isnan().all()
+    assert win.isnan().all()

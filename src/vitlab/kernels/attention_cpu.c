@@ -44,7 +44,8 @@ INLINE v16 fold(v16 x, int add) { /* pairwise max or sum of the 16 lanes, result
 
 /* exp(x) for x <= 0 (logits minus their max): 2^n * P(r) with Cephes' expf polynomial, rel. error ~1e-7 */
 INLINE v16 vexp(v16 x) {
-    x = vmax(x, splat(-87.0f));
+    const i16v low = x < splat(-87.0f); /* clamp above exp's underflow; a NaN compares false and stays NaN */
+    x = (v16)(((i16v)x & ~low) | ((i16v)splat(-87.0f) & low));
     const v16 magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to the nearest integer */
     v16 t = x * splat(1.44269504088896341f) + magic;
     v16 n = t - magic;
