@@ -63,3 +63,15 @@ def test_shared_parameters_count_once():
     prof = vitlab.profile_model("halvit_tiny_patch16_224")
     model = vitlab.create_model("halvit_tiny_patch16_224")
     assert prof.params_m * 1e6 == pytest.approx(sum(t.numel() for t in model.state_dict().values()))
+
+
+@pytest.mark.parametrize("name", ["hilo", "msa"])
+def test_cpu_instances_count_like_the_meta_device(name):
+    # in CPU inference the layers may run oneDNN's linear and vitlab's C kernels, which FlopCounterMode cannot
+    # see: under a counter they must fall back to ATen's ops, so a real module counts what the meta one counts
+    from vitlab.attention import create
+    from vitlab.bench.attention import _OnGrid, attention_cost
+
+    torch.manual_seed(0)
+    layer = _OnGrid(create(name, 128, 4).eval(), (14, 14))
+    assert count_macs(layer, torch.randn(1, 196, 128)) == round(attention_cost(name, (14, 14), 128, 4)[1] * 1e6)

@@ -55,7 +55,7 @@ def test_lofi_scale_and_large_logits():
     with torch.no_grad():
         for scale in (None, 1.0, 0.01):
             torch.testing.assert_close(kernels.lofi_attention(q, k, v, scale=scale),
-                                       F.scaled_dot_product_attention(q, k, v, scale=scale), atol=2e-5, rtol=1e-4)
+                                       F.scaled_dot_product_attention(q, k, v, scale=scale), atol=5e-5, rtol=1e-4)
 
 
 @needs_kernels
@@ -105,6 +105,10 @@ def test_unsupported_input_is_a_clear_error():
             kernels.window_attention(torch.randn(1, 9, 9, 3 * 16), 9, 1)
         with pytest.raises(ValueError, match="do not split"):
             kernels.window_attention(torch.randn(1, 4, 4, 50), 2, 1)
+        with pytest.raises(ValueError, match="heads >= 1"):
+            kernels.window_attention(torch.randn(1, 4, 4, 48), 2, 0)
+        with pytest.raises(ValueError, match="4-D"):
+            kernels.lofi_attention(*[torch.randn(2, 8, 16)] * 3)
     with pytest.raises(ValueError, match="no autograd"):
         kernels.lofi_attention(*[torch.randn(1, 2, 8, 16, requires_grad=True)] * 3)
     assert kernels.lofi_supported(64, 49) and not kernels.lofi_supported(80, 49)
@@ -117,9 +121,17 @@ def test_build_is_cached_per_key(tmp_path, monkeypatch):
     cc = kernels._compiler()
     lib = kernels._build(cc)
     assert lib.parent == tmp_path / "kernels" and lib.exists()
+    assert lib.stat().st_mode & 0o777 == 0o755  # readable by the other users of a shared cache
     assert not [p for p in lib.parent.iterdir() if p.name.endswith(".tmp")]  # no temporary left behind
     mtime = lib.stat().st_mtime_ns
     assert kernels._build(cc) == lib and lib.stat().st_mtime_ns == mtime  # found, not rebuilt
+    lib.write_bytes(b"")  # a truncated cache entry: the loader rebuilds it
+    assert kernels._build(cc, rebuild=True) == lib and lib.stat().st_size > 0
+
+
+def test_compiler_command_may_carry_arguments(monkeypatch):
+    monkeypatch.setenv("CC", "env gcc")  # like "ccache gcc": a launcher in front of the compiler
+    assert kernels._compiler()[-1] == "gcc" and kernels._compiler()[0].endswith("env")
 
 
 def test_switched_off_by_environment():
@@ -138,13 +150,30 @@ def test_unavailable_kernels_raise_with_the_reason(monkeypatch):
 
 
 @needs_kernels
-def test_nan_propagates_as_in_sdpa():
+@pytest.mark.parametrize("bits", [0x7FC00000, 0x7FC00001, 0x7FC000FF, 0x7F800001, 0xFFC00000])  # payloads, signs
+def test_nan_propagates_as_in_sdpa(bits):
+    nan = torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    assert nan.isnan().all()
     q, k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
-    k[0, 1, 3, 0] = float("nan")  # head 1: every query row sees one NaN logit
+    k[0, 1, 3, 0] = nan[0]  # head 1: every query row sees one NaN logit
     qkv = torch.randn(1, 2, 2, 3 * 16)
-    qkv[0, 1, 1, 16] = float("nan")  # one key of the only window
+    qkv[0, 1, 1, 16] = nan[0]  # one key of the only window
     with torch.no_grad():
         out = kernels.lofi_attention(q, k, v)
         win = kernels.window_attention(qkv, 2, 1)
     assert out[0, 0].isfinite().all() and out[0, 1].isnan().all()
     assert win.isnan().all()
+
+
+@needs_kernels
+def test_outputs_are_cpu_fp32_whatever_the_defaults():
+    q = torch.randn(1, 2, 5, 16)
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        with torch.no_grad():
+            out, win = kernels.lofi_attention(q, q, q), kernels.window_attention(torch.randn(1, 2, 2, 48).float(), 2, 1)
+    finally:
+        torch.set_default_dtype(default)
+    assert out.dtype == win.dtype == torch.float32
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q), atol=2e-6, rtol=1e-5)

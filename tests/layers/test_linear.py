@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.layers import Linear, Mlp, linear_act, onednn_linear_available, use_onednn
+from vitlab.layers import Linear, Mlp, cpu_fp32_inference, linear_act, onednn_linear_available, use_onednn
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
 
@@ -119,3 +119,23 @@ def test_activation_hooks_still_fire():
     with torch.inference_mode():
         y = linear_act(Linear(8, 8), torch.randn(2, 8), act)
     assert seen == [True] and y.shape == (2, 8)
+
+
+@needs_onednn
+def test_no_fast_path_under_counters_fakes_or_transforms():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    w, x = torch.randn(4, 8), torch.randn(3, 8)
+    with torch.no_grad():
+        assert cpu_fp32_inference(x)
+        with FlopCounterMode(display=False) as counter:  # the counter must see ATen's matmul to count it
+            assert not cpu_fp32_inference(x)
+            Linear(8, 4)(x)
+        assert counter.get_total_flops() == 2 * 3 * 8 * 4
+        with FakeTensorMode() as mode:
+            assert not cpu_fp32_inference(mode.from_tensor(x))
+        assert torch.func.vmap(lambda t: torch.tensor(cpu_fp32_inference(t)))(x).tolist() == [False] * 3
+        with torch.autograd.forward_ad.dual_level():
+            assert not cpu_fp32_inference(x)
+        assert not use_onednn(nn.Parameter(x), w)  # a subclass: ATen's op

@@ -110,7 +110,7 @@ class HiLo(nn.Module):
         of the padded (B, Hp = nh s, Wp = nw s) map as a strided (B, nh, s, nw, s, h_dim) view, which the
         caller writes into its slice of the output in one copy (no separate window-reverse copy)."""
         B, s, h, d = qkv.shape[0], self.ws, self.h_heads, self.head_dim
-        if self._fast(qkv) and kernels.window_supported(d, s):
+        if kernels.window_supported(d, s) and self._fast(qkv):
             return self.h_proj(kernels.window_attention(qkv, s, h))  # reads the windows in place
         qkv = pad_to_multiple(qkv, s, s)  # pad after projecting: (B, Hp, Wp, 3 h_dim)
         nh, nw = qkv.shape[1] // s, qkv.shape[2] // s
@@ -151,7 +151,7 @@ class HiLo(nn.Module):
             kv_in = x.reshape(B, H * W, C)
         M = kv_in.shape[1]
         kv = self.l_kv(kv_in).reshape(B, M, 2, self.l_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        fast = not self.pooled_queries and self._fast(x) and kernels.lofi_supported(self.head_dim, M)
+        fast = not self.pooled_queries and kernels.lofi_supported(self.head_dim, M) and self._fast(x)
         # SDPA: k, v as contiguous (B, l_heads, M, d), one small copy (M = N / s^2 tokens) that makes the CPU
         # kernel over the M keys ~20% faster than on the strided view; the compiled kernel reads the view
         k, v = (kv if fast else kv.contiguous()).unbind(0)

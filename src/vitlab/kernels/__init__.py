@@ -13,13 +13,15 @@ batch 64, ViT-B's 14x14 map, 2-core AVX-512 machine):
 Both compute what ``F.scaled_dot_product_attention`` computes (max |diff| ~2e-7 in fp32) and have no backward:
 callers use them only for fp32 CPU inference (see :func:`vitlab.layers.linear.cpu_fp32_inference`).
 
-Building. ``attention_cpu.c`` (GCC vector extensions and OpenMP) is compiled by the system C compiler (``$CC``,
-else ``cc``, else ``gcc``) with ``-O3 -march=native -fopenmp`` into a per-user cache (``$VITLAB_CACHE_DIR``,
-else ``$XDG_CACHE_HOME/vitlab`` or ``~/.cache/vitlab``). The cache key covers the source, the flags, the compiler
-and the CPU's model and feature flags, so a home folder shared by different machines never loads a build made
-for another CPU. The library is written under a temporary name and renamed into place (concurrent processes
-race harmlessly), loaded with ctypes and checked against SDPA on small problems before its first use. It links
-the ``libgomp.so.1`` that PyTorch has already loaded, so the kernels run on PyTorch's own worker threads.
+Building. ``attention_cpu.c`` (GCC vector extensions and OpenMP) is compiled by GCC (``$CC`` when set, which
+may carry arguments such as ``ccache gcc``, else ``gcc``, else ``cc``) with ``-O3 -march=native -fopenmp``
+into a per-user cache (``$VITLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/vitlab`` or ``~/.cache/vitlab``). The
+cache key covers the source, the flags, the compiler and the CPU's model and feature flags, so a home folder
+shared by different machines never loads a build made for another CPU. The library is written under a
+temporary name, made readable to all and renamed into place (concurrent processes race harmlessly); a cached
+file that does not load is rebuilt once. It is loaded with ctypes and checked against SDPA on small problems
+before its first use. It links the ``libgomp.so.1`` that PyTorch has already loaded, so the kernels run on
+PyTorch's own worker threads.
 
 :func:`available` is False (and callers keep PyTorch's kernels, the same function) on any system other than
 Linux with PyTorch's OpenMP backend, without a C compiler with OpenMP, when the build or the check fails, and
@@ -33,6 +35,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -43,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("attention_cpu.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi")
 MAX_HEAD_DIM = 64  # the kernels hold a head's row in at most four 16-float vectors
 MAX_KEYS = 64  # Lo-Fi keys per (batch, head) item
 MAX_WINDOW_TOKENS = 64  # tokens of one Hi-Fi window (s <= 8)
@@ -85,16 +88,19 @@ def lofi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     Returns (B, heads, N, D) laid out as (B, N, heads, D), as PyTorch's CPU SDPA does, so that
     ``out.transpose(1, 2).reshape(B, N, heads * D)`` is free."""
     lib = _require()
+    _check(q, k, v)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"lofi_attention takes 4-D (B, heads, tokens, D) tensors, got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
     B, H, N, D = q.shape
     M = k.shape[2]
-    _check(q, k, v)
     if k.shape != (B, H, M, D) or v.shape != k.shape or k.stride() != v.stride():
         raise ValueError(f"k and v must be (B, heads, M, D) = {(B, H, M, D)} with equal strides, got "
                          f"{tuple(k.shape)} {k.stride()} and {tuple(v.shape)} {v.stride()}")
     if not lofi_supported(D, M):
         raise ValueError(f"lofi_attention takes head_dim a multiple of 16 up to {MAX_HEAD_DIM} and 1 to {MAX_KEYS} "
                          f"keys, got head_dim {D} and {M} keys")
-    out = torch.empty(B, N, H, D).transpose(1, 2)
+    out = torch.empty(B, N, H, D, dtype=torch.float32, device="cpu").transpose(1, 2)
     scale = D**-0.5 if scale is None else scale
     rc = lib.lofi_attention(q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), *k.stride()[:3],
                             out.data_ptr(), *out.stride()[:3], B, H, N, M, D, scale, torch.get_num_threads())
@@ -110,15 +116,18 @@ def window_attention(qkv: torch.Tensor, window: int, heads: int, scale: float | 
     right border hold only their real tokens, as padding the map and masking the padded keys would give.
     Returns (B, H, W, heads * D), contiguous, in raster order."""
     lib = _require()
-    B, H, W, C3 = qkv.shape
     _check(qkv)
+    if qkv.dim() != 4 or heads < 1:
+        raise ValueError(f"window_attention takes a (B, H, W, 3 * heads * D) map and heads >= 1, got "
+                         f"{tuple(qkv.shape)} and heads={heads}")
+    B, H, W, C3 = qkv.shape
     if C3 % (3 * heads):
         raise ValueError(f"window_attention: {C3} channels do not split into q, k, v of {heads} heads")
     D = C3 // (3 * heads)
     if not window_supported(D, window):
         raise ValueError(f"window_attention takes head_dim a multiple of 16 up to {MAX_HEAD_DIM} and windows of at "
                          f"most {MAX_WINDOW_TOKENS} tokens, got head_dim {D} and window {window}")
-    out = torch.empty(B, H, W, heads * D)
+    out = torch.empty(B, H, W, heads * D, dtype=torch.float32, device="cpu")
     scale = D**-0.5 if scale is None else scale
     hd = heads * D
     rc = lib.hifi_attention(qkv.data_ptr(), *qkv.stride()[:3], 0, hd, 2 * hd, out.data_ptr(), *out.stride()[:3],
@@ -129,9 +138,10 @@ def window_attention(qkv: torch.Tensor, window: int, heads: int, scale: float | 
 
 def _check(*tensors: torch.Tensor) -> None:
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 or t.requires_grad:
-            raise ValueError(f"the CPU kernels take fp32 CPU tensors with a contiguous last dimension and no "
-                             f"autograd, got {t.dtype} on {t.device} with strides {t.stride()}")
+        if (type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1
+                or t.requires_grad):
+            raise ValueError(f"the CPU kernels take plain fp32 CPU tensors with a contiguous last dimension and no "
+                             f"autograd, got {type(t).__name__} {t.dtype} on {t.device} with strides {t.stride()}")
 
 
 def _raise_for(rc: int, name: str) -> None:
@@ -163,28 +173,32 @@ def _cpu_fingerprint() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc"):
-        if cc and shutil.which(cc):
-            return shutil.which(cc)
+def _compiler() -> list[str] | None:
+    """The compiler command: ``$CC`` split like a shell would (``ccache gcc``), else gcc, else cc."""
+    for cc in (os.environ.get("CC"), "gcc", "cc"):
+        cmd = shlex.split(cc) if cc else []
+        if cmd and shutil.which(cmd[0]):
+            return [shutil.which(cmd[0]), *cmd[1:]]
     return None
 
 
-def _build(cc: str) -> Path:
+def _build(cc: list[str], rebuild: bool = False) -> Path:
     """Compile the source into the cache (once per source, flags, compiler and CPU) and return the library."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), cc, version, _cpu_fingerprint(),
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), " ".join(cc), version, _cpu_fingerprint(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"attention_cpu-{key}.so"
-    if lib.exists():
+    if lib.exists() and not rebuild:
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=f".{lib.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
         if res.returncode:
-            raise RuntimeError(f"{Path(cc).name} failed: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
+            last = (res.stderr or res.stdout).strip().splitlines()
+            raise RuntimeError(f"{Path(cc[-1]).name} exited with {res.returncode}: {last[-1] if last else ''}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would lock other users of a shared cache out
         os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):
@@ -195,17 +209,21 @@ def _build(cc: str) -> Path:
 def _self_check(lib: ctypes.CDLL) -> str | None:
     """Compare both kernels with PyTorch on small problems that exercise padding and odd sizes; None when equal."""
     g = torch.Generator().manual_seed(0)
+    cpu = dict(dtype=torch.float32, device="cpu")  # whatever the default dtype and device are
+    threads = torch.get_num_threads()
     with torch.no_grad():
-        q, k, v = (torch.randn(2, 3, n, 32, generator=g) for n in (13, 21, 21))
-        out = torch.empty(2, 13, 3, 32).transpose(1, 2)
-        lib.lofi_attention(q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), *k.stride()[:3], out.data_ptr(),
-                           *out.stride()[:3], 2, 3, 13, 21, 32, 32**-0.5, 1)
-        if not torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5):
+        q, k, v = (torch.randn(2, 3, n, 32, generator=g, **cpu) for n in (13, 21, 21))
+        out = torch.empty(2, 13, 3, 32, **cpu).transpose(1, 2)
+        rc = lib.lofi_attention(q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), *k.stride()[:3],
+                                out.data_ptr(), *out.stride()[:3], 2, 3, 13, 21, 32, 32**-0.5, threads)
+        if rc or not torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5):
             return "lofi_attention disagrees with SDPA"
-        qkv = torch.randn(1, 3, 5, 3 * 16, generator=g)  # one head of 16 channels, 2 x 2 windows cut at the border
-        out = torch.empty(1, 3, 5, 16)
-        lib.hifi_attention(qkv.data_ptr(), *qkv.stride()[:3], 0, 16, 32, out.data_ptr(), *out.stride()[:3],
-                           1, 3, 5, 2, 1, 16, 0.25, 1)
+        qkv = torch.randn(1, 3, 5, 3 * 16, generator=g, **cpu)  # one head of 16 channels, windows cut at the border
+        out = torch.empty(1, 3, 5, 16, **cpu)
+        rc = lib.hifi_attention(qkv.data_ptr(), *qkv.stride()[:3], 0, 16, 32, out.data_ptr(), *out.stride()[:3],
+                                1, 3, 5, 2, 1, 16, 0.25, threads)
+        if rc:
+            return "hifi_attention rejected a supported shape"
         for r in range(0, 3, 2):
             for c in range(0, 5, 2):
                 win = qkv[0, r:r + 2, c:c + 2].reshape(-1, 3, 16)
@@ -221,20 +239,24 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get("VITLAB_CKERNELS", "1") == "0":
         _reason = "switched off by VITLAB_CKERNELS=0"
         return None
-    if not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info():
+    if not sys.platform.startswith("linux") or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         _reason = "needs Linux and PyTorch's OpenMP backend (the kernels share its libgomp threads)"
         return None
     cc = _compiler()
     if cc is None:
         _reason = "no C compiler found (set CC, or install gcc)"
         return None
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _reason = f"build or load failed: {e}"
+    lib = None
+    for rebuild in (False, True):  # a cached file that does not load (truncated, foreign) is rebuilt once
+        try:
+            lib = ctypes.CDLL(str(_build(cc, rebuild)))
+            for name, argtypes in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            break
+        except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+            _reason, lib = f"build or load failed: {e}", None
+    if lib is None:
         return None
     bad = _self_check(lib)
     if bad:

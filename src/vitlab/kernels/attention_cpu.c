@@ -57,7 +57,8 @@ INLINE v16 vexp(v16 x) {
     p = p * r + splat(1.6666665459e-1f);
     p = p * r + splat(5.0000001201e-1f);
     p = p * r * r + r + splat(1.0f);
-    return (v16)((i16v)p + (((i16v)t - (i16v)magic) << 23));
+    const i16v nan = x != x; /* a NaN's payload bits would corrupt the exponent arithmetic: pass x through */
+    return (v16)((((i16v)p + (((i16v)t - (i16v)magic) << 23)) & ~nan) | ((i16v)x & nan));
 }
 
 /* One (batch, head) item of the Lo-Fi attention: N queries (row stride qn), M keys / values (row stride kn). */

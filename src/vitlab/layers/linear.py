@@ -10,8 +10,9 @@ faster in fp32 on the AVX-512 machine of ``docs/benchmarks.md``. It computes the
 The fast path is taken only where it is that same function and nothing is lost: CPU fp32 tensors, autograd off
 (the kernel has no backward), no CPU autocast (it would not cast), not while ``torch.compile``, ``torch.fx`` or
 ``torch.jit.trace`` (and so the TorchScript ONNX export) trace -- they record the portable ATen graph, and
-Inductor fuses by itself -- and no hooks on the module. Everything else is plain ``F.linear``; bf16 products
-already run on oneDNN in ATen. ``VITLAB_ONEDNN=0`` in the environment switches the fast path off.
+Inductor fuses by itself -- no dispatch mode such as ``FlopCounterMode`` (it must see ATen's ops), no tensor
+subclass or ``vmap``, and no hooks on the module. Everything else is plain ``F.linear``; bf16 products already
+run on oneDNN in ATen. ``VITLAB_ONEDNN=0`` in the environment switches the fast path off.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd import forward_ad
 from torch.fx import Proxy
 
 # activation module type -> (oneDNN post-op name, algorithm of the module) for the fused epilogue
@@ -57,14 +59,19 @@ def _cpu_autocast() -> bool:
 
 
 def cpu_fp32_inference(x: torch.Tensor) -> bool:
-    """True when ``x`` is an fp32 CPU tensor in eager inference: autograd off, no CPU autocast, and no
-    ``torch.compile``, ``torch.fx`` or ``torch.jit.trace`` tracing. Where this holds, inference-only kernels
-    (oneDNN's fused linear, :mod:`vitlab.kernels`) may replace ATen's ops without changing the function."""
+    """True when ``x`` is a plain fp32 CPU tensor in eager inference: autograd off (forward AD too), no CPU
+    autocast, no ``torch.compile``, ``torch.fx`` or ``torch.jit.trace`` tracing, no tensor subclass or functorch
+    wrapper (``FakeTensor``, ``vmap``) and no dispatch mode (``FlopCounterMode`` must see ATen's ops to count
+    them). Where this holds, inference-only kernels (oneDNN's fused linear, :mod:`vitlab.kernels`) may replace
+    ATen's ops without changing the function."""
     # Cheapest tests first: training and GPU tensors leave after two or three attribute reads. An fx Proxy
-    # (symbolic tracing) has no device to ask; torch.compile and torch.jit.trace record portable ATen ops.
-    if torch.is_grad_enabled() or isinstance(x, Proxy) or not x.is_cpu or x.dtype != torch.float32:
+    # (symbolic tracing) is not a Tensor; torch.compile and torch.jit.trace record portable ATen ops.
+    if torch.is_grad_enabled() or type(x) is not torch.Tensor or not x.is_cpu or x.dtype != torch.float32:
         return False
-    return not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not _cpu_autocast()
+    if torch._C._len_torch_dispatch_stack() or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return False
+    return (forward_ad._current_level < 0 and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and not _cpu_autocast())
 
 
 def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
