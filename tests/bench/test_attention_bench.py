@@ -39,6 +39,7 @@ def test_json_and_png_written(rows, tmp_path):
     path = write_json(rows, tmp_path / "out" / "attention.json")
     data = json.loads(path.read_text())
     assert data["benchmark"] == "attention" and data["rows"] == rows
+    assert set(data["cpu_fast_paths"]) == {"onednn_linear", "kernels"}  # CPU fp32 speeds depend on them
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]  # the temp file was replaced
     png = plot(rows, tmp_path / "attention.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from vitlab import kernels
 from vitlab._io import atomic_write
 from vitlab.attention import create, list_attention
 from vitlab.bench.paper_table_iv import SETTINGS, paper_row
+from vitlab.layers.linear import onednn_linear_available
 from vitlab.profile import count_macs, count_params
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -161,9 +163,12 @@ def bench_attention(device: str | torch.device = "cpu", batch_size: int = 64,
 
 
 def write_json(rows: list[dict], path: str | Path) -> Path:
-    """Save the rows as ``{"benchmark", "paper", "paper_settings", "torch", "rows"}`` JSON, atomically."""
+    """Save the rows as ``{"benchmark", "paper", "paper_settings", "torch", "cpu_fast_paths", "rows"}`` JSON,
+    atomically. ``cpu_fast_paths`` records whether oneDNN's linear and vitlab's compiled kernels were in use
+    (CPU fp32 speeds depend on them)."""
     payload = dict(benchmark="attention", paper="LITv2/HiLo supplementary, Table IV (seed 002)",
                    paper_settings={**SETTINGS, "hw": list(SETTINGS["hw"])}, torch=torch.__version__,
+                   cpu_fast_paths=dict(onednn_linear=onednn_linear_available(), kernels=kernels.status()),
                    rows=rows)
     data = (json.dumps(payload, indent=2) + "\n").encode()
     return atomic_write(path, data)
