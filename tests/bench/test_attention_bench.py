@@ -52,6 +52,7 @@ def test_table(rows):
     console.print(table)
     text = console.export_text()
     assert "rel. MSA" in text and "paper GPU" in text and "4,403" in text
+    assert "FLOPs are MACs" in text and "compiled kernels" in text
 
 
 def test_unknown_name_and_bad_dtype_are_refused():

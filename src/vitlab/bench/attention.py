@@ -162,14 +162,18 @@ def bench_attention(device: str | torch.device = "cpu", batch_size: int = 64,
     return rows
 
 
+def cpu_fast_paths() -> dict:
+    """Whether oneDNN's fused linear and vitlab's compiled kernels are in use: CPU fp32 speeds depend on them."""
+    return dict(onednn_linear=onednn_linear_available(), kernels=kernels.status())
+
+
 def write_json(rows: list[dict], path: str | Path) -> Path:
     """Save the rows as ``{"benchmark", "paper", "paper_settings", "torch", "cpu_fast_paths", "rows"}`` JSON,
     atomically. ``cpu_fast_paths`` records whether oneDNN's linear and vitlab's compiled kernels were in use
     (CPU fp32 speeds depend on them)."""
     payload = dict(benchmark="attention", paper="LITv2/HiLo supplementary, Table IV (seed 002)",
                    paper_settings={**SETTINGS, "hw": list(SETTINGS["hw"])}, torch=torch.__version__,
-                   cpu_fast_paths=dict(onednn_linear=onednn_linear_available(), kernels=kernels.status()),
-                   rows=rows)
+                   cpu_fast_paths=cpu_fast_paths(), rows=rows)
     data = (json.dumps(payload, indent=2) + "\n").encode()
     return atomic_write(path, data)
 
@@ -212,7 +216,12 @@ def format_table(rows: list[dict]):
     if rows:
         r0 = rows[0]
         title += f": {r0['device']}, {r0['dtype']}, batch {r0['batch_size']}"
-    table = Table(title=title)
+    caption = "FLOPs are MACs (multiply-add = 1), fused attention counted."
+    if rows and rows[0]["device"] == "cpu":
+        fast = cpu_fast_paths()
+        caption += (f"\nCPU: oneDNN linear {'on' if fast['onednn_linear'] else 'off'}, "
+                    f"compiled kernels {fast['kernels']}.")
+    table = Table(title=title, caption=caption)
     table.add_column("Name")
     for col in ("Params (M)", "FLOPs (M)", "img/s", "rel. MSA", "paper CPU", "paper GPU"):
         table.add_column(col, justify="right")
