@@ -188,3 +188,12 @@ def test_compiled_kernels_only_in_fp32_cpu_inference(monkeypatch):
     with torch.no_grad():
         A.create("hilo", 128, 4, cpu_kernels=False).eval()(x, (8, 8))
     assert calls == []
+
+
+def test_fullgraph_compile_in_inference():
+    torch._dynamo.reset()
+    m = A.create("hilo", 128, 4).eval()
+    x = torch.randn(2, 13 * 17, 128)
+    with torch.no_grad():
+        out = torch.compile(m, fullgraph=True, backend="eager")(x, (13, 17))
+        torch.testing.assert_close(out, m(x, (13, 17)), rtol=1e-5, atol=1e-5)

@@ -139,3 +139,12 @@ def test_no_fast_path_under_counters_fakes_or_transforms():
         with torch.autograd.forward_ad.dual_level():
             assert not cpu_fp32_inference(x)
         assert not use_onednn(nn.Parameter(x), w)  # a subclass: ATen's op
+
+
+def test_fullgraph_compile_in_inference_traces_aten():
+    # the fast-path test must leave before any query Dynamo cannot trace (dispatch stack, functorch)
+    torch._dynamo.reset()
+    layer, x = Linear(8, 4), torch.randn(3, 8)
+    with torch.no_grad():
+        out = torch.compile(layer, fullgraph=True, backend="eager")(x)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias))

@@ -68,10 +68,11 @@ def cpu_fp32_inference(x: torch.Tensor) -> bool:
     # (symbolic tracing) is not a Tensor; torch.compile and torch.jit.trace record portable ATen ops.
     if torch.is_grad_enabled() or type(x) is not torch.Tensor or not x.is_cpu or x.dtype != torch.float32:
         return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # first: Dynamo must not trace the C queries
+        return False
     if torch._C._len_torch_dispatch_stack() or torch._C._functorch.is_functorch_wrapped_tensor(x):
         return False
-    return (forward_ad._current_level < 0 and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and not _cpu_autocast())
+    return forward_ad._current_level < 0 and not _cpu_autocast()
 
 
 def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
