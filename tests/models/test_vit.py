@@ -38,7 +38,18 @@ def test_equal_to_timm_big_configs_reduced_depth(name, tmp_path):
     assert _timm_equal(name, tmp_path, depth=2) <= 1e-4
 
 
+@pytest.fixture
+def one_at_a_time(tmp_path_factory):
+    """An exclusive lock shared by the pytest-xdist workers: the full-size giants (ViT-G/14 holds ~15 GB with
+    timm's copy and the checkpoint) must not run side by side on a 24 GB machine."""
+    fcntl = pytest.importorskip("fcntl")
+    with open(tmp_path_factory.getbasetemp().parent / "giant_models.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_at_a_time")
 @pytest.mark.parametrize("name", sorted(BIG))
 def test_equal_to_timm_big_configs_full(name, tmp_path):
     assert _timm_equal(name, tmp_path) <= 1e-4
