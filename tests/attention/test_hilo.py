@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 import vitlab.attention as A
-from vitlab import kernels
 from vitlab.attention.hilo import hilo_flops
 
 from .test_msa_naive import check_forward_backward, params_and_macs
@@ -143,51 +142,6 @@ def test_autocast_bf16_close_to_fp32(hw):
             out = m(x, hw)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
-
-
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.status()}")
-
-
-@needs_kernels
-@pytest.mark.parametrize("hw", [(14, 14), (13, 17), (7, 7)])
-@pytest.mark.parametrize("kw", [{}, dict(alpha=0.5), dict(alpha=1.0), dict(alpha=0.0), dict(window_size=3),
-                                dict(window_size=1, alpha=1.0), dict(pooled_queries=True)])
-def test_compiled_kernels_compute_the_same_function(hw, kw):
-    torch.manual_seed(0)
-    fast = A.create("hilo", 128, 4, **kw).eval()  # head_dim 32
-    slow = A.create("hilo", 128, 4, cpu_kernels=False, **kw).eval()
-    slow.load_state_dict(fast.state_dict())
-    x = torch.randn(2, hw[0] * hw[1], 128)
-    with torch.inference_mode():
-        torch.testing.assert_close(fast(x, hw), slow(x, hw), rtol=1e-5, atol=2e-6)
-    if not kw:
-        with torch.no_grad():
-            torch.testing.assert_close(fast(x, hw), _reference_hilo(fast, x, *hw), rtol=1e-5, atol=1e-5)
-
-
-@needs_kernels
-def test_compiled_kernels_only_in_fp32_cpu_inference(monkeypatch):
-    calls = []
-    for name in ("lofi_attention", "window_attention"):
-        real = getattr(kernels, name)
-        spy = lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)  # noqa: E731
-        monkeypatch.setattr(kernels, name, spy)
-    m = A.create("hilo", 128, 4).eval()
-    x = torch.randn(1, 64, 128)
-    with torch.no_grad():
-        m(x, (8, 8))
-    assert sorted(calls) == ["lofi_attention", "window_attention"]
-    calls.clear()
-    m(x.requires_grad_(), (8, 8)).sum().backward()  # autograd: PyTorch's kernels (the C ones have no backward)
-    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
-        m(x, (8, 8))
-    m.train()
-    m.attn_drop = 0.1
-    with torch.no_grad():
-        m(x, (8, 8))  # attention dropout in training
-    with torch.no_grad():
-        A.create("hilo", 128, 4, cpu_kernels=False).eval()(x, (8, 8))
-    assert calls == []
 
 
 def test_fullgraph_compile_in_inference():

@@ -29,7 +29,6 @@ from einops import rearrange
 from vitlab.attention._window import expand_heads, grid_size, valid_keys
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear
 
 
 class _LePE(nn.Module):
@@ -50,10 +49,10 @@ class CrossWindowAttention(nn.Module):
             raise ValueError(f"cross_window splits the heads over two branches: num_heads {num_heads} is odd")
         self.num_heads = num_heads
         self.split_size = split_size
-        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.attns = nn.ModuleList([_LePE(dim // 2), _LePE(dim // 2)])  # vertical, horizontal stripes
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def _branch(self, qkv: torch.Tensor, lepe: nn.Conv2d, wh: int, ww: int, H: int, W: int) -> torch.Tensor:

@@ -39,7 +39,6 @@ from torch.nn.init import trunc_normal_
 from vitlab.attention._window import grid_size
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads, to_2tuple
-from vitlab.layers.linear import Linear
 
 
 class _ChannelLayerNorm(nn.Module):
@@ -78,17 +77,17 @@ class DeformableAttention(nn.Module):
         self.stride = stride
         self.offset_range_factor = offset_range_factor
         cg = self.n_group_channels
-        self.proj_q = Linear(dim, dim, bias=qkv_bias)
+        self.proj_q = nn.Linear(dim, dim, bias=qkv_bias)
         self.conv_offset = nn.Sequential(
             nn.Conv2d(cg, cg, ksize, stride, ksize // 2 if ksize != stride else 0, groups=cg),
             _ChannelLayerNorm(cg),
             nn.GELU(),
             nn.Conv2d(cg, 2, 1, bias=False),  # (dy, dx) per reference point
         )
-        self.proj_k = Linear(dim, dim, bias=qkv_bias)
-        self.proj_v = Linear(dim, dim, bias=qkv_bias)
+        self.proj_k = nn.Linear(dim, dim, bias=qkv_bias)
+        self.proj_v = nn.Linear(dim, dim, bias=qkv_bias)
         self.attn_drop = attn_drop
-        self.proj_out = Linear(dim, dim)
+        self.proj_out = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         if use_pe:
             qh, qw = to_2tuple(q_size)

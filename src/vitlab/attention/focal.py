@@ -50,7 +50,6 @@ from vitlab.attention._window import (
 )
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear, linear
 
 
 def _neighbour_slots(ws: int, e: int) -> torch.Tensor:
@@ -95,7 +94,7 @@ class FocalAttention(nn.Module):
         ws, L = window_size, window_size**2
         self.window_size, self.expand_size = ws, expand_size
         self.focal_level, self.focal_window, self.pool_method = focal_level, focal_window, pool_method
-        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * ws - 1) ** 2, num_heads))
         trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.register_buffer("relative_position_index", relative_position_index(ws, ws), persistent=False)
@@ -107,7 +106,7 @@ class FocalAttention(nn.Module):
             trunc_normal_(self.relative_position_bias_table_to_neighbors, std=0.02)
         if focal_level > 1:
             if pool_method == "fc":
-                self.pool_layers = nn.ModuleList([Linear(L, 1)])
+                self.pool_layers = nn.ModuleList([nn.Linear(L, 1)])
                 nn.init.constant_(self.pool_layers[0].weight, 1.0 / L)
                 nn.init.zeros_(self.pool_layers[0].bias)
             table = torch.zeros(num_heads, (ws + focal_window - 1) ** 2)
@@ -116,7 +115,7 @@ class FocalAttention(nn.Module):
             self.register_buffer("relative_position_index_0", _window_to_pooled_index(ws, focal_window),
                                  persistent=False)
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def _surroundings(self, t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -174,7 +173,7 @@ class FocalAttention(nn.Module):
             win = rearrange(pad_to_multiple(xm, ws, ws), "b (nh wh) (nw ww) c -> b nh nw c (wh ww)", wh=ws,
                             ww=ws)  # (B, nWh, nWw, C, L)
             pooled = self.pool_layers[0](win)[..., 0] if self.pool_method == "fc" else win.mean(-1)
-            kv = linear(pooled, self.qkv.weight[C:], None if self.qkv.bias is None else self.qkv.bias[C:])
+            kv = F.linear(pooled, self.qkv.weight[C:], None if self.qkv.bias is None else self.qkv.bias[C:])
             kv = self._pooled_neighbourhood(kv)  # (B, nWh, nWw, fw^2, 2C)
             kp, vp = rearrange(kv, "b nh nw j (two h d) -> two b (nh nw h) j d", two=2, h=h).unbind(0)
             ks.append(kp)

@@ -21,11 +21,8 @@ Any H x W: Hi-Fi pads the projected map to a multiple of s and masks the padded 
 ``ceil_mode`` so a partial window at the border averages only its real tokens. No prefix (class) tokens:
 a ValueError is raised when N != H*W.
 
-Fast path: in fp32 CPU inference both attention cores run vitlab's fused C kernels (:mod:`vitlab.kernels`,
-compiled on first use; ``cpu_kernels=False`` or ``VITLAB_CKERNELS=0`` keeps PyTorch's SDPA): the Hi-Fi windows
-are attended in place, with no partition copy, and the Lo-Fi queries against the few pooled keys run at about
-twice SDPA's speed. Same function (max |diff| ~2e-7); HiLo at batch 64 on the 2-core CPU of
-``docs/benchmarks.md`` goes from 1.65x to about 1.8x fused MSA.
+Both attention cores run on ``F.scaled_dot_product_attention``. Fused inference kernels for them are applied
+from outside, by :func:`vitlab.optimize`.
 
 ``pooled_queries=True`` is the Table III ablation: Lo-Fi queries come from the pooled map as well, its output
 (projected at the pooled resolution) is resized back to H x W with bilinear interpolation.
@@ -39,11 +36,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab import kernels
 from vitlab.attention._window import expand_heads, grid_size, pad_to_multiple, valid_keys
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear, cpu_fp32_inference, linear
 
 
 def hilo_flops(N: int, D: int, s: int, alpha: float = 0.5) -> float:
@@ -71,7 +66,7 @@ def hilo_flops(N: int, D: int, s: int, alpha: float = 0.5) -> float:
 class HiLo(nn.Module):
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, window_size: int = 2, alpha: float = 0.9,
-                 pooled_queries: bool = False, cpu_kernels: bool = True):
+                 pooled_queries: bool = False):
         super().__init__()
         self.head_dim = check_heads(dim, num_heads)
         if not 0.0 <= alpha <= 1.0:
@@ -87,31 +82,23 @@ class HiLo(nn.Module):
         self.l_dim = self.l_heads * self.head_dim
         self.h_dim = self.h_heads * self.head_dim
         self.pooled_queries = pooled_queries
-        self.cpu_kernels = cpu_kernels
         self.attn_drop = attn_drop
         if self.l_heads > 0:
-            self.l_q = Linear(dim, self.l_dim, bias=qkv_bias)
-            self.l_kv = Linear(dim, self.l_dim * 2, bias=qkv_bias)
-            self.l_proj = Linear(self.l_dim, self.l_dim)
+            self.l_q = nn.Linear(dim, self.l_dim, bias=qkv_bias)
+            self.l_kv = nn.Linear(dim, self.l_dim * 2, bias=qkv_bias)
+            self.l_proj = nn.Linear(self.l_dim, self.l_dim)
         if self.h_heads > 0:
-            self.h_qkv = Linear(dim, self.h_dim * 3, bias=qkv_bias)
-            self.h_proj = Linear(self.h_dim, self.h_dim)
+            self.h_qkv = nn.Linear(dim, self.h_dim * 3, bias=qkv_bias)
+            self.h_proj = nn.Linear(self.h_dim, self.h_dim)
         self.proj_drop = nn.Dropout(proj_drop)
-
-    def _fast(self, x: torch.Tensor) -> bool:
-        """Whether this call may run the compiled CPU kernels (fp32 CPU inference, no attention dropout)."""
-        return (self.cpu_kernels and cpu_fp32_inference(x) and not (self.training and self.attn_drop > 0)
-                and kernels.available())
 
     def hifi(self, qkv: torch.Tensor, H: int, W: int) -> torch.Tensor:
         """Projected (B, H, W, 3 h_dim) -> attention inside s x s windows, projected by ``h_proj``.
 
-        Returns (B, H, W, h_dim) from the compiled kernel (fp32 CPU inference); otherwise the projected output
-        of the padded (B, Hp = nh s, Wp = nw s) map as a strided (B, nh, s, nw, s, h_dim) view, which the
-        caller writes into its slice of the output in one copy (no separate window-reverse copy)."""
+        Returns the projected output of the padded (B, Hp = nh s, Wp = nw s) map as a strided
+        (B, nh, s, nw, s, h_dim) view, which the caller writes into its slice of the output in one copy (no
+        separate window-reverse copy)."""
         B, s, h, d = qkv.shape[0], self.ws, self.h_heads, self.head_dim
-        if kernels.window_supported(d, s) and self._fast(qkv):
-            return self.h_proj(kernels.window_attention(qkv, s, h))  # reads the windows in place
         qkv = pad_to_multiple(qkv, s, s)  # pad after projecting: (B, Hp, Wp, 3 h_dim)
         nh, nw = qkv.shape[1] // s, qkv.shape[2] // s
         # Window partition, one copy for q, k and v: (3, B, nh, nw, h, s, s, d) -> (3, B, nW * h, s*s, d).
@@ -129,7 +116,7 @@ class HiLo(nn.Module):
             mask = expand_heads(mask, h)  # (nW * h, 1, s*s)
         drop = self.attn_drop if self.training else 0.0
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nW * h, s*s, d)
-        # h_proj mixes channels only, so it runs in window order: (B, s*s, nW, h*d) tokens. The CPU kernel
+        # h_proj mixes channels only, so it runs in window order: (B, s*s, nW, h*d) tokens. SDPA on the CPU
         # returns o laid out as (B, s*s, nW * h, d), which makes this transpose + reshape free.
         o = self.h_proj(o.transpose(1, 2).reshape(B, s, s, nh, nw, h * d).to(dtype))  # (B, s, s, nh, nw, h_dim)
         return o.permute(0, 3, 1, 4, 2, 5)  # (B, nh, s, nw, s, h_dim) view
@@ -151,10 +138,9 @@ class HiLo(nn.Module):
             kv_in = x.reshape(B, H * W, C)
         M = kv_in.shape[1]
         kv = self.l_kv(kv_in).reshape(B, M, 2, self.l_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        fast = not self.pooled_queries and kernels.lofi_supported(self.head_dim, M) and self._fast(x)
-        # SDPA: k, v as contiguous (B, l_heads, M, d), one small copy (M = N / s^2 tokens) that makes the CPU
-        # kernel over the M keys ~20% faster than on the strided view; the compiled kernel reads the view
-        k, v = (kv if fast else kv.contiguous()).unbind(0)
+        # k, v as contiguous (B, l_heads, M, d): one small copy (M = N / s^2 tokens) that makes SDPA's CPU kernel
+        # over the M keys faster than on the strided view
+        k, v = kv.contiguous().unbind(0)
         drop = self.attn_drop if self.training else 0.0
         if self.pooled_queries:  # Table III: M queries, output resized back to H x W
             q = self.l_q(kv_in).reshape(B, M, self.l_heads, self.head_dim).transpose(1, 2)  # (B, l, M, d)
@@ -166,10 +152,7 @@ class HiLo(nn.Module):
         if q is None:
             q = self.l_q(x)
         q = q.reshape(B, H * W, self.l_heads, self.head_dim).transpose(1, 2)  # (B, l_heads, N, d), a view
-        if fast:
-            o = kernels.lofi_attention(q, k, v)  # (B, l_heads, N, d), laid out (B, N, l, d) as SDPA's
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, l_heads, N, d)
         return self.l_proj(o.transpose(1, 2).reshape(B, H, W, self.l_dim))
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
@@ -187,7 +170,7 @@ class HiLo(nn.Module):
             # GEMM (and, under autocast, one bf16 cast of x) instead of two. Same weights, same MACs.
             w = torch.cat((self.h_qkv.weight, self.l_q.weight))  # (3 h_dim + l_dim, C)
             b = None if self.h_qkv.bias is None else torch.cat((self.h_qkv.bias, self.l_q.bias))
-            y = linear(x, w, b)  # (B, H, W, 3 h_dim + l_dim)
+            y = F.linear(x, w, b)  # (B, H, W, 3 h_dim + l_dim)
             hq = 3 * self.h_dim
             hi, lo = self.hifi(y[..., :hq], H, W), self.lofi(x, y[..., hq:])
         # Hi-Fi channels first, as LITv2. Filled slice by slice rather than torch.cat, whose last-dim kernel is
@@ -201,7 +184,7 @@ class HiLo(nn.Module):
     def _place_hifi(dst: torch.Tensor | None, hi: torch.Tensor, H: int, W: int) -> torch.Tensor:
         """Copy Hi-Fi's output, windowed (B, nh, s, nw, s, h_dim) or raster (B, H, W, h_dim), into ``dst``
         (B, H, W, h_dim), cropping any padding; a new tensor when ``dst`` is None."""
-        if hi.dim() == 4:  # raster order (compiled kernel)
+        if hi.dim() == 4:  # raster order (an optimized Hi-Fi core, vitlab.optimize)
             return hi if dst is None else dst.copy_(hi)
         B, nh, s, nw, _, c = hi.shape
         if nh * s != H or nw * s != W:  # padded: reverse the windows, then crop

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear
 
 
 @register_attention("linear")
@@ -28,9 +27,9 @@ class LinearAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = check_heads(dim, num_heads)
         self.eps = eps
-        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.attn_drop = attn_drop  # there is no attention matrix to drop from; kept for the common signature
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     @staticmethod

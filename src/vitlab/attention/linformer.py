@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads, to_2tuple
-from vitlab.layers.linear import Linear
 
 
 @register_attention("linformer")
@@ -39,13 +38,13 @@ class LinformerAttention(nn.Module):
         self.grid_size = to_2tuple(grid_size)
         self.num_prefix_tokens = num_prefix_tokens
         seq_len = num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
-        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
-        # E (keys) and F (values): (k, N_0), initialised like a Linear(N_0, k) as in the reference code
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        # E (keys) and F (values): (k, N_0), initialised like a nn.Linear(N_0, k) as in the reference code
         bound = 1 / math.sqrt(seq_len)
         self.proj_k = nn.Parameter(torch.empty(proj_len, seq_len).uniform_(-bound, bound))
         self.proj_v = nn.Parameter(torch.empty(proj_len, seq_len).uniform_(-bound, bound))
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def _seq_proj(self, e: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:

@@ -39,7 +39,6 @@ from vitlab.attention._window import (
 )
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear
 
 
 def _region(idx: torch.Tensor, size: int, ws: int, shift: int) -> torch.Tensor:
@@ -64,9 +63,9 @@ class _WindowAttentionBase(nn.Module):
                              f"{shift_size}")
         self.window_size = window_size
         self.shift_size = shift_size
-        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         if rel_pos_bias:
             table = torch.zeros((2 * window_size - 1) ** 2, num_heads)  # ((2ws-1)^2, heads)

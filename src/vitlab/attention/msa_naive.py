@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear
 
 
 @register_attention("msa_naive")
@@ -28,9 +27,9 @@ class NaiveAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = check_heads(dim, num_heads)
         self.scale = self.head_dim**-0.5
-        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False):

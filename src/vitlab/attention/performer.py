@@ -20,7 +20,6 @@ import torch.nn as nn
 
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear
 
 
 def orthogonal_gaussian(num_features: int, dim: int,
@@ -71,9 +70,9 @@ class PerformerAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = check_heads(dim, num_heads)
         self.num_features = num_features
-        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.attn_drop = attn_drop  # no attention matrix is formed; kept for the common signature
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.register_buffer("features", torch.empty(num_features, self.head_dim), persistent=True)
         self.redraw_features()

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear
 
 
 def _to_z(t: torch.Tensor, heads: int, fine: int) -> torch.Tensor:
@@ -78,7 +77,7 @@ class QuadTreeAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.num_levels = num_levels
         self.topk = topk
-        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)  # = the authors' three 1x1 convolutions
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)  # = the authors' three 1x1 convolutions
         self.value_branches = nn.ModuleList(
             nn.Sequential(nn.GroupNorm(1, dim), nn.GELU(), nn.Conv2d(dim, dim, 2, stride=2),
                           nn.GroupNorm(1, dim), nn.GELU(), nn.Conv2d(dim, dim, 1))
@@ -87,7 +86,7 @@ class QuadTreeAttention(nn.Module):
             if lepe else None
         self.level_weight = nn.Parameter(torch.zeros(num_levels))  # softmax -> equal weights at init
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:

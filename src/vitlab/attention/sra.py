@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear
 
 
 @register_attention("sra")
@@ -37,13 +36,13 @@ class SpatialReductionAttention(nn.Module):
         if sr_ratio < 1:
             raise ValueError(f"sr_ratio must be >= 1, got {sr_ratio}")
         self.sr_ratio = sr_ratio
-        self.q = Linear(dim, dim, bias=qkv_bias)
-        self.kv = Linear(dim, dim * 2, bias=qkv_bias)
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
         if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
             self.norm = nn.LayerNorm(dim)
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:

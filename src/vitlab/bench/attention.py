@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from vitlab import kernels
 from vitlab._io import atomic_write
 from vitlab.attention import create, list_attention
 from vitlab.bench.paper_table_iv import SETTINGS, paper_row
-from vitlab.layers.linear import onednn_linear_available
+from vitlab.optimize import kernels
+from vitlab.optimize.onednn import onednn_linear_available
 from vitlab.profile import count_macs, count_params
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from vitlab.layers.linear import use_onednn
+from vitlab.optimize.onednn import use_onednn
 
 
 def sync(device: torch.device) -> None:

@@ -8,14 +8,6 @@ from vitlab.layers.drop import DropPath, drop_path, drop_path_schedule
 from vitlab.layers.features import feature_take_indices, intermediates_plan
 from vitlab.layers.helpers import check_heads, check_image, init_linears_trunc_normal_, make_divisible, to_2tuple
 from vitlab.layers.layer_scale import LayerScale, LayerScale2d
-from vitlab.layers.linear import (
-    Linear,
-    cpu_fp32_inference,
-    linear,
-    linear_act,
-    onednn_linear_available,
-    use_onednn,
-)
 from vitlab.layers.mlp import Mlp, SwiGLU, create_mlp, get_act_layer, swiglu_hidden_dim
 from vitlab.layers.norm import RMSNorm, get_norm_layer
 from vitlab.layers.offset_bias_attn import OffsetBiasAttentionBase, downsample_size
@@ -31,12 +23,10 @@ from vitlab.layers.pos_embed import (
 
 __all__ = [
     "apply_rope", "Attention", "AttentionPool", "Block", "check_heads", "check_image", "check_pool",
-    "check_pool_type", "conv_to_linear_patch_weight", "cpu_fp32_inference", "create_attention", "create_classifier",
+    "check_pool_type", "conv_to_linear_patch_weight", "create_attention", "create_classifier",
     "create_mlp",
     "downsample_size", "drop_path", "drop_path_schedule", "DropPath", "feature_take_indices", "get_act_layer",
-    "get_norm_layer", "init_linears_trunc_normal_", "intermediates_plan", "LayerScale", "LayerScale2d", "Linear",
-    "linear", "linear_act", "LinearPatchEmbed", "list_attention", "make_divisible", "Mlp", "OffsetBiasAttentionBase",
-    "onednn_linear_available", "PatchEmbed", "pool_tokens", "register_attention", "resample_abs_pos_embed", "RMSNorm",
+    "get_norm_layer", "init_linears_trunc_normal_", "intermediates_plan", "LayerScale", "LayerScale2d", "LinearPatchEmbed", "list_attention", "make_divisible", "Mlp", "OffsetBiasAttentionBase",
+    "PatchEmbed", "pool_tokens", "register_attention", "resample_abs_pos_embed", "RMSNorm",
     "rope_frequencies", "RotaryEmbedding2D", "sincos_2d_pos_embed", "SwiGLU", "swiglu_hidden_dim", "to_2tuple",
-    "use_onednn",
 ]

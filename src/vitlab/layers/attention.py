@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
-from vitlab.layers.linear import Linear
 from vitlab.layers.pos_embed import apply_rope
 
 
@@ -31,11 +30,11 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = check_heads(dim, num_heads)
         self.scale = self.head_dim**-0.5
-        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, rope=None, return_attn: bool = False):

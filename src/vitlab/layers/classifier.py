@@ -6,12 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vitlab.layers.linear import Linear
-
 
 def create_classifier(num_features: int, num_classes: int, device: torch.device | str | None = None) -> nn.Module:
-    """``Linear(num_features, num_classes)`` on ``device``, or ``Identity`` for ``num_classes <= 0``."""
-    return Linear(num_features, num_classes, device=device) if num_classes > 0 else nn.Identity()
+    """``nn.Linear(num_features, num_classes)`` on ``device``, or ``Identity`` for ``num_classes <= 0``."""
+    return nn.Linear(num_features, num_classes, device=device) if num_classes > 0 else nn.Identity()
 
 
 def check_pool(pool_type: str, allowed: tuple[str, ...], model: str | None = None) -> str:

@@ -14,7 +14,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vitlab.layers.helpers import make_divisible
-from vitlab.layers.linear import Linear, linear_act
 
 _ACTS: dict[str, Callable[[], nn.Module]] = {
     "gelu": nn.GELU,
@@ -39,14 +38,14 @@ class Mlp(nn.Module):
         super().__init__()
         hidden_features = hidden_features or in_features
         out_features = out_features or in_features
-        self.fc1 = Linear(in_features, hidden_features, bias=bias)
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
         self.act = get_act_layer(act_layer)()
         self.drop1 = nn.Dropout(drop)
-        self.fc2 = Linear(hidden_features, out_features, bias=bias)
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(linear_act(self.fc1, x, self.act))))  # GELU fused into fc1 on CPU
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
 
 
 def swiglu_hidden_dim(dim: int, mlp_ratio: float = 4.0, multiple_of: int = 64) -> int:
@@ -63,9 +62,9 @@ class SwiGLU(nn.Module):
         super().__init__()
         out_features = out_features or in_features
         self.hidden_features = hidden_features or swiglu_hidden_dim(in_features, 4.0, multiple_of)
-        self.fc1 = Linear(in_features, 2 * self.hidden_features, bias=bias)
+        self.fc1 = nn.Linear(in_features, 2 * self.hidden_features, bias=bias)
         self.drop1 = nn.Dropout(drop)
-        self.fc2 = Linear(self.hidden_features, out_features, bias=bias)
+        self.fc2 = nn.Linear(self.hidden_features, out_features, bias=bias)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

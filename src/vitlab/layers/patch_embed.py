@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from vitlab.layers.helpers import check_image, to_2tuple
-from vitlab.layers.linear import Linear, linear
 
 
 class _PatchGrid(nn.Module):
@@ -101,7 +100,7 @@ class PatchEmbed(_PatchGrid):
         ph, pw = self.patch_size
         x = x.to(_compute_dtype(x))  # cast before the patch copy, as autocast would before the GEMM: one copy less
         x = x.view(B, C, H // ph, ph, W // pw, pw).permute(0, 2, 4, 1, 3, 5).reshape(B, H // ph, W // pw, -1)
-        return linear(x, self.proj.weight.flatten(1), self.proj.bias)
+        return F.linear(x, self.proj.weight.flatten(1), self.proj.bias)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -127,7 +126,7 @@ class LinearPatchEmbed(_PatchGrid):
         patch_dim = in_chans * ph * pw
         self.flatten = flatten
         self.pre_norm = nn.LayerNorm(patch_dim) if pre_norm else nn.Identity()
-        self.proj = Linear(patch_dim, embed_dim, bias=bias)
+        self.proj = nn.Linear(patch_dim, embed_dim, bias=bias)
         self.norm = norm_layer(embed_dim) if norm_layer else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.layers.linear import Linear
-
 POOL_TYPES = ("token", "avg", "max", "attn", "")
 
 
@@ -18,7 +16,7 @@ class AttentionPool(nn.Module):
 
     def __init__(self, dim: int):
         super().__init__()
-        self.attention = Linear(dim, 1)
+        self.attention = nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, C) -> (B, C)
         weights = F.softmax(self.attention(x), dim=1)  # (B, N, 1)

@@ -30,7 +30,6 @@ from torch.utils.checkpoint import checkpoint
 
 from vitlab.layers import (
     DropPath,
-    Linear,
     Mlp,
     PatchEmbed,
     check_heads,
@@ -65,11 +64,11 @@ class TalkingHeadAttn(nn.Module):
         self.head_dim = check_heads(dim, num_heads)
         self.scale = self.head_dim**-0.5
         self.folded = folded
-        self.qkv = Linear(dim, 3 * dim, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = Linear(dim, dim)
-        self.proj_l = Linear(num_heads, num_heads)  # mixes the heads' logits (before the softmax)
-        self.proj_w = Linear(num_heads, num_heads)  # mixes the heads' weights (after the softmax)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_l = nn.Linear(num_heads, num_heads)  # mixes the heads' logits (before the softmax)
+        self.proj_w = nn.Linear(num_heads, num_heads)  # mixes the heads' weights (after the softmax)
         self.proj_drop = nn.Dropout(proj_drop)
 
     @staticmethod
@@ -133,11 +132,11 @@ class ClassAttn(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = check_heads(dim, num_heads)
-        self.q = Linear(dim, dim, bias=qkv_bias)
-        self.k = Linear(dim, dim, bias=qkv_bias)
-        self.v = Linear(dim, dim, bias=qkv_bias)
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.k = nn.Linear(dim, dim, bias=qkv_bias)
+        self.v = nn.Linear(dim, dim, bias=qkv_bias)
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,6 @@ from vitlab.layers import (
     DropPath,
     LayerScale,
     LayerScale2d,
-    Linear,
     Mlp,
     OffsetBiasAttentionBase,
     check_image,
@@ -57,8 +56,8 @@ class Attention(OffsetBiasAttentionBase):
         self.val_attn_dim = self.val_dim * num_heads
         self.scale = key_dim ** -0.5
         self.resolution = tuple(resolution)
-        self.qkv = Linear(dim, num_heads * (2 * key_dim + self.val_dim))
-        self.proj = Linear(self.val_attn_dim, dim)
+        self.qkv = nn.Linear(dim, num_heads * (2 * key_dim + self.val_dim))
+        self.proj = nn.Linear(self.val_attn_dim, dim)
         self._init_bias(num_heads, self.resolution, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.layers import DropPath, LinearPatchEmbed, get_act_layer, get_norm_layer, linear
+from vitlab.layers import DropPath, LinearPatchEmbed, get_act_layer, get_norm_layer
 from vitlab.models.vision_transformer import VisionTransformer
 from vitlab.registry import ModelConfig, register_model
 
@@ -47,8 +47,8 @@ class HaLViTFeedForward(nn.Module):
         _uniform_fan_in(self.b2, self.w.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(linear(self.ln1(x), self.w.t(), self.b1, self.act))  # x W + b1: (B, N, hidden)
-        return self.dropout(linear(x, self.w, self.b2))  # x W^T + b2: (B, N, dim)
+        x = self.dropout(self.act(F.linear(self.ln1(x), self.w.t(), self.b1)))  # x W + b1: (B, N, hidden)
+        return self.dropout(F.linear(x, self.w, self.b2))  # x W^T + b2: (B, N, dim)
 
 
 class HaLViTAttention(nn.Module):
@@ -73,7 +73,7 @@ class HaLViTAttention(nn.Module):
     def forward(self, x: torch.Tensor, hw=None, return_attn: bool = False):
         B, N, _ = x.shape
         w = torch.cat([self.q, self.kv, self.kv.t()], dim=1)  # (dim, 3*inner): one matmul for Q, K, V
-        q, k, v = linear(self.inpnorm(x), w.t()).split(self.inner_dim, dim=-1)  # (B, N, inner) each
+        q, k, v = F.linear(self.inpnorm(x), w.t()).split(self.inner_dim, dim=-1)  # (B, N, inner) each
         q, k = self.qnorm(q), self.knorm(k)
         q, k, v = (t.view(B, N, self.heads, self.dim_head).transpose(1, 2) for t in (q, k, v))  # (B, h, N, d)
         drop = self.attn_drop if self.training else 0.0
@@ -82,7 +82,7 @@ class HaLViTAttention(nn.Module):
             out = F.dropout(attn, drop) @ v
         else:
             attn, out = None, F.scaled_dot_product_attention(q, k, v, dropout_p=drop)
-        out = linear(out.transpose(1, 2).reshape(B, N, self.inner_dim), self.q, self.bias)  # o q^T + bias
+        out = F.linear(out.transpose(1, 2).reshape(B, N, self.inner_dim), self.q, self.bias)  # o q^T + bias
         return (out, attn) if return_attn else out
 
 

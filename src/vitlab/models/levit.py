@@ -41,14 +41,12 @@ from torch.utils.checkpoint import checkpoint
 
 from vitlab.layers import (
     DropPath,
-    Linear,
     OffsetBiasAttentionBase,
     check_image,
     check_pool,
     downsample_size,
     get_act_layer,
     intermediates_plan,
-    linear_act,
     to_2tuple,
 )
 from vitlab.models._base import TimmApiMixin
@@ -104,7 +102,7 @@ class LinearNorm(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bn_weight_init: float = 1.0):
         super().__init__()
-        self.linear = Linear(in_features, out_features, bias=False)
+        self.linear = nn.Linear(in_features, out_features, bias=False)
         self.bn = nn.BatchNorm1d(out_features)
         nn.init.constant_(self.bn.weight, bn_weight_init)
 
@@ -116,7 +114,7 @@ class LinearNorm(nn.Module):
     def fuse(self) -> nn.Linear:
         w = self.linear.weight
         scale, shift = _bn_scale_shift(self.bn)
-        m = Linear(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype)
+        m = nn.Linear(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype)
         m.weight.copy_(w * scale[:, None])
         m.bias.copy_(shift)
         return m
@@ -129,7 +127,7 @@ class NormLinear(nn.Module):
         super().__init__()
         self.bn = nn.BatchNorm1d(in_features)
         self.drop = nn.Dropout(drop)
-        self.linear = Linear(in_features, out_features)
+        self.linear = nn.Linear(in_features, out_features)
         nn.init.trunc_normal_(self.linear.weight, std=0.02)
         nn.init.zeros_(self.linear.bias)
 
@@ -140,7 +138,7 @@ class NormLinear(nn.Module):
     def fuse(self) -> nn.Linear:
         lin = self.linear
         scale, shift = _bn_scale_shift(self.bn)
-        m = Linear(lin.in_features, lin.out_features, device=lin.weight.device, dtype=lin.weight.dtype)
+        m = nn.Linear(lin.in_features, lin.out_features, device=lin.weight.device, dtype=lin.weight.dtype)
         m.weight.copy_(lin.weight * scale[None, :])  # W (x * s + t) + b = (W s) x + (W t + b)
         m.bias.copy_(lin.weight @ shift + lin.bias)
         return m
@@ -263,7 +261,7 @@ class LevitMlp(nn.Module):
         self.ln2 = LinearNorm(hidden_features, in_features, bn_weight_init=0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ln2(self.drop(linear_act(self.ln1, x, self.act)))  # fused once ln1 is a Linear (fuse())
+        return self.ln2(self.drop(self.act(self.ln1(x))))
 
 
 class LevitDownsample(nn.Module):

@@ -51,7 +51,6 @@ from torchvision.ops import deform_conv2d
 from vitlab.attention import create as create_attention
 from vitlab.layers import (
     DropPath,
-    Linear,
     PatchEmbed,
     check_heads,
     check_pool,
@@ -85,11 +84,11 @@ class ConvFFN(nn.Module):
         super().__init__()
         hidden_features = hidden_features or in_features
         out_features = out_features or in_features
-        self.fc1 = Linear(in_features, hidden_features)
+        self.fc1 = nn.Linear(in_features, hidden_features)
         self.dwconv = nn.Conv2d(hidden_features, hidden_features, 3, 1, 1, groups=hidden_features)
         self.act = get_act_layer(act_layer)()
         self.drop1 = nn.Dropout(drop)
-        self.fc2 = Linear(hidden_features, out_features)
+        self.fc2 = nn.Linear(hidden_features, out_features)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:

@@ -31,7 +31,6 @@ from torch.utils.checkpoint import checkpoint
 
 from vitlab.layers import (
     Block,
-    Linear,
     PatchEmbed,
     check_heads,
     check_image,
@@ -65,10 +64,10 @@ class SpatialReductionAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = check_heads(dim, num_heads)
         self.sr_ratio = sr_ratio
-        self.q = Linear(dim, dim, bias=qkv_bias)
-        self.kv = Linear(dim, 2 * dim, bias=qkv_bias)
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)

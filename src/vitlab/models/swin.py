@@ -34,7 +34,6 @@ from torch.utils.checkpoint import checkpoint
 
 from vitlab.layers import (
     DropPath,
-    Linear,
     Mlp,
     PatchEmbed,
     check_heads,
@@ -97,9 +96,9 @@ class WindowAttention(nn.Module):
         # derived from the window size alone: not saved (timm drops it from its checkpoints too)
         index = relative_position_index(win_h, win_w)
         self.register_buffer("relative_position_index", index, persistent=False)
-        self.qkv = Linear(dim, 3 * dim, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def relative_position_bias(self) -> torch.Tensor:
@@ -186,7 +185,7 @@ class PatchMerging(nn.Module):
         self.dim = dim
         self.out_dim = out_dim or 2 * dim
         self.norm = get_norm_layer(norm_layer)(4 * dim)
-        self.reduction = Linear(4 * dim, self.out_dim, bias=False)
+        self.reduction = nn.Linear(4 * dim, self.out_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = rearrange(x, "b (h dh) (w dw) c -> b h w (dw dh c)", dh=2, dw=2)  # (B, H/2, W/2, 4C)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vitlab import kernels
+from vitlab.optimize import kernels
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.status()}")
 
@@ -135,7 +135,7 @@ def test_compiler_command_may_carry_arguments(monkeypatch):
 
 
 def test_switched_off_by_environment():
-    code = "from vitlab import kernels; print(kernels.available(), kernels.status())"
+    code = "from vitlab.optimize import kernels; print(kernels.available(), kernels.status())"
     env = {**os.environ, "VITLAB_CKERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False switched off by VITLAB_CKERNELS=0"
