@@ -23,10 +23,10 @@ from vitlab.layers.pos_embed import (
 
 __all__ = [
     "apply_rope", "Attention", "AttentionPool", "Block", "check_heads", "check_image", "check_pool",
-    "check_pool_type", "conv_to_linear_patch_weight", "create_attention", "create_classifier",
-    "create_mlp",
+    "check_pool_type", "conv_to_linear_patch_weight", "create_attention", "create_classifier", "create_mlp",
     "downsample_size", "drop_path", "drop_path_schedule", "DropPath", "feature_take_indices", "get_act_layer",
-    "get_norm_layer", "init_linears_trunc_normal_", "intermediates_plan", "LayerScale", "LayerScale2d", "LinearPatchEmbed", "list_attention", "make_divisible", "Mlp", "OffsetBiasAttentionBase",
-    "PatchEmbed", "pool_tokens", "register_attention", "resample_abs_pos_embed", "RMSNorm",
-    "rope_frequencies", "RotaryEmbedding2D", "sincos_2d_pos_embed", "SwiGLU", "swiglu_hidden_dim", "to_2tuple",
+    "get_norm_layer", "init_linears_trunc_normal_", "intermediates_plan", "LayerScale", "LayerScale2d",
+    "LinearPatchEmbed", "list_attention", "make_divisible", "Mlp", "OffsetBiasAttentionBase", "PatchEmbed",
+    "pool_tokens", "register_attention", "resample_abs_pos_embed", "RMSNorm", "rope_frequencies",
+    "RotaryEmbedding2D", "sincos_2d_pos_embed", "SwiGLU", "swiglu_hidden_dim", "to_2tuple",
 ]
