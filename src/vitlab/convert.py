@@ -16,8 +16,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from vitlab.registry import get_model_config
-
 _CONTAINER_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model", "module")
 _STRIP_PREFIXES = ("module.", "_orig_mod.")
 _HEAD_KEYS = ("head", "head_dist")
@@ -99,19 +97,19 @@ def load_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool 
     return model
 
 
-def resolve_pretrained(model_name: str) -> str:
-    """Download the model's published weights through huggingface_hub (only when asked, and online)."""
-    cfg = get_model_config(model_name)
-    if not cfg.hf_hub_id:
+def resolve_pretrained(model_name: str, hf_hub_id: str | None) -> str:
+    """Download ``model_name``'s published weights (``hf_hub_id``, from its ModelConfig) through huggingface_hub
+    (only when asked, and online)."""
+    if not hf_hub_id:
         raise CheckpointError(f"no published weights are known for {model_name!r}; "
                               f"pass checkpoint_path=PATH to load a local file")
     try:
         from huggingface_hub import hf_hub_download
     except ImportError as e:
         raise CheckpointError(f"pretrained=True needs huggingface_hub (pip install huggingface_hub) to fetch "
-                              f"{cfg.hf_hub_id}; or download it yourself and pass checkpoint_path=PATH") from e
+                              f"{hf_hub_id}; or download it yourself and pass checkpoint_path=PATH") from e
     try:
-        return hf_hub_download(cfg.hf_hub_id, "model.safetensors")
+        return hf_hub_download(hf_hub_id, "model.safetensors")
     except Exception as e:
-        raise CheckpointError(f"could not fetch {cfg.hf_hub_id} ({type(e).__name__}); offline? pass "
+        raise CheckpointError(f"could not fetch {hf_hub_id} ({type(e).__name__}); offline? pass "
                               f"checkpoint_path=PATH with a local copy of the weights") from e

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from vitlab.layers.helpers import to_2tuple
 from vitlab.registry import create_model, get_model_config
@@ -27,9 +27,11 @@ def _sdpa_cpu_flops(query_shape, key_shape, value_shape, *args, out_shape=None, 
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-# The CPU flash kernel has no formula upstream; without it fused attention would count as zero on CPU.
-if aten._scaled_dot_product_flash_attention_for_cpu.default not in torch.utils.flop_counter.flop_registry:
-    register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)(_sdpa_cpu_flops)
+def _extra_formulas() -> dict:
+    """Formulas torch lacks, handed to each counter (``custom_mapping``), never registered globally: the CPU
+    flash kernel has none upstream, and without it fused attention would count as zero on CPU."""
+    op = aten._scaled_dot_product_flash_attention_for_cpu
+    return {} if op in flop_registry else {op: _sdpa_cpu_flops}
 
 
 @dataclass
@@ -61,7 +63,7 @@ def memory_estimate_gb(num_params: int, bits: int = 32, overhead: float = 1.2) -
 
 def count_macs(model: nn.Module, x: torch.Tensor) -> int:
     """Multiply-accumulates of ``model(x)`` (FLOP counter total / 2)."""
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=_extra_formulas()) as counter:
         model(x)
     return counter.get_total_flops() // 2
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
 
+from vitlab.convert import load_checkpoint, resolve_pretrained
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 INCEPTION_MEAN = (0.5, 0.5, 0.5)
@@ -126,8 +128,7 @@ def create_model(
     model = entry(**kwargs)
     model.pretrained_cfg = get_model_config(model_name)
     if checkpoint_path is not None or pretrained:
-        from vitlab.convert import load_checkpoint, resolve_pretrained
-
-        path = checkpoint_path if checkpoint_path is not None else resolve_pretrained(model_name)
+        path = checkpoint_path if checkpoint_path is not None else resolve_pretrained(
+            model_name, get_model_config(model_name).hf_hub_id)
         load_checkpoint(model, path, strict=strict)
     return model

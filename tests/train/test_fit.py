@@ -16,7 +16,7 @@ from tests.train.conftest import tiny_config
 from vitlab.data import DataConfig
 from vitlab.train import checkpoint as ck
 from vitlab.train import fit
-from vitlab.train.loop import TIME_KEYS
+from vitlab.train.trainer import TIME_KEYS
 
 
 def test_one_epoch_smoke_on_digits(tmp_path):

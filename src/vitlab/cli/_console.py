@@ -1,7 +1,5 @@
-"""One rich console for every subcommand; wide when writing to a pipe or a log, so tables are not squeezed."""
+"""Kept for ``cli/bench.py``: the console lives in :mod:`vitlab._console` (one console for the whole package)."""
 
-import sys
+from vitlab._console import console
 
-from rich.console import Console
-
-console = Console(width=None if sys.stdout.isatty() else 160)
+__all__ = ["console"]

@@ -7,7 +7,7 @@ import json
 from rich.table import Table
 
 import vitlab
-from vitlab.cli._console import console
+from vitlab._console import console
 
 
 def _fmt(v, spec: str) -> str:

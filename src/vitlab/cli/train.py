@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vitlab.cli._console import console
+from vitlab._console import console
 
 
 class _OverrideParser(argparse.ArgumentParser):

@@ -35,6 +35,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -68,25 +69,25 @@ class DataConfig:
 
     dataset: str = "digits"        # 'digits' | 'fake' | 'imagefolder:PATH' | 'cifar10:PATH' | 'cifar100:PATH'
     img_size: int | None = None    # None -> the preset's size
-    preset: str | None = None      # 'tiny' | 'imagenet'; None -> the dataset's default
-    batch_size: int = 64
-    num_workers: int = 0
+    preset: Literal["tiny", "imagenet"] | None = None  # augmentation preset; None -> the dataset's default
+    batch_size: int = 64           # the loaders' default batch (training uses TrainConfig.batch_size)
+    num_workers: int = 0           # data loader worker processes
     download: bool = False         # cifar only; never download otherwise
     skip_bad_images: bool = False  # imagefolder: skip unreadable images (counted in one warning) instead of failing
     seed: int = 0                  # loader shuffling and fake images; the digits split is fixed regardless
     scale: tuple[float, float] | None = None   # RandomResizedCrop scale
-    hflip: float | None = None
+    hflip: float | None = None                 # horizontal flip probability
     randaugment: bool | None = None            # RandAugment(rand_num_ops, rand_magnitude)
-    rand_num_ops: int = 2
-    rand_magnitude: int = 9
-    color_jitter: float | None = None
+    rand_num_ops: int = 2                      # RandAugment operations per image
+    rand_magnitude: int = 9                    # RandAugment magnitude
+    color_jitter: float | None = None          # ColorJitter strength (0 = off)
     reprob: float | None = None                # RandomErasing p
     mixup: float | None = None                 # MixUp alpha (0 = off)
     cutmix: float | None = None                # CutMix alpha (0 = off)
     crop_pct: float | None = None              # eval resize/crop ratio
-    fake_num_samples: int = 256
-    fake_num_classes: int = 10
-    fake_img_size: int = 224
+    fake_num_samples: int = 256                # fake: training images
+    fake_num_classes: int = 10                 # fake: classes
+    fake_img_size: int = 224                   # fake: image size
 
     def __post_init__(self):
         if self.scale is not None:

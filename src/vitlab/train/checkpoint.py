@@ -22,13 +22,12 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from vitlab._io import _UMASK, _fsync_dir, atomic_write  # noqa: F401  (atomic_write: re-exported)
+from vitlab._io import _fsync_dir, atomic_write, make_temp_dir  # noqa: F401  (atomic_write: re-exported)
 from vitlab.convert import CheckpointError, read_state_dict
 
 WEIGHTS = "model.safetensors"
@@ -118,9 +117,8 @@ def save_checkpoint(run_dir: str | Path, name: str, model_sd: dict, trainer_stat
     root = run_dir / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.", suffix=".tmp"))
+    tmp = make_temp_dir(root, prefix=f".{name}.", suffix=".tmp")
     try:
-        os.chmod(tmp, 0o777 & ~_UMASK)
         _write_file(tmp / WEIGHTS, _safetensors_bytes(model_sd, meta))
         if ema_sd is not None:
             _write_file(tmp / EMA_WEIGHTS, _safetensors_bytes(ema_sd, {**meta, "weights": "ema"}))

@@ -1,8 +1,10 @@
-"""``TrainConfig``: every knob of a training run in one typed, YAML-serialisable dataclass.
+"""``TrainConfig``: every knob of a training run in one typed, YAML-serialisable dataclass -- the single source of
+truth: the CLI's flags, their help (the comment after each field) and their choices (``Literal`` types) are
+generated from these dataclasses (:mod:`vitlab.cli.config_args`).
 
-Precedence when the CLI builds one: dataclass defaults < ``--config cfg.yaml`` < named flags (``--epochs``...) <
-``--key value`` overrides (dotted keys reach nested fields: ``--data.img_size 16``, ``--model_kwargs.depth 6``,
-``--distill.alpha 0.5``). Values are converted to the field's declared type, so ``--lr 1e-3`` is a float.
+Precedence when the CLI builds one: dataclass defaults < ``--config cfg.yaml`` < flags (``--epochs 3``; dotted
+flags reach nested fields: ``--data.img_size 16``, ``--model_kwargs.depth 6``, ``--distill.alpha 0.5``). Values
+are converted to the field's declared type, so ``--lr 1e-3`` is a float.
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
 from vitlab.data import DataConfig
 
-AMP_MODES = ("none", "bf16", "fp16")
-STRATEGIES = ("none", "ddp", "fsdp")
-DISTILL_KINDS = ("none", "hard", "soft", "feature")
+Amp = Literal["none", "bf16", "fp16"]
+StrategyName = Literal["none", "ddp", "fsdp"]
+DistillKind = Literal["none", "hard", "soft", "feature"]
+AMP_MODES = typing.get_args(Amp)
+STRATEGIES = typing.get_args(StrategyName)
+DISTILL_KINDS = typing.get_args(DistillKind)
 DEFAULT_MODEL = "vit_pico_patch8_32"
 
 
@@ -28,14 +34,14 @@ class DistillConfig:
     """DeiT distillation through the distillation token (hard: teacher's argmax; soft: KL at ``tau``), or feature
     distillation (seed 001's FeatureDistillation: student features projected to the teacher's width, MSE)."""
 
-    kind: str = "none"                 # 'none' | 'hard' | 'soft' | 'feature'
+    kind: DistillKind = "none"         # hard: teacher's argmax; soft: KL at tau; feature: projected features, MSE
     teacher: str | None = None         # a vitlab model name, 'timm:NAME', or a checkpoint (run dir / dir / file)
     teacher_checkpoint: str | None = None  # weights for a teacher given by name
-    teacher_kwargs: dict = field(default_factory=dict)
+    teacher_kwargs: dict = field(default_factory=dict)  # create_model kwargs of a teacher given by name
     alpha: float = 0.5                 # weight of the distillation loss (1 - alpha on the class loss)
     tau: float = 1.0                   # soft distillation temperature
     student_layers: list[int] = field(default_factory=lambda: [-1])  # feature: block indices (negatives ok)
-    teacher_layers: list[int] = field(default_factory=lambda: [-1])
+    teacher_layers: list[int] = field(default_factory=lambda: [-1])  # feature: the teacher's block indices
     feature_weight: float = 1.0        # feature: weight of the MSE added to the class loss
 
 
@@ -43,37 +49,38 @@ class DistillConfig:
 class TrainConfig:
     """A training run. ``lr`` is the learning rate at a global batch of 512 (``lr * batch / 512`` is used)."""
 
-    model: str = DEFAULT_MODEL
-    model_kwargs: dict = field(default_factory=dict)
+    task: str = "classify"             # what is trained: a registered Task (vitlab.train.list_tasks())
+    model: str = DEFAULT_MODEL         # a registered model (vitlab models)
+    model_kwargs: dict = field(default_factory=dict)  # extra create_model kwargs: --model_kwargs.depth 6
     data: DataConfig = field(default_factory=DataConfig)
     epochs: int = 50
     batch_size: int = 32               # per process, per micro-step
     accum_steps: int = 1               # gradient accumulation: global batch = batch_size * accum_steps * world
     lr: float = 1.6e-2                 # at global batch 512 (DeiT: 5e-4; tuned for the tiny default model)
     min_lr: float = 1e-5               # at global batch 512, the cosine's floor
-    warmup_epochs: float = 2.0
+    warmup_epochs: float = 2.0         # linear warm-up, then cosine (per optimiser step)
     warmup_lr: float = 1e-6            # at global batch 512
     weight_decay: float = 0.05         # not on norms, biases, tokens, position embeddings
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW
     label_smoothing: float = 0.1
-    drop_path: float = 0.1
+    drop_path: float = 0.1             # stochastic depth rate
     clip_grad: float | None = 1.0      # max gradient norm (None = off)
     ema_decay: float = 0.0             # EMA of the weights, evaluated beside them (0 = off; DeiT: 0.99996)
     ema_warmup: bool = True            # decay min(ema_decay, (1 + step) / (10 + step)): early EMA tracks faster
-    amp: str = "none"                  # 'none' | 'bf16' | 'fp16' (fp16 uses a GradScaler)
-    compile: bool = False
-    channels_last: bool = False
-    grad_checkpointing: bool = False
+    amp: Amp = "none"                  # mixed precision (fp16 uses a GradScaler)
+    compile: bool = False              # torch.compile the training forward
+    channels_last: bool = False        # channels-last memory format for model and images
+    grad_checkpointing: bool = False   # recompute blocks in backward to save memory
     device: str = "auto"               # 'auto' (cuda when available) | 'cpu' | 'cuda' | 'cuda:1' ...
     threads: int | None = None         # torch.set_num_threads on CPU (None = torch's default)
-    seed: int = 0
+    seed: int = 0                      # model initialisation, augmentation and drop-path streams
     distill: DistillConfig = field(default_factory=DistillConfig)
-    strategy: str = "none"             # 'none' | 'ddp' | 'fsdp' (under torchrun)
+    strategy: StrategyName = "none"    # ddp / fsdp (FSDP2) under torchrun
     output_dir: str | None = None      # None -> runs/<model>-<dataset>-<timestamp>
-    resume: str | None = None          # a run directory to continue
+    resume: str | None = None          # a run directory to continue (its model, data and recipe)
     stop_after: int | None = None      # end this invocation after this epoch (the schedule still spans `epochs`)
-    eval_every: int = 1
-    quiet: bool = False
+    eval_every: int = 1                # validate every N epochs (and after the last)
+    quiet: bool = False                # only the final summary line
 
     def __post_init__(self):
         if isinstance(self.data, dict):
@@ -86,6 +93,7 @@ class TrainConfig:
     def validate(self) -> None:
         """ValueError (one line) for a value that cannot work."""
         checks = [
+            (bool(self.task), "task must be a registered task name, e.g. 'classify'"),
             (self.amp in AMP_MODES, f"amp must be one of {AMP_MODES}, got {self.amp!r}"),
             (self.strategy in STRATEGIES, f"strategy must be one of {STRATEGIES}, got {self.strategy!r}"),
             (self.distill.kind in DISTILL_KINDS,
@@ -193,16 +201,23 @@ def coerce(value, tp, key: str = "value"):
     if not isinstance(value, str):
         return value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ValueError(f"{key}: expected one of {', '.join(map(str, args))}, got {value!r}")
     if origin in (typing.Union, types.UnionType):
         if value.lower() in ("none", "null", "~"):
             return None
         inner = [a for a in args if a is not type(None)]
+        errors = []
         for t in inner:
             try:
                 return coerce(value, t, key)
-            except ValueError:
-                continue
-        raise ValueError(f"{key}: cannot read {value!r} as {tp}")
+            except ValueError as e:
+                errors.append(str(e))
+        if len(inner) == 1:
+            raise ValueError(errors[0])
+        raise ValueError(f"{key}: cannot read {value!r} as {type_name(tp)}")
     try:
         if tp is bool:
             low = value.lower()
@@ -228,8 +243,45 @@ def coerce(value, tp, key: str = "value"):
                 raise ValueError
             return parsed
     except (ValueError, TypeError, yaml.YAMLError):
-        raise ValueError(f"{key}: cannot read {value!r} as {getattr(tp, '__name__', tp)}") from None
+        raise ValueError(f"{key}: cannot read {value!r} as {type_name(tp)}") from None
     return yaml.safe_load(value)
+
+
+def type_name(tp) -> str:
+    """``int``, ``float | None``, ``list[int]``, ``{a,b}`` for Literals: how a type reads in help and errors."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "{" + ",".join(map(str, args)) + "}"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if tp is type(None):
+        return "None"
+    if origin is not None:
+        return f"{getattr(origin, '__name__', origin)}[{', '.join(type_name(a) for a in args)}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def field_help(cls) -> dict[str, str]:
+    """The comment after each field of dataclass ``cls`` (its documentation, read from the source)."""
+    import ast
+    import inspect
+    import io
+    import tokenize
+
+    try:
+        src = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
+    body = ast.parse(src).body[0].body
+    out = {}
+    for node in body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            text = comments.get(node.end_lineno) or comments.get(node.lineno)
+            if text:
+                out[node.target.id] = text
+    return out
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, str]:

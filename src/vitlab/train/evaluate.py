@@ -5,7 +5,6 @@ description (name, classes, input size, normalisation) travels in its metadata."
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -14,12 +13,12 @@ import torch
 
 from vitlab.data import DataConfig, build, check_num_classes
 from vitlab.train import checkpoint as ck
+from vitlab.train.classification import create_from_description, evaluate_model
+from vitlab.train.plots import confusion_png
 
 
 def load_model(checkpoint: str | Path, weights: str = "auto", device: str | torch.device = "cpu"):
     """(model in eval mode, meta) from a checkpoint written by ``vitlab train``."""
-    from vitlab.train.loop import create_from_description
-
     sd, meta = ck.load_weights(checkpoint, weights=weights)
     model = create_from_description(meta)
     model.load_state_dict(sd)
@@ -40,45 +39,12 @@ def _data_config(data: str | DataConfig | None, meta: dict) -> DataConfig:
     return replace(cfg, img_size=meta["img_size"])
 
 
-def _plot_confusion(conf: torch.Tensor, names: list[str], title: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    k = conf.shape[0]
-    size = min(4 + 0.35 * k, 30)
-    fig, ax = plt.subplots(figsize=(size, size * 0.9))
-    im = ax.imshow(conf.numpy(), cmap="Blues")
-    fig.colorbar(im, ax=ax, fraction=0.046)
-    if k <= 40:
-        ax.set_xticks(range(k), names, rotation=90 if k > 10 else 0)
-        ax.set_yticks(range(k), names)
-        if k <= 20:
-            for i in range(k):
-                for j in range(k):
-                    v = int(conf[i, j])
-                    if v:
-                        ax.text(j, i, str(v), ha="center", va="center", fontsize=8,
-                                color="white" if v > conf.max().item() / 2 else "black")
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    ax.set_title(title)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
-
-
 def evaluate(checkpoint: str | Path, data: str | DataConfig | None = None, split: str = "test",
              output_dir: str | Path | None = None, weights: str = "auto", batch_size: int = 256,
              device: str = "cpu") -> dict:
     """Top-1 / top-5 / per-class accuracy (%) and the confusion matrix of a checkpoint on ``data``'s ``split``
     ('test', falling back to 'val' when the data has no test split). Writes ``eval-<split>.json`` and
     ``confusion-<split>.png`` to ``output_dir`` (default: the checkpoint's run directory)."""
-    from vitlab.train.loop import evaluate_model
-
     model, meta = load_model(checkpoint, weights=weights, device=device)
     bundle = build(_data_config(data, meta), mean=meta["mean"], std=meta["std"], in_chans=meta["in_chans"])
     check_num_classes(bundle, meta["num_classes"])
@@ -94,7 +60,7 @@ def evaluate(checkpoint: str | Path, data: str | DataConfig | None = None, split
     out = Path(output_dir) if output_dir else _default_out(Path(checkpoint))
     ck.atomic_write(out / f"eval-{split}.json", json.dumps(result, indent=2).encode())
     ck.atomic_write(out / f"confusion-{split}.png",
-                    _plot_confusion(conf, bundle.class_names, f"{meta['model']} on {bundle.name} {split}: "
+                    confusion_png(conf, bundle.class_names, f"{meta['model']} on {bundle.name} {split}: "
                                                               f"top-1 {r['top1']:.2f}%"))
     result["json_path"] = str(out / f"eval-{split}.json")
     result["png_path"] = str(out / f"confusion-{split}.png")

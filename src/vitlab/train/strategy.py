@@ -1,0 +1,323 @@
+"""Strategies: how a :class:`~vitlab.train.trainer.Trainer` places one training run on processes and devices.
+
+One class per strategy, behind one small interface (device, loaders, wrapping, gradient sync, metric reduction,
+checkpoint I/O), chosen by ``TrainConfig.strategy``:
+
+- :class:`SingleDevice` (``none``): one process, one device.
+- :class:`DDP` (``ddp``): ``DistributedDataParallel`` under ``torchrun``; a ``DistributedSampler`` per epoch
+  (``set_epoch``); logging and checkpoints from rank 0 (the weights are identical on every rank).
+- :class:`FSDP2` (``fsdp``): ``fully_shard`` on each of the model's shard units (``model.shard_units()``, which
+  every family declares; ``model.blocks`` for a model without it), then on the root. Under AMP a
+  ``MixedPrecisionPolicy`` with the AMP dtype for parameters and fp32 for gradient reduction. An EMA is sharded
+  the same way (its update is local to each shard). Checkpoints go through ``torch.distributed.checkpoint``
+  (``dcp/`` in the checkpoint directory, loadable under another world size) plus rank 0's gathered
+  ``model.safetensors`` (and ``ema.safetensors``) for evaluation.
+
+Backend: NCCL on CUDA, gloo on CPU. Multi-node is torchrun's own rendezvous, e.g.
+``torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m vitlab train ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from vitlab.train import checkpoint as ck
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return dev
+
+
+def shard_units(module: nn.Module) -> list[nn.Module]:
+    """The submodules FSDP wraps one by one: ``module.shard_units()`` when the model declares them, else its
+    ``blocks``; a module without either runs as one root unit."""
+    fn = getattr(module, "shard_units", None)
+    if callable(fn):
+        return list(fn())
+    return list(getattr(module, "blocks", None) or [])
+
+
+class Strategy:
+    """One process, no collectives: the base every strategy refines."""
+
+    name = "none"
+
+    def __init__(self, device: torch.device, rank: int = 0, world_size: int = 1, local_rank: int = 0,
+                 owns_group: bool = False):
+        self.device, self.rank, self.world_size, self.local_rank = device, rank, world_size, local_rank
+        self.owns_group = owns_group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or self.name != "none"
+
+    def summary(self) -> dict:
+        """What the strategy adds to ``summary.json``."""
+        return {}
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- collectives (no-ops in one process)
+    def broadcast_path(self, path: Path) -> Path:
+        return path
+
+    def mean(self, value: float) -> float:
+        return value
+
+    def sum_tensors(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return values
+
+    def gather_rng(self, state: dict):
+        return state
+
+    def barrier(self) -> None:
+        pass
+
+    # ---- data
+    def train_loader(self, data, batch_size: int, epoch: int):
+        return data.loader("train", batch_size=batch_size, epoch=epoch)
+
+    def eval_loader(self, data, split: str, batch_size: int):
+        return data.loader(split, batch_size=batch_size)
+
+    # ---- model
+    def wrap(self, module: nn.Module, amp: str) -> nn.Module:
+        """The module the training step calls (DDP wrapper, or the module sharded in place)."""
+        return module
+
+    def prepare_ema(self, ema_module: nn.Module, amp: str) -> None:
+        """Lay the EMA copy out like the model (FSDP shards it the same way)."""
+
+    def no_sync(self, wrapped: nn.Module, skip: bool):
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, params, max_norm: float):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    # ---- checkpoints
+    def full_state_dict(self, module: nn.Module) -> dict:
+        """The module's whole state dict (a collective under FSDP: every rank calls it)."""
+        return module.state_dict()
+
+    def save(self, run_dir: Path, name: str, module: nn.Module, optimizer, state: dict, meta: dict,
+             split, ema_module: nn.Module | None, links: tuple[str, ...]) -> None:
+        """Checkpoint ``name``: ``split(full state dict) -> (model weights, {extra module: state})``."""
+        model_sd, extras = split(self.full_state_dict(module))
+        ema_sd = self.full_state_dict(ema_module) if ema_module is not None else None
+        if self.is_main:
+            state = {**state, **extras, "optimizer": optimizer.state_dict()}
+            ck.save_checkpoint(run_dir, name, model_sd, state, meta, ema_sd, links)
+        self.barrier()
+
+    def load(self, ckpt_dir: Path, module: nn.Module, optimizer, state: dict, load_split,
+             ema_module: nn.Module | None) -> None:
+        """Restore module (model + extras), optimiser and EMA weights from checkpoint ``ckpt_dir``.
+        ``load_split(module, model_sd, state)`` loads the model's weights and the extras kept in ``state``."""
+        sd, _ = ck.load_weights(ckpt_dir, weights="raw")
+        load_split(module, sd, state)
+        if ema_module is not None:
+            ema_sd, _ = ck.load_weights(ckpt_dir, weights="ema")
+            ema_module.load_state_dict(ema_sd)
+        if "optimizer" not in state:
+            raise ck.CheckpointError(f"{ckpt_dir} holds no optimiser state (saved by --strategy fsdp?)")
+        optimizer.load_state_dict(state["optimizer"])
+
+
+class SingleDevice(Strategy):
+    """One process on one device (``--strategy none``)."""
+
+
+class _Distributed(Strategy):
+    """What DDP and FSDP2 share: collectives over the process group, sharded loaders, rank-0 I/O."""
+
+    def _coll_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def broadcast_path(self, path: Path) -> Path:
+        obj = [str(path)]
+        dist.broadcast_object_list(obj, src=0)
+        return Path(obj[0])
+
+    def mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self._coll_device())
+        dist.all_reduce(t)
+        return (t / self.world_size).item()
+
+    def sum_tensors(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in values.items():
+            t = v.to(self._coll_device())
+            dist.all_reduce(t)
+            out[k] = t.cpu()
+        return out
+
+    def gather_rng(self, state: dict):
+        out = [None] * self.world_size
+        dist.all_gather_object(out, state)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def train_loader(self, data, batch_size: int, epoch: int):
+        from torch.utils.data.distributed import DistributedSampler
+
+        sampler = DistributedSampler(data.train, num_replicas=self.world_size, rank=self.rank, shuffle=True,
+                                     seed=data.config.seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        return data.loader("train", batch_size=batch_size, sampler=sampler, shuffle=False, drop_last=True)
+
+    def eval_loader(self, data, split: str, batch_size: int):
+        # Each rank takes a strided slice; no padding, so summed counts are exact.
+        from torch.utils.data import DataLoader, Subset
+
+        ds = getattr(data, split)
+        idx = list(range(self.rank, len(ds), self.world_size))
+        return DataLoader(Subset(ds, idx), batch_size=batch_size, shuffle=False,
+                          num_workers=data.config.num_workers)
+
+
+class DDP(_Distributed):
+    """``DistributedDataParallel`` over the whole trained module (the model and any trained extras, e.g. the
+    feature-distillation projectors), so every trained parameter's gradient is averaged."""
+
+    name = "ddp"
+
+    def wrap(self, module: nn.Module, amp: str) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids)
+
+    def no_sync(self, wrapped: nn.Module, skip: bool):
+        return wrapped.no_sync() if skip else contextlib.nullcontext()
+
+
+class FSDP2(_Distributed):
+    """FSDP2 ``fully_shard``: each shard unit, then the root; EMA sharded alike; checkpoints through dcp."""
+
+    name = "fsdp"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.units = 0
+
+    def summary(self) -> dict:
+        return {"fsdp_units": self.units}
+
+    def _shard(self, module: nn.Module, amp: str) -> int:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kw = {}
+        if amp != "none":
+            dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        units = shard_units(module)
+        for unit in units:
+            fully_shard(unit, **kw)
+        fully_shard(module, **kw)
+        return len(units) + 1  # the root is a unit too
+
+    def wrap(self, module: nn.Module, amp: str) -> nn.Module:
+        self.units = self._shard(module, amp)
+        return module
+
+    def prepare_ema(self, ema_module: nn.Module, amp: str) -> None:
+        self._shard(ema_module, amp)
+
+    def no_sync(self, wrapped: nn.Module, skip: bool):
+        if hasattr(wrapped, "set_requires_gradient_sync"):
+            wrapped.set_requires_gradient_sync(not skip)
+        return contextlib.nullcontext()
+
+    def full_state_dict(self, module: nn.Module) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save(self, run_dir, name, module, optimizer, state, meta, split, ema_module, links) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        root = Path(run_dir) / ck.CKPT_DIR
+        staging = root / f".{name}.dcp.tmp"
+        if self.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()
+        msd, osd = get_state_dict(module, optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(staging))
+        model_sd, extras = split(self.full_state_dict(module))  # extras also travel in dcp/
+        ema_sd = self.full_state_dict(ema_module) if ema_module is not None else None
+        dist.barrier()
+        if self.is_main:
+            state = {**state, **extras, "world_size_saved": self.world_size}
+            ck.save_checkpoint(run_dir, name, model_sd, state, meta, ema_sd, links, extra_dirs={"dcp": staging})
+        dist.barrier()
+
+    def load(self, ckpt_dir, module, optimizer, state, load_split, ema_module) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        dcp_dir = Path(ckpt_dir) / "dcp"
+        if not dcp_dir.is_dir():
+            raise ck.CheckpointError(f"{ckpt_dir} has no dcp/ (not saved by --strategy fsdp); resume it with the "
+                                     f"strategy that saved it")
+        msd, osd = get_state_dict(module, optimizer)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=str(dcp_dir))
+        set_state_dict(module, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        if ema_module is not None:
+            ema_sd, _ = ck.load_weights(ckpt_dir, weights="ema")
+            set_model_state_dict(ema_module, ema_sd, options=StateDictOptions(full_state_dict=True))
+
+
+STRATEGIES: dict[str, type[Strategy]] = {"none": SingleDevice, "ddp": DDP, "fsdp": FSDP2}
+
+
+def create_strategy(name: str, device: str = "auto") -> Strategy:
+    """The strategy ``name`` for this process: reads torchrun's environment and starts the process group for
+    ddp / fsdp (NCCL on CUDA, gloo on CPU)."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
+    if name == "none":
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("launched by torchrun with several processes but --strategy is none; pass "
+                             "--strategy ddp or fsdp")
+        return SingleDevice(resolve_device(device))
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ValueError(f"--strategy {name} needs torchrun: torchrun --nproc-per-node N -m vitlab train "
+                         f"... --strategy {name}")
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    owns = False
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        owns = True
+    return STRATEGIES[name](dev, rank=rank, world_size=world, local_rank=local, owns_group=owns)

@@ -1,0 +1,89 @@
+"""The ``Task`` protocol: what a :class:`~vitlab.train.trainer.Trainer` trains, and the registry of tasks.
+
+A task builds its modules from the config and says how one batch trains and validates; the Trainer owns
+everything else (run directory, strategy, optimiser, schedule, AMP, accumulation, EMA, checkpoints, resume,
+metrics, progress). The split follows torchtitan's ``TrainSpec``: the loop never learns what a model is, so a
+self-supervised, segmentation or CLIP task plugs in by registering itself::
+
+    from vitlab.train import register_task
+
+    @register_task("my_task")
+    class MyTask:
+        monitor = "top1"            # validation metric that picks the best checkpoint (higher is better)
+        def build(self, cfg, device): ...   # sets self.data, self.model, self.module
+        ...
+
+    fit(TrainConfig(task="my_task", ...))      # or: vitlab train --task my_task
+
+Conventions: ``model`` is the network whose weights are the run's output (``model.safetensors``, EMA'd,
+evaluated). ``module`` is what the strategy wraps and the optimiser trains: the model itself, or a module that
+holds it as its attribute ``model`` beside trained extras (e.g. feature-distillation projectors), whose states
+are checkpointed in the trainer state under their attribute names. ``data`` offers ``train`` / ``val`` datasets,
+``loader(split, ...)`` and ``config.seed`` / ``config.num_workers`` (a :class:`vitlab.data.DataBundle` does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+import torch.nn as nn
+
+
+@runtime_checkable
+class Task(Protocol):
+    monitor: ClassVar[str]  # the validation metric (a key of validation_metrics) that picks the best checkpoint
+
+    data: Any
+    model: nn.Module
+    module: nn.Module
+
+    def build(self, cfg, device: torch.device) -> None:
+        """Build ``data``, ``model`` (on ``device``) and ``module`` from the config."""
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """The optimiser's parameter groups over ``module`` (called after the strategy wrapped it)."""
+
+    def training_step(self, batch, forward) -> tuple[torch.Tensor, dict]:
+        """(loss, logs) of one micro-batch; ``forward`` is the wrapped ``module`` to call."""
+
+    def validation_step(self, batch, forward) -> dict[str, torch.Tensor]:
+        """Sums over one batch (summed over batches and ranks, then :meth:`validation_metrics`)."""
+
+    def validation_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The validation metrics from the summed ``validation_step`` outputs."""
+
+    def description(self) -> dict:
+        """What is stored with every checkpoint so the model can be rebuilt without the config."""
+
+    def summary(self) -> dict:
+        """Fields for the start line and ``summary.json`` (model, dataset, params_m, img_size...)."""
+
+    def test(self, run_dir, batch_size: int) -> dict:
+        """The final evaluation of the best checkpoint (rank 0 only), merged into the summary."""
+
+
+TASKS: dict[str, type] = {}
+
+
+def register_task(name: str):
+    """Class decorator: make a task available as ``TrainConfig(task=name)`` / ``vitlab train --task name``."""
+
+    def deco(cls: type) -> type:
+        if name in TASKS and TASKS[name] is not cls:
+            raise ValueError(f"task {name!r} is registered twice")
+        TASKS[name] = cls
+        cls.task_name = name
+        return cls
+
+    return deco
+
+
+def list_tasks() -> list[str]:
+    return sorted(TASKS)
+
+
+def create_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(list_tasks()) or 'none'}")
+    return TASKS[name]()

@@ -1,0 +1,368 @@
+"""``Trainer``: runs a :class:`~vitlab.train.task.Task` under a :mod:`strategy <vitlab.train.strategy>` --
+setup, resume, train an epoch, validate, save -- and ``fit(TrainConfig) -> summary``.
+
+The run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one line per epoch),
+``curves.png``, ``last`` / ``best`` checkpoints (see :mod:`vitlab.train.checkpoint`) and ``summary.json``.
+
+Exact resume: the trainer state stores optimiser, scheduler, scaler, EMA, epoch, step and every RNG state at the
+end of an epoch, and the training loader's shuffle is seeded with (seed, epoch); so on CPU a resumed run
+repeats the straight run's arithmetic step for step. ``fit(TrainConfig(resume=RUN))`` takes every field it
+leaves at its default from the run's own ``config.yaml`` (model, data, recipe), as ``vitlab train --resume RUN``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from vitlab.convert import CheckpointError
+from vitlab.train import checkpoint as ck
+from vitlab.train.classification import autocast, add_sums
+from vitlab.train.config import TrainConfig
+from vitlab.train.plots import curves_png
+from vitlab.train.progress import Progress, say
+from vitlab.train.recipe import ModelEma, WarmupCosine, build_optimizer, scaled_lr
+from vitlab.train.strategy import Strategy, create_strategy
+from vitlab.train.task import Task, create_task
+
+TIME_KEYS = ("epoch_time_s", "img_per_s", "wall_time_s")  # metrics that differ between identical runs
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def default_run_dir(cfg: TrainConfig) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / f"{cfg.model}-{cfg.data.name}-{stamp}"
+    path, i = base, 1
+    while path.exists():
+        i += 1
+        path = base.with_name(f"{base.name}-{i}")
+    return path
+
+
+def resume_config(cfg: TrainConfig) -> TrainConfig:
+    """The config a resumed run continues with: the run's own ``config.yaml``, with every field ``cfg`` sets to
+    something other than its default on top (a nested config -- data, distill -- counts as one field)."""
+    run = Path(cfg.resume)
+    if not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"no run to resume at {run} (expected {run / 'config.yaml'})")
+    saved = TrainConfig.load(run / "config.yaml")
+    default = TrainConfig()
+    changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)
+               if getattr(cfg, f.name) != getattr(default, f.name)}
+    changed.update(resume=str(run), output_dir=str(run))
+    return replace(saved, **changed)
+
+
+def _batch_size(batch) -> int:
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    return int(first.shape[0])
+
+
+class Trainer:
+    """The engine: ``Trainer(cfg).fit()`` (``setup`` -> per epoch ``train_epoch`` + ``validate`` + ``save``).
+
+    It knows no model: the :class:`Task` named by ``cfg.task`` builds the modules and computes losses and
+    metrics; the strategy places them (one device, DDP, FSDP2)."""
+
+    def __init__(self, cfg: TrainConfig, task: Task | None = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.task = task
+        self.t_start = time.perf_counter()
+
+    # ---------------------------------------------------------------- setup
+    def _run_dir(self) -> Path:
+        cfg = self.cfg
+        if cfg.resume:
+            run_dir = Path(cfg.resume)
+            if not run_dir.is_dir():
+                raise FileNotFoundError(f"run directory to resume not found: {run_dir}")
+            if not (run_dir / "last").exists():
+                raise CheckpointError(f"{run_dir} has no 'last' checkpoint to resume from")
+        else:
+            run_dir = Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg)
+            if (run_dir / "last").exists():
+                raise ValueError(f"{run_dir} already holds a run; pass --resume {run_dir} to continue it, or choose "
+                                 f"another --output-dir")
+        return self.strategy.broadcast_path(run_dir)
+
+    def setup(self) -> None:
+        cfg, st = self.cfg, self.strategy
+        self.run_dir = self._run_dir()
+        # data and modules: identical initialisation on every rank, then per-rank augmentation streams
+        seed_everything(cfg.seed)
+        if self.task is None:
+            self.task = create_task(cfg.task)
+        task = self.task
+        task.build(cfg, st.device)
+        self.ema = ModelEma(task.model, cfg.ema_decay, cfg.ema_warmup) if cfg.ema_decay > 0 else None
+
+        self.global_batch = cfg.batch_size * cfg.accum_steps * st.world_size
+        self.steps_per_epoch = len(st.train_loader(task.data, cfg.batch_size, epoch=0)) // cfg.accum_steps
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"the training split ({len(task.data.train)} images) gives no optimiser step at batch "
+                             f"{cfg.batch_size} x accum {cfg.accum_steps} x {st.world_size} processes")
+        self.wrapped = st.wrap(task.module, cfg.amp)
+        if self.ema is not None:
+            st.prepare_ema(self.ema.module, cfg.amp)
+        self.base_lr = scaled_lr(cfg.lr, self.global_batch)
+        self.optimizer = build_optimizer(task.param_groups(cfg.weight_decay), self.base_lr, cfg.betas)
+        self.scheduler = WarmupCosine(self.optimizer, total_steps=self.steps_per_epoch * cfg.epochs,
+                                      warmup_steps=round(self.steps_per_epoch * cfg.warmup_epochs),
+                                      base_lr=self.base_lr, min_lr=scaled_lr(cfg.min_lr, self.global_batch),
+                                      warmup_lr=scaled_lr(cfg.warmup_lr, self.global_batch))
+        self.scaler = torch.amp.GradScaler(st.device.type, enabled=cfg.amp == "fp16")
+        self.forward = torch.compile(self.wrapped) if cfg.compile else self.wrapped
+        self.start_epoch, self.step = 0, 0
+        self.best = {"monitor": -math.inf, "epoch": None, "weights": "raw"}
+        self.metrics: list[dict] = []
+
+    # ---------------------------------------------------------------- checkpoints
+    def _split(self, sd: dict) -> tuple[dict, dict]:
+        """A full state dict of the task's module -> (model weights, {extra module name: its state})."""
+        if self.task.module is self.task.model:
+            return sd, {}
+        model_sd, extras = {}, {}
+        for k, v in sd.items():
+            head, _, rest = k.partition(".")
+            if head == "model":
+                model_sd[rest] = v
+            else:
+                extras.setdefault(head, {})[rest] = v
+        return model_sd, extras
+
+    def _load_split(self, module: nn.Module, model_sd: dict, state: dict) -> None:
+        self.task.model.load_state_dict(model_sd)
+        if module is not self.task.model:
+            for name, child in module.named_children():
+                if name != "model" and name in state:
+                    child.load_state_dict(state[name])
+
+    def resume(self) -> dict | None:
+        """Restore everything from the run's ``last`` checkpoint; returns this rank's RNG state to restore."""
+        cfg = self.cfg
+        last = ck.resolve_checkpoint_dir(self.run_dir, prefer="last")
+        state = ck.load_trainer_state(last)
+        self.strategy.load(last, self.task.module, self.optimizer, state, self._load_split,
+                           self.ema.module if self.ema is not None else None)
+        if self.ema is not None:
+            self.ema.num_updates.fill_(int(state.get("ema_updates", 0)))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.start_epoch, self.step = int(state["epoch"]), int(state["step"])
+        best = dict(state["best"])
+        if "monitor" not in best:  # runs saved before tasks named their metric
+            best["monitor"] = best.pop(f"val_{self.task.monitor}", -math.inf)
+        self.best = best
+        metrics_file = self.run_dir / "metrics.jsonl"
+        if metrics_file.is_file():
+            rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
+            self.metrics = [m for m in rows if m["epoch"] <= self.start_epoch]
+        if self.start_epoch >= cfg.epochs:
+            self.say(f"{self.run_dir} already finished {self.start_epoch} of {cfg.epochs} epochs", always=True)
+        rng = state["rng"]
+        return rng[min(self.strategy.rank, len(rng) - 1)] if isinstance(rng, list) else rng
+
+    def save(self, epoch: int, row: dict, is_best: bool) -> None:
+        ema = self.ema
+        state = {"epoch": epoch, "step": self.step, "best": self.best, "scheduler": self.scheduler.state_dict(),
+                 "scaler": self.scaler.state_dict(), "ema_updates": int(ema.num_updates) if ema is not None else 0,
+                 "rng": self.strategy.gather_rng(ck.rng_state())}
+        meta = {**self.task.description(), "epoch": epoch, "step": self.step, "metrics": row,
+                "preferred_weights": self.best["weights"] if is_best else "raw"}
+        self.strategy.save(self.run_dir, f"epoch-{epoch:04d}", self.task.module, self.optimizer, state, meta,
+                           self._split, ema.module if ema is not None else None,
+                           links=("last", "best") if is_best else ("last",))
+
+    # ---------------------------------------------------------------- epochs
+    def train_epoch(self, epoch: int, progress: Progress) -> dict:
+        cfg, st, task = self.cfg, self.strategy, self.task
+        self.wrapped.train()
+        loader = st.train_loader(task.data, cfg.batch_size, epoch=epoch)
+        n_micro = self.steps_per_epoch * cfg.accum_steps
+        t0 = time.perf_counter()
+        loss_sum, seen = 0.0, 0
+        progress.start(epoch + 1, cfg.epochs, self.steps_per_epoch)
+        self.optimizer.zero_grad(set_to_none=True)
+        for i, batch in enumerate(loader):
+            if i >= n_micro:
+                break
+            sync_now = (i + 1) % cfg.accum_steps == 0
+            with st.no_sync(self.wrapped, not sync_now), autocast(st.device, cfg.amp):
+                loss, _ = task.training_step(batch, self.forward)
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch + 1}, step {self.step}; lower "
+                                         f"--lr or use --amp bf16 instead of fp16")
+            self.scaler.scale(loss / cfg.accum_steps).backward()
+            n = _batch_size(batch)
+            loss_sum += loss.item() * n
+            seen += n
+            if sync_now:
+                if cfg.clip_grad:
+                    self.scaler.unscale_(self.optimizer)
+                    params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                    st.clip_grad_norm(params, cfg.clip_grad)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+                self.step += 1
+                if self.ema is not None:
+                    self.ema.update(task.model)
+                progress.update(loss.item(), seen * st.world_size / (time.perf_counter() - t0))
+        progress.stop()
+        epoch_time = time.perf_counter() - t0
+        return {"epoch": epoch + 1, "step": self.step, "train_loss": st.mean(loss_sum / max(seen, 1)),
+                "lr": self.optimizer.param_groups[0]["lr"], "img_per_s": seen * st.world_size / epoch_time,
+                "epoch_time_s": epoch_time}
+
+    @torch.no_grad()
+    def validate(self, module: nn.Module) -> dict:
+        """The task's validation metrics of ``module`` on the val split (summed over every rank's slice)."""
+        cfg, st, task = self.cfg, self.strategy, self.task
+        was_training = module.training
+        module.eval()
+        sums = None
+        for batch in st.eval_loader(task.data, "val", max(cfg.batch_size, 256)):
+            with autocast(st.device, cfg.amp):
+                sums = add_sums(sums, task.validation_step(batch, module))
+        module.train(was_training)
+        return task.validation_metrics(st.sum_tensors(sums))
+
+    # ---------------------------------------------------------------- fit
+    def say(self, msg: str, always: bool = False) -> None:
+        """Print on rank 0; quiet mode keeps only the lines marked ``always`` (the one-line summary)."""
+        if self.strategy.is_main and (always or not self.cfg.quiet):
+            say(msg)
+
+    def fit(self) -> dict:
+        """Train and return the summary (also written to ``RUN/summary.json``)."""
+        cfg = self.cfg
+        old_threads = None
+        self.strategy: Strategy = create_strategy(cfg.strategy, cfg.device)
+        try:
+            if cfg.threads and self.strategy.device.type == "cpu":
+                old_threads = torch.get_num_threads()
+                torch.set_num_threads(cfg.threads)
+            return self._fit()
+        finally:
+            if old_threads is not None:
+                torch.set_num_threads(old_threads)  # fit leaves the process as it found it
+            self.strategy.close()
+
+    def _fit(self) -> dict:
+        cfg, st = self.cfg, self.strategy
+        self.setup()
+        task, run_dir = self.task, self.run_dir
+        rng_to_restore = self.resume() if cfg.resume else None
+        if st.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            data_cfg = getattr(task.data, "config", None)
+            cfg_out = replace(cfg, resume=None, output_dir=str(run_dir), stop_after=None)
+            if data_cfg is not None:
+                cfg_out = replace(cfg_out, data=replace(data_cfg, img_size=task.data.img_size))
+            cfg_out.save(run_dir / "config.yaml")
+            self._write_metrics()
+        if rng_to_restore is not None:
+            ck.set_rng_state(rng_to_restore)
+        else:
+            seed_everything(cfg.seed + st.rank)  # augmentation / drop-path streams differ per rank
+
+        info = task.summary()
+        self.say(f"training {info.get('model', cfg.model)} ({info.get('params_m', 0):.3f}M params) on "
+                 f"{info.get('dataset', cfg.data.dataset)} ({info.get('train_images', '?')} train / "
+                 f"{info.get('val_images', '?')} val images, {info.get('img_size', '?')}px) "
+                 f"for {cfg.epochs} epochs, {self.steps_per_epoch} steps/epoch, global batch {self.global_batch}, "
+                 f"lr {self.base_lr:.2e}, {st.device}{'' if st.world_size == 1 else f' x{st.world_size}'} "
+                 f"-> {run_dir}")
+        progress = Progress(enabled=st.is_main and not cfg.quiet)
+        end_epoch = cfg.epochs if cfg.stop_after is None else min(cfg.epochs, cfg.stop_after)
+        mon = task.monitor
+        for epoch in range(self.start_epoch, end_epoch):
+            row = self.train_epoch(epoch, progress)
+            is_best = False
+            if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == end_epoch or epoch + 1 == cfg.epochs:
+                r = self.validate(self.wrapped)
+                row.update({f"val_{k}": v for k, v in r.items()})
+                candidates = [("raw", r[mon])]
+                if self.ema is not None:
+                    e = self.validate(self.ema.module)
+                    row.update({f"ema_val_{k}": v for k, v in e.items()})
+                    candidates.append(("ema", e[mon]))
+                which, value = max(candidates, key=lambda c: c[1])  # ties keep the raw weights
+                if value > self.best["monitor"]:
+                    is_best = True
+                    self.best = {"monitor": value, "epoch": epoch + 1, "weights": which}
+            self.metrics.append(row)
+            self.save(epoch + 1, row, is_best)
+            if st.is_main:
+                self._write_metrics()
+                if f"val_{mon}" in row:
+                    ck.atomic_write(run_dir / "curves.png",
+                                    curves_png([m for m in self.metrics if f"val_{mon}" in m], mon))
+                ema_txt = f"  ema {row[f'ema_val_{mon}']:.2f}" if f"ema_val_{mon}" in row else ""
+                val_txt = f"  val {mon} {row[f'val_{mon}']:.2f}{ema_txt}" if f"val_{mon}" in row else ""
+                self.say(f"epoch {epoch + 1}/{cfg.epochs}  loss {row['train_loss']:.4f}{val_txt}  "
+                         f"lr {row['lr']:.2e}  {row['img_per_s']:,.0f} img/s  {row['epoch_time_s']:.1f}s"
+                         + ("  *" if is_best else ""))
+        return self._finish(end_epoch, info)
+
+    def _write_metrics(self) -> None:
+        ck.atomic_write(self.run_dir / "metrics.jsonl",
+                        "".join(json.dumps(m) + "\n" for m in self.metrics).encode())
+
+    def _finish(self, end_epoch: int, info: dict) -> dict:
+        cfg, st, task, best = self.cfg, self.strategy, self.task, self.best
+        finished = end_epoch >= cfg.epochs
+        test = {}
+        if finished and st.is_main:
+            test = task.test(self.run_dir, max(cfg.batch_size, 256))
+        mon = task.monitor
+        summary = {"task": cfg.task, "model": info.get("model", cfg.model), "dataset": info.get("dataset"),
+                   "epochs": cfg.epochs, "epochs_done": end_epoch, "finished": finished,
+                   f"best_val_{mon}": best["monitor"] if best["epoch"] else None,
+                   "best_epoch": best["epoch"], "best_weights": best["weights"], **test,
+                   "wall_time_s": time.perf_counter() - self.t_start,
+                   **{k: v for k, v in info.items() if k not in ("model", "dataset", "train_images", "val_images")},
+                   "global_batch": self.global_batch, "world_size": st.world_size, "strategy": st.name,
+                   **st.summary(), "device": str(st.device), "run_dir": str(self.run_dir)}
+        if st.is_main:
+            ck.atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+            if finished:
+                t = test.get(f"test_{mon}")
+                test_txt = f"test {mon} {t:.2f}%  " if t is not None else ""
+                val_txt = (f"best val {mon} {summary[f'best_val_{mon}']:.2f}% (epoch {best['epoch']}, "
+                           f"{best['weights']})" if best["epoch"] else "")
+                self.say(f"done: {summary['model']} on {summary['dataset']}: {test_txt}{val_txt}  "
+                         f"{summary['wall_time_s']:.0f}s  run dir {self.run_dir}", always=True)
+            else:
+                self.say(f"stopped after epoch {end_epoch}/{cfg.epochs}; continue with: vitlab train --resume "
+                         f"{self.run_dir}", always=True)
+        return summary
+
+
+def fit(cfg: TrainConfig) -> dict:
+    """Train ``cfg.task`` (default: classify ``cfg.model`` on ``cfg.data``) and return the summary (also written
+    to ``RUN/summary.json``). With ``cfg.resume`` the run continues with its own config (see
+    :func:`resume_config`)."""
+    if cfg.resume:
+        cfg = resume_config(cfg)
+    return Trainer(cfg).fit()
+
+
+__all__ = ["TIME_KEYS", "Trainer", "fit", "resume_config", "seed_everything"]
