@@ -1,18 +1,22 @@
-"""Linear layers whose CPU inference runs oneDNN's matmul with the bias and activation in the GEMM's epilogue.
+"""oneDNN linear layers, applied from outside a model by module swaps (``vitlab.optimize(model, backend="onednn")``).
 
 Eager ``nn.Linear`` on the CPU computes fp32 products with BLAS (MKL in the official wheels) after copying the
 bias into the output, and the activation is one more pass over memory. oneDNN's matmul -- the
-``mkldnn._linear_pointwise`` kernel that Inductor's CPU freezing pass emits -- adds the bias and applies GELU,
-ReLU, SiLU or Hardswish inside the GEMM. On the ViTs' tall-skinny (tokens x channels) products it is 1.3-1.8x
-faster in fp32 on the AVX-512 machine of ``docs/benchmarks.md``. It computes the same function (max |diff|
-~1e-6 in fp32, from the summation order).
+``mkldnn._linear_pointwise`` kernel that Inductor's CPU passes emit -- adds the bias and applies GELU, ReLU,
+SiLU or Hardswish inside the GEMM's epilogue. Whether that is faster depends on the machine (faster on the
+AVX-512 machine of ``docs/benchmarks.md``, slower on AVX2), which is why :func:`vitlab.optimize` times it
+before it picks it. It computes the same function (max |diff| ~1e-6 in fp32, from the summation order).
 
-The fast path is taken only where it is that same function and nothing is lost: CPU fp32 tensors, autograd off
-(the kernel has no backward), no CPU autocast (it would not cast), not while ``torch.compile``, ``torch.fx`` or
-``torch.jit.trace`` (and so the TorchScript ONNX export) trace -- they record the portable ATen graph, and
-Inductor fuses by itself -- no dispatch mode such as ``FlopCounterMode`` (it must see ATen's ops), no tensor
-subclass or ``vmap``, and no hooks on the module. Everything else is plain ``F.linear``; bf16 products already
-run on oneDNN in ATen. ``VITLAB_ONEDNN=0`` in the environment switches the fast path off.
+:func:`swap_linears` replaces every plain ``nn.Linear`` by :class:`OneDNNLinear` (same parameters, same state
+dict) and folds the activation of an ``Mlp`` (``fc1 -> act -> fc2``) and of ``nn.Sequential(Linear, act)``
+runs into the linear's epilogue. The models themselves stay plain PyTorch: nothing here is inside a model's
+forward until a swap puts it there.
+
+:class:`OneDNNLinear` keeps a cheap guard so that it stays correct wherever it ends up: the oneDNN kernel runs
+only for plain fp32 CPU tensors when no gradient is asked for (autograd off, or neither input nor weight
+requires grad), no CPU autocast and outside ``torch.compile`` / ``jit.trace``
+tracing (they record ATen's portable ``linear``; Inductor fuses by itself); anything else takes
+``F.linear`` (+ the activation). ``VITLAB_ONEDNN=0`` switches the kernel off.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd import forward_ad
-from torch.fx import Proxy
 
 # activation module type -> (oneDNN post-op name, algorithm of the module) for the fused epilogue
 _EPILOGUES = {
@@ -38,8 +41,7 @@ _EPILOGUES = {
 @functools.cache
 def onednn_linear_available() -> bool:
     """Whether this torch build has oneDNN's fused linear kernel (and it computes ``F.linear``) and the
-    environment does not switch it off (``VITLAB_ONEDNN=0``: plain ATen everywhere, e.g. to compare with timm
-    bit for bit)."""
+    environment does not switch it off (``VITLAB_ONEDNN=0``)."""
     if os.environ.get("VITLAB_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -60,12 +62,9 @@ def _cpu_autocast() -> bool:
 
 def cpu_fp32_inference(x: torch.Tensor) -> bool:
     """True when ``x`` is a plain fp32 CPU tensor in eager inference: autograd off (forward AD too), no CPU
-    autocast, no ``torch.compile``, ``torch.fx`` or ``torch.jit.trace`` tracing, no tensor subclass or functorch
-    wrapper (``FakeTensor``, ``vmap``) and no dispatch mode (``FlopCounterMode`` must see ATen's ops to count
-    them). Where this holds, inference-only kernels (oneDNN's fused linear, :mod:`vitlab.kernels`) may replace
-    ATen's ops without changing the function."""
-    # Cheapest tests first: training and GPU tensors leave after two or three attribute reads. An fx Proxy
-    # (symbolic tracing) is not a Tensor; torch.compile and torch.jit.trace record portable ATen ops.
+    autocast, no ``torch.compile`` / ``torch.jit.trace`` tracing, no tensor subclass or functorch wrapper
+    (``FakeTensor``, ``vmap``) and no dispatch mode (``FlopCounterMode`` must see ATen's ops to count them).
+    Where this holds, inference-only kernels may replace ATen's ops without changing the function."""
     if torch.is_grad_enabled() or type(x) is not torch.Tensor or not x.is_cpu or x.dtype != torch.float32:
         return False
     if torch.compiler.is_compiling() or torch.jit.is_tracing():  # first: Dynamo must not trace the C queries
@@ -75,42 +74,95 @@ def cpu_fp32_inference(x: torch.Tensor) -> bool:
     return forward_ad._current_level < 0 and not _cpu_autocast()
 
 
-def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when ``F.linear(x, weight, ...)`` may run oneDNN's kernel (the module docstring gives the conditions)."""
-    if isinstance(weight, Proxy) or weight.dtype != torch.float32 or not cpu_fp32_inference(x) or x.dim() < 2:
-        return False
-    return onednn_linear_available()
-
-
-def _fusable(act: nn.Module | None) -> bool:
+def fusable(act: nn.Module | None) -> bool:
     """No activation, or one oneDNN applies in the GEMM's epilogue (and no hook that fusing would skip)."""
     return act is None or (type(act) in _EPILOGUES and not act._forward_hooks and not act._forward_pre_hooks)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           act: nn.Module | None = None) -> torch.Tensor:
-    """``act(F.linear(x, weight, bias))``. Where :func:`use_onednn` allows it, the product runs on oneDNN with
-    the activation in its epilogue when it has one (GELU, ReLU, SiLU, Hardswish); otherwise ATen's ops."""
-    if not use_onednn(x, weight):
-        x = F.linear(x, weight, bias)
-        return x if act is None else act(x)
-    fused = _fusable(act)
-    attr, algorithm = _EPILOGUES[type(act)](act) if fused and act is not None else ("none", "")
-    x = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
-    return x if fused else act(x)
+class OneDNNLinear(nn.Linear):
+    """``act(nn.Linear(x))`` (same parameters, same state dict as the linear) whose CPU fp32 inference runs
+    oneDNN's matmul with the bias and the activation (GELU, ReLU, SiLU, Hardswish, or none) in its epilogue.
 
+    The activation module is held outside the module tree (no state-dict key): only parameter-free activations
+    are fused. Build one with :meth:`from_linear`, which shares the linear's parameters."""
 
-def linear_act(layer: nn.Linear, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
-    """``act(layer(x))`` through :func:`linear` when ``layer`` is a plain linear without hooks; a wrapped or
-    hooked layer is called as a module."""
-    if type(layer) in (nn.Linear, Linear) and not layer._forward_hooks and not layer._forward_pre_hooks:
-        return linear(x, layer.weight, layer.bias, act)
-    x = layer(x)
-    return x if act is None else act(x)
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, act: nn.Module | None = None,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._set_act(act)
 
+    def _set_act(self, act: nn.Module | None) -> None:
+        if not fusable(act):
+            raise ValueError(f"cannot fuse {type(act).__name__} into oneDNN's epilogue")
+        self.__dict__["act"] = act  # not a submodule: no state-dict key, nothing for hooks to miss
+        self.attr, self.algorithm = _EPILOGUES[type(act)](act) if act is not None else ("none", "")
 
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state dict) whose CPU fp32 inference runs oneDNN's matmul."""
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, act: nn.Module | None = None) -> OneDNNLinear:
+        """A :class:`OneDNNLinear` sharing ``linear``'s weight and bias (no copy), in its training mode."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.in_features, m.out_features = linear.in_features, linear.out_features
+        m.weight = linear.weight
+        m.register_parameter("bias", linear.bias)
+        m._set_act(act)
+        return m.train(linear.training)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.act is None else f", epilogue={self.attr}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        # cheap guard: the kernel has no backward, does not autocast and is opaque to tracers
+        if ((torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                or type(x) is not torch.Tensor or x.dtype != torch.float32 or not x.is_cpu
+                or x.dim() < 2 or torch.compiler.is_compiling() or torch.jit.is_tracing() or _cpu_autocast()):
+            y = F.linear(x, self.weight, self.bias)
+            return y if self.act is None else self.act(y)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, self.attr, [], self.algorithm)
+
+
+def _swappable(m: nn.Module) -> bool:
+    return type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks and \
+        m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+
+
+def _mlp_types() -> tuple[type, ...]:
+    from vitlab.layers.mlp import Mlp
+
+    return (Mlp,)
+
+
+def swap_linears(model: nn.Module) -> int:
+    """Replace, in place, every plain fp32 CPU ``nn.Linear`` (no hooks) by a :class:`OneDNNLinear` sharing its
+    parameters, folding the activation that follows it in an ``Mlp`` (``fc1 -> act``) or an ``nn.Sequential`` into the epilogue (the activation becomes ``nn.Identity``). State-dict keys
+    are unchanged. Returns the number of linears swapped (0 when oneDNN's kernel is unavailable)."""
+    if not onednn_linear_available():
+        return 0
+    count = 0
+    mlps = _mlp_types()
+    for module in list(model.modules()):
+        if isinstance(module, mlps) and _swappable(getattr(module, "fc1", None) or nn.Identity()) \
+                and module.act is not None and fusable(module.act) and _no_hooks(module):
+            module.fc1 = OneDNNLinear.from_linear(module.fc1, module.act)
+            module.act = nn.Identity()
+            count += 1
+        elif isinstance(module, nn.Sequential) and not module._forward_hooks:
+            names = list(module._modules)
+            for a, b in zip(names, names[1:]):
+                lin, act = module._modules[a], module._modules[b]
+                if lin is not None and _swappable(lin) and act is not None and type(act) in _EPILOGUES \
+                        and fusable(act):
+                    module._modules[a] = OneDNNLinear.from_linear(lin, act)
+                    module._modules[b] = nn.Identity()
+                    count += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _swappable(child):
+                setattr(parent, name, OneDNNLinear.from_linear(child))
+                count += 1
+    return count
+
+
+def _no_hooks(m: nn.Module) -> bool:
+    return not (m.fc1._forward_hooks or m.fc1._forward_pre_hooks or m.act._forward_hooks
+                or m.act._forward_pre_hooks)

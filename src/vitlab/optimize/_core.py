@@ -1,0 +1,458 @@
+"""``vitlab.optimize(model, example_inputs=None, backend="auto")``: one explicit, measured step to a faster
+inference model computing the same function.
+
+Backends (each returns a model in eval mode whose outputs equal eager's within 1e-5 in fp32):
+
+* ``"none"``: ``eval()`` and the model's own ``fuse()`` where it has one (LeViT folds its BatchNorms). Plain
+  eager PyTorch; nothing else about the model changes.
+* ``"onednn"``: module swaps (CPU): every ``nn.Linear`` becomes a :class:`~vitlab.optimize.onednn.OneDNNLinear`
+  (same parameters and state dict) and an MLP's ``fc1 -> activation`` one oneDNN GEMM with the activation in
+  its epilogue.
+* ``"kernels"``: ``"onednn"`` plus vitlab's compiled HiLo kernels (:func:`vitlab.optimize.hilo.swap_hilo`), for
+  models with HiLo attention, where the kernels build on this machine.
+* ``"compile"``: ``torch.compile`` (Inductor) run under ``no_grad``; on the CPU with freezing (weights become
+  constants, prepacked for MKL / oneDNN, BatchNorms folded) passed as a per-call option, so the global Inductor
+  config is left as it was.
+* ``"auto"`` (default): builds every applicable candidate, checks each against eager on ``example_inputs``
+  (max |diff| <= 1e-5 x the output's scale; a candidate that fails is rejected), times them in round robin on
+  this machine and returns the fastest. ``"none"`` is always a candidate and another wins only when it is
+  faster by ``margin``, so the result is never measurably slower than plain eager. The choice is cached in
+  ``optimize.json`` under the user cache dir (``$VITLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/vitlab`` or
+  ``~/.cache/vitlab``), written atomically and keyed by the model's class and parameter shapes, the input's
+  shape and dtype, the device (CPU model, the ISA in use -- caps set in the environment included -- and thread
+  count) and the torch version: a second call with the same key measures nothing.
+
+The returned model carries ``vitlab_backend`` (the backend used) and ``vitlab_optimize`` (an
+:class:`OptimizeReport`: timings, cache hit, notes); :func:`explain` formats it. ``optimize`` never changes the
+dtype: on a CPU without native bf16 it says so (a warning) when handed bf16 and never picks bf16 itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from vitlab.optimize import cpu as cpuinfo
+
+log = logging.getLogger("vitlab.optimize")
+
+BACKENDS = ("none", "onednn", "kernels", "compile")
+CACHE_VERSION = 1
+TOLERANCE = 1e-5
+
+
+@dataclasses.dataclass
+class OptimizeReport:
+    """What :func:`optimize` did: the backend used, and for ``auto`` the candidates' median seconds per call
+    (``timings``), those rejected and why, whether the choice came from the cache, and notes."""
+
+    backend: str
+    requested: str
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    rejected: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_abs_diff: dict[str, float] = dataclasses.field(default_factory=dict)
+    cached: bool = False
+    cache_file: str | None = None
+    key: dict = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class CompiledInference(nn.Module):
+    """A ``torch.compile``-d model run under ``torch.no_grad()`` (Inductor's freezing applies to inference
+    graphs only). ``module`` is the eager model (its state dict, under ``module.``); other attributes are
+    looked up on it."""
+
+    def __init__(self, module: nn.Module, compiled: Callable):
+        super().__init__()
+        self.module = module
+        self.__dict__["compiled"] = compiled  # not a submodule: the parameters are listed once
+
+    def forward(self, *args, **kwargs):
+        with torch.no_grad():
+            return self.compiled(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+
+# ---- building each backend -----------------------------------------------------------------------------------
+def _eval_fused(model: nn.Module) -> nn.Module:
+    model.eval()
+    fuse = getattr(model, "fuse", None)
+    if callable(fuse) and not getattr(model, "fused", False):
+        out = fuse()
+        if isinstance(out, nn.Module):
+            model = out
+    return model.eval()
+
+
+def _swap_onednn(model: nn.Module, notes: list[str]) -> int:
+    from vitlab.optimize.onednn import onednn_linear_available, swap_linears
+
+    if not onednn_linear_available():
+        notes.append("onednn: oneDNN's fused linear is unavailable (torch without mkldnn, or VITLAB_ONEDNN=0)")
+        return 0
+    return swap_linears(model)
+
+
+def _swap_kernels(model: nn.Module, notes: list[str]) -> int:
+    """HiLo kernel swaps (from the kernels' own module, imported lazily); 0 when unavailable or no HiLo."""
+    try:
+        from vitlab.optimize import hilo, kernels
+    except ImportError as e:  # not built into this checkout
+        notes.append(f"kernels: unavailable ({e})")
+        return 0
+    if not kernels.available():
+        notes.append(f"kernels: unavailable ({kernels.status()})")
+        return 0
+    return int(hilo.swap_hilo(model))
+
+
+def _compile(model: nn.Module, device: torch.device, options: dict | None = None) -> CompiledInference:
+    if device.type == "cpu":
+        opts = {"freezing": True, **(options or {})}
+        compiled = torch.compile(model, options=opts)
+    else:
+        compiled = torch.compile(model, options=options) if options else torch.compile(model)
+    return CompiledInference(model, compiled)
+
+
+def _build(model: nn.Module, backend: str, device: torch.device, notes: list[str],
+           explicit: bool = False) -> nn.Module | None:
+    """``model`` (already eval + fused) made into ``backend``, in place where it swaps modules. None when the
+    backend adds nothing here for ``auto`` (not this device; no linear / no HiLo module to swap); an explicit
+    request gets what applies (``"kernels"`` without HiLo is ``"onednn"``; off the CPU, eager)."""
+    if backend == "none":
+        return model
+    if backend == "compile":
+        return _compile(model, device)
+    if device.type != "cpu":
+        notes.append(f"{backend}: CPU only")
+        return model if explicit else None
+    n = _swap_onednn(model, notes)
+    if backend == "onednn":
+        return model if n or explicit else None
+    k = _swap_kernels(model, notes)
+    if not k:
+        notes.append("kernels: no HiLo module swapped")
+        return model if explicit else None
+    return model
+
+
+def _share_copy(model: nn.Module) -> nn.Module:
+    """A structural copy of ``model`` sharing its parameters and buffers (module swaps do not touch the
+    original)."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+# ---- inputs, checks, timing ----------------------------------------------------------------------------------
+def default_input(model: nn.Module, batch_size: int = 1) -> torch.Tensor:
+    """A random batch at the model's input size: ``patch_embed.img_size`` / ``img_size`` where the model has
+    them, else its config's ``input_size``; on the model's device and dtype."""
+    p = next(itertools.chain(model.parameters(), model.buffers()), None)
+    device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
+    if not dtype.is_floating_point:
+        dtype = torch.float32
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
+    size = getattr(cfg, "input_size", None) or (cfg.get("input_size") if isinstance(cfg, dict) else None)
+    chans = size[0] if size else 3
+    hw = None
+    pe = getattr(model, "patch_embed", None)
+    for src in (pe, model):
+        img = getattr(src, "img_size", None) if src is not None else None
+        if img is not None:
+            hw = (img, img) if isinstance(img, int) else tuple(img)
+            break
+    if hw is None and size:
+        hw = tuple(size[1:])
+    proj = getattr(pe, "proj", None)
+    if isinstance(proj, nn.Conv2d):
+        chans = proj.in_channels
+    if hw is None:
+        raise ValueError("cannot tell this model's input size: pass example_inputs")
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, chans, *hw, generator=g).to(device=device, dtype=dtype)
+
+
+def _as_args(example_inputs) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    return tuple(example_inputs)
+
+
+def _leaves(out) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def max_abs_diff(out, ref) -> float:
+    """Largest |out - ref| over the tensors of two outputs (inf when their structure or shapes differ)."""
+    a, b = [t.detach() for t in _leaves(out)], [t.detach() for t in _leaves(ref)]
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return math.inf
+    return max((float((x.float() - y.float()).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b)),
+               default=0.0)
+
+
+def _scale(ref) -> float:
+    return max((float(t.detach().float().abs().max()) for t in _leaves(ref) if t.numel()), default=1.0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(candidates: dict[str, Callable[[], Any]], device: torch.device, warmup: int = 2,
+            runs: int | None = None, budget_s: float = 4.0) -> dict[str, float]:
+    """Median seconds per call of each candidate, timed in round robin (each run calls every candidate once,
+    the order alternating) so that a shared machine's drift falls on all alike. ``runs`` defaults to what fits
+    ``budget_s`` per candidate (3 to 15)."""
+    with torch.no_grad():
+        first = {}
+        for name, fn in candidates.items():
+            for _ in range(max(warmup, 1)):
+                _sync(device)
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                first[name] = time.perf_counter() - t0
+        if runs is None:
+            slowest = max(first.values(), default=0.0)
+            runs = int(min(15, max(3, budget_s / max(slowest, 1e-6))))
+        times: dict[str, list[float]] = {n: [] for n in candidates}
+        order = list(candidates.items())
+        for i in range(runs):
+            for name, fn in order if i % 2 == 0 else order[::-1]:
+                _sync(device)
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                times[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+# ---- the cache -----------------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """``$VITLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/vitlab``, else ``~/.cache/vitlab``."""
+    if os.environ.get("VITLAB_CACHE_DIR"):
+        return Path(os.environ["VITLAB_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vitlab"
+
+
+def cache_file() -> Path:
+    return cache_dir() / "optimize.json"
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"),
+                                                                                            dict):
+        return {}
+    return data["entries"]
+
+
+def _write_cache(path: Path, entries: dict) -> None:
+    """Write the cache atomically: a temporary file in the same folder, renamed over the old one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1, sort_keys=True) + "\n").encode()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A hash of the model's architecture: module types and the names, shapes and dtypes of its parameters
+    and buffers."""
+    h = hashlib.sha256()
+    for name, m in model.named_modules():
+        h.update(f"{name}:{type(m).__module__}.{type(m).__qualname__};".encode())
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def device_key(device: torch.device) -> dict:
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return dict(device="cuda", gpu=torch.cuda.get_device_name(idx),
+                    capability=list(torch.cuda.get_device_capability(idx)), cuda=torch.version.cuda)
+    return dict(device=device.type, **cpuinfo.cpu_key())
+
+
+def cache_key(model: nn.Module, args: Sequence, device: torch.device, candidates: Sequence[str]) -> dict:
+    """What an ``auto`` choice depends on (see the module docstring)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return dict(model=f"{type(model).__module__}.{type(model).__qualname__}", arch=model_fingerprint(model),
+                inputs=[list(t.shape) for t in tensors], dtype=[str(t.dtype) for t in tensors],
+                torch=torch.__version__, candidates=sorted(candidates), **device_key(device))
+
+
+def _key_id(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+# ---- the entry point -----------------------------------------------------------------------------------------
+def _device_of(model: nn.Module, args: Sequence) -> torch.device:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    p = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _candidates(device: torch.device) -> list[str]:
+    return ["none", "onednn", "kernels", "compile"] if device.type == "cpu" else ["none", "compile"]
+
+
+def _finish(model: nn.Module, report: OptimizeReport) -> nn.Module:
+    if report.backend in ("onednn", "kernels"):
+        model.requires_grad_(False)  # an inference model: the swapped kernels have no backward
+    for obj in (model, getattr(model, "module", None)) if isinstance(model, CompiledInference) else (model,):
+        object.__setattr__(obj, "vitlab_backend", report.backend)
+        object.__setattr__(obj, "vitlab_optimize", report)
+    log.info("vitlab.optimize: %s", explain(model))
+    return model
+
+
+def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = None, backend: str = "auto", *,
+             candidates: Sequence[str] | None = None, cache: bool = True, margin: float = 0.02,
+             runs: int | None = None) -> nn.Module:
+    """An inference model computing what ``model`` computes (eval mode; see the module docstring).
+
+    ``example_inputs``: a tensor or a tuple of positional inputs like those the model will see (the choice of
+    ``auto`` is measured and cached for their shape); default: one random image at the model's input size.
+    ``backend``: ``"auto"`` or one of :data:`BACKENDS`. ``candidates`` restricts ``auto``'s choice;
+    ``cache=False`` measures afresh and records nothing; a candidate must beat ``"none"`` by ``margin``
+    (fraction of its time) to be chosen."""
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown backend {backend!r}; choose from {['auto', *BACKENDS]}")
+    model = _eval_fused(model)
+    args = _as_args(example_inputs) if example_inputs is not None else None
+    device = _device_of(model, args or ())
+    notes: list[str] = []
+    dtypes = {a.dtype for a in (args or ()) if isinstance(a, torch.Tensor)} | {
+        p.dtype for p in itertools.islice(model.parameters(), 1)}
+    if device.type == "cpu" and torch.bfloat16 in dtypes and not cpuinfo.native_bf16():
+        msg = cpuinfo.bf16_note() + "; optimize keeps the model's dtype (it never picks bf16 itself)"
+        warnings.warn(msg, stacklevel=2)
+        notes.append(msg)
+    if backend != "auto":
+        built = _build(model, backend, device, notes, explicit=True)
+        return _finish(built, OptimizeReport(backend=backend, requested=backend, notes=notes))
+
+    if args is None:
+        args = (default_input(model),)
+    names = [c for c in (candidates or _candidates(device)) if c in _candidates(device)]
+    if "none" not in names:
+        names.insert(0, "none")
+    key = cache_key(model, args, device, names)
+    path = cache_file()
+    entry = _read_cache(path).get(_key_id(key)) if cache else None
+    if entry and entry.get("backend") in names:
+        report = OptimizeReport(backend=entry["backend"], requested="auto", timings=entry.get("timings", {}),
+                                rejected=entry.get("rejected", {}), cached=True, cache_file=str(path), key=key,
+                                notes=notes)
+        built = _build(model, report.backend, device, notes)
+        if built is not None:
+            return _finish(built, report)
+        notes.append(f"cached choice {report.backend!r} no longer applies: measuring again")
+
+    report = OptimizeReport(backend="none", requested="auto", key=key, notes=notes,
+                            cache_file=str(path) if cache else None)
+    with torch.no_grad():
+        ref = model(*args)
+    scale = max(1.0, _scale(ref))
+    built: dict[str, nn.Module] = {"none": model}
+    for name in names:
+        if name == "none":
+            continue
+        try:
+            cand = _build(model if name == "compile" else _share_copy(model), name, device, notes)
+            if cand is None:
+                report.rejected[name] = "does not apply"
+                continue
+            with torch.no_grad():
+                diff = max_abs_diff(cand(*args), ref)
+        except Exception as e:  # noqa: BLE001 -- a backend that fails to build or run is simply not chosen
+            report.rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            log.warning("vitlab.optimize: %s failed: %s", name, report.rejected[name])
+            continue
+        report.max_abs_diff[name] = diff
+        if not diff <= TOLERANCE * scale:
+            report.rejected[name] = f"output differs from eager by {diff:.3g} (> {TOLERANCE:g} x {scale:.3g})"
+            continue
+        built[name] = cand
+    timings = measure({n: (lambda m=m: m(*args)) for n, m in built.items()}, device, runs=runs)
+    report.timings = {n: round(t, 6) for n, t in timings.items()}
+    best = min(timings, key=timings.get)
+    if best != "none" and not timings[best] < timings["none"] * (1 - margin):
+        best = "none"
+    report.backend = best
+    if cache:
+        try:
+            entries = _read_cache(path)
+            entries[_key_id(key)] = dict(backend=best, timings=report.timings, rejected=report.rejected, key=key,
+                                         written=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+            _write_cache(path, entries)
+        except OSError as e:
+            notes.append(f"could not write the cache {path}: {e}")
+    return _finish(built[best], report)
+
+
+def explain(model_or_report: nn.Module | OptimizeReport) -> str:
+    """One paragraph: what :func:`optimize` chose for this model and why (timings, rejections, cache)."""
+    r = model_or_report if isinstance(model_or_report, OptimizeReport) else getattr(
+        model_or_report, "vitlab_optimize", None)
+    if r is None:
+        return "not optimized by vitlab.optimize"
+    parts = [f"backend {r.backend!r}" + (" (requested)" if r.requested != "auto" else "")]
+    if r.timings:
+        base = r.timings.get("none")
+        parts.append("timings " + ", ".join(
+            f"{n} {t * 1e3:.2f} ms" + (f" ({base / t:.2f}x eager)" if base and n != "none" else "")
+            for n, t in sorted(r.timings.items(), key=lambda kv: kv[1])))
+    if r.rejected:
+        parts.append("rejected " + "; ".join(f"{n}: {why}" for n, why in r.rejected.items()))
+    if r.cached:
+        parts.append(f"cached choice from {r.cache_file}")
+    if r.key:
+        where = r.key.get("gpu") or f"{r.key.get('cpu')} {r.key.get('isa')}"
+        parts.append(f"on {where}, inputs {r.key.get('inputs')} {r.key.get('dtype')}")
+    parts.extend(n for n in r.notes if n)
+    return "; ".join(parts)

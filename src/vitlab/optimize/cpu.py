@@ -1,0 +1,108 @@
+"""What this CPU can do, as the optimiser sees it: model name, the ISA ATen and oneDNN dispatch to, native bf16.
+
+The ISA is what the libraries *use*, not only what the chip has: ``ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` on an AVX-512 machine emulates an AVX2 machine, and
+:func:`isa` then says ``AVX2`` (with the caps in its key) and :func:`native_bf16` False, so a cached choice
+measured under one never serves the other.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+import torch
+
+# the environment variables that cap the instruction set of ATen, oneDNN and MKL
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+_KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+              "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+@functools.cache
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    model, flags = "", frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = frozenset(value.split())
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    return model or platform.processor() or platform.machine(), flags
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    return _cpuinfo()[0]
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where unknown)."""
+    return _cpuinfo()[1]
+
+
+def isa_caps() -> dict[str, str]:
+    """The instruction-set caps set in the environment (``ATEN_CPU_CAPABILITY`` and friends)."""
+    return {k: os.environ[k] for k in ISA_ENV if os.environ.get(k)}
+
+
+def isa() -> str:
+    """The vector ISA ATen dispatches to here (``torch.backends.cpu.get_cpu_capability()``: e.g. ``AVX512``,
+    ``AVX2``, ``DEFAULT``), with a ``+caps`` note when oneDNN or MKL are capped below it by the environment."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    caps = isa_caps()
+    lib_caps = {k: v for k, v in caps.items() if k != "ATEN_CPU_CAPABILITY"}
+    if lib_caps:
+        cap += "+" + ",".join(f"{k}={v}" for k, v in sorted(lib_caps.items()))
+    return cap
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def _capped_below_avx512() -> bool:
+    """On x86: ATen runs below AVX-512, or oneDNN / MKL are capped below it by the environment."""
+    if "AVX512" not in torch.backends.cpu.get_cpu_capability().upper():
+        return True
+    for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        v = os.environ.get(k, "").lower()
+        if v and not any(s in v for s in ("avx512", "amx", "all", "default")):
+            return True
+    return False
+
+
+def native_bf16() -> bool:
+    """Whether bf16 matmuls run natively here (x86: ``avx512_bf16`` or ``amx_bf16`` and not capped below
+    AVX-512 by the environment; Arm: the ``bf16`` feature).
+
+    Without it, bf16 on the CPU is emulated and several times slower than fp32: :func:`vitlab.optimize` never
+    picks bf16 there, and ``vitlab bench`` says so."""
+    flags = cpu_flags()
+    if _x86():
+        return any(f in flags for f in _BF16_FLAGS) and not _capped_below_avx512()
+    return "bf16" in flags
+
+
+def bf16_note() -> str | None:
+    """A one-line warning when this CPU has no native bf16 (None when it has)."""
+    if native_bf16():
+        return None
+    return (f"this CPU ({cpu_model()}, ISA {isa()}) has no native bf16 (avx512_bf16 / amx_bf16): bf16 is emulated "
+            "and typically several times slower than fp32 here")
+
+
+def cpu_key() -> dict:
+    """What a measured choice depends on: CPU model, the ISA in use (with caps), key feature flags, threads."""
+    flags = cpu_flags()
+    return dict(cpu=cpu_model(), isa=isa(), flags=sorted(f for f in _KEY_FLAGS if f in flags),
+                threads=torch.get_num_threads(), native_bf16=native_bf16())

@@ -1,0 +1,227 @@
+"""vitlab.optimize: every backend computes eager's function; auto picks by (faked) timing, caches per machine."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import vitlab
+import vitlab.optimize as vo
+from vitlab.optimize import _core, cpu
+from vitlab.optimize.onednn import OneDNNLinear
+from vitlab.registry import get_model_config
+
+FAMILIES = ["deit_tiny_patch16_224", "levit_128s", "swin_tiny_patch4_window7_224", "cait_xxs24_224",
+            "efficientformer_l1", "litv2_s"]
+
+
+def tiny(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return vitlab.create_model(name, **get_model_config(name).smoke_kwargs)
+
+
+def reference(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    model = tiny(name).eval()
+    x = vo.default_input(model, 2)
+    with torch.no_grad():
+        ref = model(x)
+    return model, x, ref
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITLAB_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_optimize_is_callable_and_still_the_package():
+    assert isinstance(vitlab.optimize, types.ModuleType) and callable(vitlab.optimize)
+    import importlib
+
+    assert importlib.import_module("vitlab.optimize.onednn") is vitlab.optimize.onednn  # submodules reachable
+    assert vitlab.optimize.onednn.OneDNNLinear is OneDNNLinear
+    assert vitlab.optimize.optimize is _core.optimize
+
+
+def test_onednn_path_present_where_torch_has_mkldnn():
+    # no skipif hides the fast path: where torch has oneDNN, the swap must be available and used
+    from vitlab.optimize.onednn import onednn_linear_available
+
+    if torch.backends.mkldnn.is_available():
+        assert onednn_linear_available()
+        model = vo.optimize(tiny("deit_tiny_patch16_224"), backend="onednn")
+        assert any(isinstance(m, OneDNNLinear) for m in model.modules())
+
+
+@pytest.mark.parametrize("name, backend", [(n, b) for n in FAMILIES for b in ("none", "onednn")]
+                         + [("litv2_s", "kernels"), ("deit_tiny_patch16_224", "kernels")])
+def test_eager_backends_equal_eager(name, backend):
+    _, x, ref = reference(name)
+    model = vo.optimize(tiny(name), x, backend=backend)
+    assert model.vitlab_backend == backend and not model.training
+    with torch.no_grad():
+        out = model(x)
+    assert vo.max_abs_diff(out, ref) <= 1e-5
+    out = model(x)  # grad mode on: still the same function (the swapped layers' parameters need no grad)
+    assert vo.max_abs_diff(out, ref) <= 1e-5
+
+
+def test_compile_backend_equals_eager_and_keeps_inductor_config():
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.freezing
+    _, x, ref = reference("deit_tiny_patch16_224")
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, backend="compile")
+    assert isinstance(model, vo.CompiledInference) and model.vitlab_backend == "compile"
+    out = model(x)  # runs under no_grad by itself
+    assert not out.requires_grad
+    assert vo.max_abs_diff(out, ref) <= 1e-5
+    assert inductor_config.freezing == before  # freezing was a per-call option
+    assert model.num_classes == 1000  # attributes reach the eager module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["levit_128s", "swin_tiny_patch4_window7_224", "cait_xxs24_224"])
+def test_compile_backend_equals_eager_slow(name):
+    _, x, ref = reference(name)
+    model = vo.optimize(tiny(name), x, backend="compile")
+    assert vo.max_abs_diff(model(x), ref) <= 1e-5
+
+
+def test_none_leaves_the_model_as_it_was_but_eval():
+    model = tiny("deit_tiny_patch16_224").train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types_before = [type(m) for m in model.modules()]
+    grads = [p.requires_grad for p in model.parameters()]
+    out = vo.optimize(model, backend="none")
+    assert out is model and not model.training
+    assert [type(m) for m in model.modules()] == types_before
+    assert [p.requires_grad for p in model.parameters()] == grads
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_none_fuses_levit():
+    model = vo.optimize(tiny("levit_128s"), backend="none")
+    assert model.fused and not any(isinstance(m, nn.BatchNorm1d | nn.BatchNorm2d) for m in model.modules())
+
+
+def test_onednn_keeps_the_state_dict_keys():
+    model = tiny("deit_tiny_patch16_224").eval()
+    keys = list(model.state_dict())
+    vo.optimize(model, backend="onednn")
+    assert list(model.state_dict()) == keys
+    fused = [m for m in model.modules() if isinstance(m, OneDNNLinear) and m.act is not None]
+    assert len(fused) == len(model.blocks)  # every Mlp's fc1 carries its GELU
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="backend"):
+        vo.optimize(tiny("deit_tiny_patch16_224"), backend="fast")
+
+
+# ---- auto: fake timings make the choice deterministic ----------------------------------------------------------
+class FakeTimer:
+    def __init__(self, times: dict[str, float]):
+        self.times, self.calls = times, 0
+
+    def __call__(self, candidates, device, **kwargs):
+        self.calls += 1
+        for fn in candidates.values():
+            fn()
+        return {n: self.times.get(n, 1.0) for n in candidates}
+
+
+@pytest.mark.parametrize("times, expected", [
+    ({"none": 1.0, "onednn": 0.5}, "onednn"),
+    ({"none": 1.0, "onednn": 1.5}, "none"),
+    ({"none": 1.0, "onednn": 0.995}, "none"),  # within the margin: eager is kept
+])
+def test_auto_picks_the_fastest_never_slower_than_eager(monkeypatch, times, expected):
+    timer = FakeTimer(times)
+    monkeypatch.setattr(_core, "measure", timer)
+    _, x, ref = reference("deit_tiny_patch16_224")
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"])
+    assert model.vitlab_backend == expected and timer.calls == 1
+    r = model.vitlab_optimize
+    assert r.timings[expected] <= r.timings["none"] and not r.cached
+    with torch.no_grad():
+        assert vo.max_abs_diff(model(x), ref) <= 1e-5
+    assert expected in vo.explain(model)
+
+
+def test_auto_rejects_a_candidate_that_changes_the_function(monkeypatch):
+    monkeypatch.setattr(_core, "measure", FakeTimer({"none": 1.0, "onednn": 0.1}))
+    real = _core._build
+
+    def broken(model, backend, device, notes, explicit=False):
+        out = real(model, backend, device, notes, explicit)
+        if backend == "onednn":
+            with torch.no_grad():
+                next(m for m in out.modules() if isinstance(m, OneDNNLinear)).bias.add_(1.0)
+        return out
+
+    monkeypatch.setattr(_core, "_build", broken)
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), candidates=["none", "onednn"], cache=False)
+    assert model.vitlab_backend == "none" and "differs from eager" in model.vitlab_optimize.rejected["onednn"]
+
+
+def test_auto_caches_the_choice_atomically_keyed_by_isa(monkeypatch, tmp_path):
+    timer = FakeTimer({"none": 1.0, "onednn": 0.5})
+    monkeypatch.setattr(_core, "measure", timer)
+    x = vo.default_input(tiny("deit_tiny_patch16_224"), 2)
+    first = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"])
+    assert timer.calls == 1 and not first.vitlab_optimize.cached
+    path = tmp_path / "cache" / "optimize.json"
+    assert vo.cache_file() == path
+    data = json.loads(path.read_text())
+    [entry] = data["entries"].values()
+    assert entry["backend"] == "onednn" and entry["key"]["isa"] == cpu.isa()
+    assert entry["key"]["cpu"] == cpu.cpu_model() and entry["key"]["inputs"] == [[2, 3, 32, 32]]
+    assert [p.name for p in path.parent.iterdir()] == ["optimize.json"]  # the temporary file was renamed
+
+    second = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"])
+    assert timer.calls == 1 and second.vitlab_optimize.cached and second.vitlab_backend == "onednn"
+    assert any(isinstance(m, OneDNNLinear) for m in second.modules())
+
+    monkeypatch.setattr(cpu, "isa", lambda: "AVX2")  # another ISA (e.g. the AVX2 emulation): measured afresh
+    third = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"])
+    assert timer.calls == 2 and not third.vitlab_optimize.cached
+    assert len(json.loads(path.read_text())["entries"]) == 2
+
+    vo.optimize(tiny("deit_tiny_patch16_224"), vo.default_input(tiny("deit_tiny_patch16_224"), 4),
+                candidates=["none", "onednn"])  # another input shape: another key
+    assert timer.calls == 3
+
+
+def test_a_broken_cache_file_is_ignored_and_replaced(monkeypatch, tmp_path):
+    monkeypatch.setattr(_core, "measure", FakeTimer({"none": 1.0, "onednn": 2.0}))
+    path = tmp_path / "cache" / "optimize.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), candidates=["none", "onednn"])
+    assert model.vitlab_backend == "none"
+    assert json.loads(path.read_text())["version"] == _core.CACHE_VERSION
+
+
+def test_cache_key_follows_the_isa_emulation(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in cpu.isa() and not cpu.native_bf16()
+    key = vo.cache_key(tiny("deit_tiny_patch16_224"), (torch.zeros(1, 3, 32, 32),), torch.device("cpu"), ["none"])
+    assert "AVX2" in key["isa"]
+
+
+def test_bf16_without_native_support_is_reported(monkeypatch):
+    monkeypatch.setattr(cpu, "native_bf16", lambda: False)
+    model = tiny("deit_tiny_patch16_224").to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="no native bf16"):
+        out = vo.optimize(model, backend="none")
+    assert any("no native bf16" in n for n in out.vitlab_optimize.notes)
+
+
+def test_measure_times_every_candidate():
+    t = vo.measure({"a": lambda: sum(range(100)), "b": lambda: sum(range(100000))}, torch.device("cpu"), runs=3)
+    assert set(t) == {"a", "b"} and t["b"] > t["a"] > 0
