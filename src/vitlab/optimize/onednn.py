@@ -134,8 +134,9 @@ def _mlp_types() -> tuple[type, ...]:
 
 def swap_linears(model: nn.Module) -> int:
     """Replace, in place, every plain fp32 CPU ``nn.Linear`` (no hooks) by a :class:`OneDNNLinear` sharing its
-    parameters, folding the activation that follows it in an ``Mlp`` (``fc1 -> act``) or an ``nn.Sequential`` into the epilogue (the activation becomes ``nn.Identity``). State-dict keys
-    are unchanged. Returns the number of linears swapped (0 when oneDNN's kernel is unavailable)."""
+    parameters, folding the activation that follows it in an ``Mlp`` (``fc1 -> act``) or an ``nn.Sequential``
+    into the epilogue (the activation becomes ``nn.Identity``). State-dict keys are unchanged.
+    Returns the number of linears swapped (0 when oneDNN's kernel is unavailable)."""
     if not onednn_linear_available():
         return 0
     count = 0
