@@ -31,7 +31,7 @@ def _run_all(cmds: list[list[str]], cwd) -> list[subprocess.CompletedProcess]:
 
 def test_eval_outputs(trained_run, tmp_path):
     run, summary = trained_run
-    r = evaluate(run, "digits", output_dir=tmp_path)
+    r = evaluate(run, "digits", output_dir=tmp_path, optimize=False)
     assert r["split"] == "test" and r["num_images"] == 270
     assert r["top1"] == pytest.approx(summary["test_top1"])  # the same best weights as fit's test
     assert 0 <= r["top1"] <= r["top5"] <= 100
@@ -49,7 +49,7 @@ def test_predict_outputs(trained_run, tmp_path):
         p = tmp_path / f"img{i}.png"
         Image.new("RGB", (20, 12), (shade, shade, shade)).save(p)  # any size, any mode: converted and resized
         paths.append(p)
-    rows = predict(run / "best" / "model.safetensors", paths, topk=3)
+    rows = predict(run / "best" / "model.safetensors", paths, topk=3, optimize=False)
     assert [r["image"] for r in rows] == [str(p) for p in paths]
     for r in rows:
         assert len(r["top"]) == 3 and all(label in [str(i) for i in range(10)] for label, _ in r["top"])
@@ -61,14 +61,46 @@ def test_cli_eval_predict_and_config(trained_run, tmp_path, capsys):
     run, _ = trained_run
     img = tmp_path / "x.png"
     Image.new("L", (8, 8), 128).save(img)
-    assert main(["predict", "--checkpoint", str(run), str(img), "--topk", "2", "--json"]) == 0
+    assert main(["predict", "--checkpoint", str(run), str(img), "--topk", "2", "--json", "--no-optimize"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 1 and len(rows[0]["top"]) == 2
-    assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path), "--json"]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path), "--json", "--no-optimize"]) == 0
     assert json.loads(capsys.readouterr().out)["dataset"] == "digits"  # the data it was trained on
     assert main(["train", "--print-config", "--epochs", "3", "--lr", "0.01", "--data.img_size", "16"]) == 0
     text = capsys.readouterr().out
     assert "epochs: 3" in text and "lr: 0.01" in text and "img_size: 16" in text
+
+
+def _printed_config(capsys, *argv):
+    from vitlab.train import TrainConfig
+
+    assert main(["train", "--print-config", *argv]) == 0
+    return TrainConfig.from_yaml(capsys.readouterr().out)
+
+
+def test_flags_are_generated_from_the_config_dataclasses(tmp_path, capsys):
+    # dashes or underscores, nested dotted flags, Literal choices, bare switches, short aliases, free dict keys
+    cfg = _printed_config(capsys, "--batch-size", "8", "--accum_steps", "2", "--data.mixup", "0.8", "--amp",
+                          "bf16", "--quiet", "--ema-warmup", "false", "--data", "fake", "--data.scale", "1,1",
+                          "--distill", "soft", "--teacher", "vit_pico_patch8_32", "--model_kwargs.depth", "3",
+                          "--distill.student_layers", "0,1", "--clip_grad", "none", "--data.preset", "tiny")
+    assert (cfg.batch_size, cfg.accum_steps, cfg.amp, cfg.quiet, cfg.ema_warmup) == (8, 2, "bf16", True, False)
+    assert cfg.data.dataset == "fake" and cfg.data.mixup == 0.8 and cfg.data.scale == (1.0, 1.0)
+    assert cfg.data.preset == "tiny" and cfg.clip_grad is None
+    assert cfg.distill.kind == "soft" and cfg.distill.teacher == "vit_pico_patch8_32"
+    assert cfg.distill.student_layers == [0, 1] and cfg.model_kwargs == {"depth": 3}
+    # --config with flags on top
+    (tmp_path / "run.yaml").write_text("epochs: 7\nlr: 0.001\ndata:\n  dataset: fake\n  mixup: 0.2\n")
+    cfg = _printed_config(capsys, "--config", str(tmp_path / "run.yaml"), "--lr", "0.002", "--data.cutmix", "0.5")
+    assert (cfg.epochs, cfg.lr, cfg.data.dataset, cfg.data.mixup, cfg.data.cutmix) == (7, 0.002, "fake", 0.2, 0.5)
+    # help: each field's comment, its default, the Literal choices
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--amp {none,bf16,fp16}" in out and "--distill.kind {none,hard,soft,feature}" in out
+    assert "stochastic depth rate (default: 0.1)" in out and "--data.mixup" in out and "MixUp alpha" in out
+    assert "--task {classify}" in out
 
 
 def _bad_cases(run, tmp_path) -> dict[str, tuple[list[str], str]]:
@@ -93,6 +125,11 @@ def _bad_cases(run, tmp_path) -> dict[str, tuple[list[str], str]]:
         "unknown key": (["train", "--no_such_key", "1"], "unknown config key"),
         "bad value": (["train", "--data.img_size", "big"], "cannot read"),
         "bad range": (["train", "--epochs", "0"], "epochs must be"),
+        "bad choice": (["train", "--amp", "fp8"], "expected one of none, bf16, fp16"),
+        "bad nested choice": (["train", "--distill.kind", "medium"], "distill.kind"),
+        "flag without value": (["train", "--epochs"], "expected one argument"),
+        "unknown task": (["train", "--task", "segment"], "unknown task"),
+        "unknown subcommand": (["tran"], "invalid choice"),
         "missing config": (["train", "--config", str(tmp_path / "none.yaml")], "config file not found"),
         "bad yaml": (["train", "--config", str(tmp_path / "bad.yaml")], "not valid YAML"),
         "yaml not a mapping": (["train", "--config", str(tmp_path / "list.yaml")], "mapping"),
@@ -124,7 +161,7 @@ def test_bad_inputs_give_one_line_and_exit_2(trained_run, tmp_path, capsys):
         _check(name, needle, code, capsys.readouterr().err)
 
 
-SUBPROCESS_CASES = ("missing data dir", "class count mismatch", "unreadable image")
+SUBPROCESS_CASES = ("missing data dir", "class count mismatch", "unreadable image", "bad choice")
 
 
 def test_bad_inputs_through_python_m_vitlab(trained_run, tmp_path):
@@ -141,3 +178,16 @@ def test_every_bad_input_through_python_m_vitlab(trained_run, tmp_path):
     cases = _bad_cases(run, tmp_path)
     for (name, (_, needle)), r in zip(cases.items(), _run_all([c for c, _ in cases.values()], cwd=tmp_path)):
         _check(name, needle, r.returncode, r.stderr)
+
+
+@pytest.mark.slow
+def test_eval_and_predict_through_vitlab_optimize_match_eager(trained_run, tmp_path):
+    run, _ = trained_run
+    eager = evaluate(run, "digits", output_dir=tmp_path, optimize=False)
+    fast = evaluate(run, "digits", output_dir=tmp_path)  # the default: vitlab.optimize
+    assert fast["confusion_matrix"] == eager["confusion_matrix"]
+    img = tmp_path / "x.png"
+    Image.new("L", (8, 8), 128).save(img)
+    a, b = predict(run, [img], optimize=False)[0]["top"], predict(run, [img])[0]["top"]
+    assert [label for label, _ in a] == [label for label, _ in b]
+    assert [p for _, p in a] == pytest.approx([p for _, p in b], abs=1e-5)

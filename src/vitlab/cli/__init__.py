@@ -6,24 +6,27 @@ Each module of this package adds its subcommands through ``register(subparsers)`
     vitlab info NAME                         a model's config record, structure and profile        (models.py)
     vitlab bench attention|models|ladder     benchmarks                                            (bench.py)
 
-User errors (bad names, bad paths, bad data) print one line ``vitlab: error: ...`` and exit with code 2.
+    vitlab train|eval|predict                training and evaluation                               (train.py)
+
+User errors (bad flags, names, paths, data) print one line ``vitlab: error: ...`` and exit with code 2: the
+parsers raise instead of printing argparse's usage block (``_dataclass_args.Parser``).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import pkgutil
 import sys
 
 import vitlab
+from vitlab.cli._dataclass_args import Parser
 from vitlab.convert import CheckpointError
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, CheckpointError)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vitlab", description="Build, train, benchmark and analyse Vision Transformers.")
+def build_parser() -> Parser:
+    p = Parser(prog="vitlab", description="Build, train, benchmark and analyse Vision Transformers.")
     p.add_argument("--version", action="version", version=f"vitlab {vitlab.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for mod in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
@@ -32,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except USER_ERRORS as e:  # user errors: one line, no traceback
         print(f"vitlab: error: {e}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
     vitlab train                                   the default model on digits, on the CPU
     vitlab train --model deit_tiny_patch16_224 --data imagefolder:~/data/pets --epochs 30 --amp bf16
-    vitlab train --config cfg.yaml --lr 1e-3 --data.img_size 16 --model_kwargs.depth 6     (--key value overrides)
+    vitlab train --config cfg.yaml --lr 1e-3 --data.img_size 16 --model_kwargs.depth 6   (flags over the file)
+    vitlab train --help                            every TrainConfig / DataConfig / DistillConfig field as a flag
     vitlab train --resume runs/RUN                 continue where the last checkpoint left off
     torchrun --nproc-per-node 2 -m vitlab train --strategy ddp ...
     vitlab eval --checkpoint runs/RUN --data digits
@@ -11,66 +12,33 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 from vitlab._console import console
 
-
-class _OverrideParser(argparse.ArgumentParser):
-    """Keeps unknown ``--key value`` pairs as config overrides instead of rejecting them."""
-
-    def parse_known_args(self, args=None, namespace=None):
-        ns, extra = super().parse_known_args(args, namespace)
-        ns.overrides = list(getattr(ns, "overrides", None) or []) + list(extra)
-        return ns, []
-
-
-# named flag -> TrainConfig key (dotted for nested fields)
-_FLAGS = {
-    "model": "model", "data": "data.dataset", "epochs": "epochs", "batch_size": "batch_size", "lr": "lr",
-    "output_dir": "output_dir", "strategy": "strategy", "amp": "amp", "device": "device", "seed": "seed",
-    "ema_decay": "ema_decay", "img_size": "data.img_size", "workers": "data.num_workers",
-    "teacher": "distill.teacher", "distill": "distill.kind", "accum_steps": "accum_steps", "threads": "threads",
-    "stop_after": "stop_after",
-}
-_SWITCHES = {"quiet": "quiet", "compile": "compile", "channels_last": "channels_last",
-             "grad_checkpointing": "grad_checkpointing", "download": "data.download",
-             "skip_bad_images": "data.skip_bad_images"}
+# short flags kept from earlier releases (every TrainConfig field also has its own flag)
+ALIASES = {"data": "data.dataset", "img_size": "data.img_size", "workers": "data.num_workers",
+           "teacher": "distill.teacher", "distill": "distill.kind", "download": "data.download",
+           "skip_bad_images": "data.skip_bad_images"}
 
 
 def config_from_args(args):
-    """The TrainConfig of a ``vitlab train`` command line (defaults < --config < flags < --key value)."""
+    """The TrainConfig of a ``vitlab train`` command line: defaults < ``--config`` < flags. With ``--resume`` the
+    run's own config.yaml replaces the defaults (:func:`vitlab.train.trainer.resume_config`)."""
+    from vitlab.data import DataConfig
     from vitlab.train.config import TrainConfig, parse_overrides
+    from vitlab.train.trainer import resume_config
 
-    if args.resume:
-        run = Path(args.resume)
-        if not (run / "config.yaml").is_file():
-            raise FileNotFoundError(f"no run to resume at {run} (expected {run / 'config.yaml'})")
-        cfg = TrainConfig.load(run / "config.yaml")
-    elif args.config:
-        cfg = TrainConfig.load(args.config)
-    else:
-        cfg = TrainConfig()
-    over: dict[str, object] = {}
-    for flag, key in _FLAGS.items():
-        v = getattr(args, flag)
-        if v is not None:
-            over[key] = v
-    for flag, key in _SWITCHES.items():
-        if getattr(args, flag):
-            over[key] = True
-    if args.data and cfg.data.dataset != args.data:
+    cfg = TrainConfig.load(args.config) if args.config else TrainConfig()
+    over = {k: v for k, v in vars(args).items() if k in args.config_keys}
+    new_data = over.get("data.dataset")
+    if new_data is not None and new_data != cfg.data.dataset:
         # another dataset: start from its own defaults, not the previous dataset's resolved knobs
-        from vitlab.data import DataConfig
-
-        cfg.data = DataConfig(dataset=args.data, batch_size=cfg.data.batch_size, seed=cfg.data.seed)
-    over.update(parse_overrides(args.overrides))
+        cfg.data = DataConfig(dataset=new_data, batch_size=cfg.data.batch_size, seed=cfg.data.seed)
+    over.update(parse_overrides(args.extra))  # free dict keys (--model_kwargs.depth 6); unknown keys fail here
     cfg = cfg.with_overrides(over)
-    if args.resume:
-        cfg.resume = str(args.resume)
-        cfg.output_dir = str(args.resume)
+    if cfg.resume:
+        cfg = resume_config(cfg)
     return cfg
 
 
@@ -91,7 +59,7 @@ def cmd_eval(args) -> int:
     from vitlab.train import evaluate
 
     r = evaluate(args.checkpoint, args.data, split=args.split, output_dir=args.output_dir, weights=args.weights,
-                 batch_size=args.batch_size, device=args.device)
+                 batch_size=args.batch_size, device=args.device, optimize=not args.no_optimize)
     if args.json:
         print(json.dumps({k: v for k, v in r.items() if k != "confusion_matrix"}, indent=2))
         return 0
@@ -112,7 +80,8 @@ def cmd_eval(args) -> int:
 def cmd_predict(args) -> int:
     from vitlab.train import predict
 
-    rows = predict(args.checkpoint, args.images, topk=args.topk, weights=args.weights, device=args.device)
+    rows = predict(args.checkpoint, args.images, topk=args.topk, weights=args.weights, device=args.device,
+                   optimize=not args.no_optimize)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -123,41 +92,29 @@ def cmd_predict(args) -> int:
 
 
 def register(sub) -> None:
+    from vitlab.cli._dataclass_args import ConfigParser, add_aliases, add_dataclass_arguments
+    from vitlab.train.config import TrainConfig
+    from vitlab.train.task import list_tasks
+
     old = sub._parser_class
-    sub._parser_class = _OverrideParser
+    sub._parser_class = ConfigParser
     try:
         t = sub.add_parser("train", help="train a model (default: the default model on digits, on the CPU)",
-                           description="Train a model. Any TrainConfig field can be set with --key value "
-                                       "(dotted for nested: --data.img_size 16, --distill.alpha 0.5).",
+                           description="Train a model. Every TrainConfig field is a flag (dotted for nested "
+                                       "configs: --data.img_size 16, --distill.alpha 0.5; dashes or underscores); "
+                                       "precedence: defaults < --config FILE < flags.",
+                           usage="vitlab train [--config FILE] [--resume RUN] [--FIELD VALUE ...] "
+                                 "[--data.FIELD VALUE ...] [--distill.FIELD VALUE ...]",
                            allow_abbrev=False)
     finally:
         sub._parser_class = old
-    t.add_argument("--model", default=None, help="a registered model (default: vit_pico_patch8_32)")
-    t.add_argument("--data", default=None, help="digits | fake | imagefolder:PATH | cifar10:PATH | cifar100:PATH")
     t.add_argument("--config", default=None, help="a YAML TrainConfig (e.g. a run's config.yaml)")
-    t.add_argument("--epochs", type=int, default=None)
-    t.add_argument("--batch-size", type=int, default=None, help="per process")
-    t.add_argument("--lr", type=float, default=None, help="learning rate at global batch 512 (scaled linearly)")
-    t.add_argument("--output-dir", default=None, help="the run directory (default: runs/<model>-<data>-<time>)")
-    t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its last checkpoint")
-    t.add_argument("--stop-after", type=int, default=None, metavar="EPOCH",
-                   help="end this invocation after EPOCH (resume later)")
-    t.add_argument("--strategy", default=None, choices=["none", "ddp", "fsdp"], help="under torchrun")
-    t.add_argument("--amp", default=None, choices=["none", "bf16", "fp16"])
-    t.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
-    t.add_argument("--seed", type=int, default=None)
-    t.add_argument("--ema-decay", type=float, default=None)
-    t.add_argument("--accum-steps", type=int, default=None)
-    t.add_argument("--img-size", type=int, default=None)
-    t.add_argument("--workers", type=int, default=None, help="data loader worker processes")
-    t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    t.add_argument("--teacher", default=None, help="distillation teacher: model name, timm:NAME or checkpoint")
-    t.add_argument("--distill", default=None, choices=["none", "hard", "soft", "feature"])
-    for sw in ("quiet", "compile", "channels-last", "grad-checkpointing", "download", "skip-bad-images"):
-        t.add_argument(f"--{sw}", action="store_true")
     t.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
-    t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-    t.set_defaults(func=cmd_train)
+    t.add_argument("--print_config", action="store_true", help="print the resolved config as YAML and exit")
+    tasks = "{" + ",".join(list_tasks()) + "}"
+    keys = add_dataclass_arguments(t, TrainConfig, metavars={"task": tasks})
+    add_aliases(t, ALIASES, keys)
+    t.set_defaults(func=cmd_train, config_keys=keys)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint: top-1, top-5, per-class accuracy, confusion matrix")
     e.add_argument("--checkpoint", required=True, help="a run directory, checkpoint directory or .safetensors")
@@ -167,6 +124,8 @@ def register(sub) -> None:
     e.add_argument("--weights", default="auto", choices=["auto", "raw", "ema"])
     e.add_argument("--batch-size", type=int, default=256)
     e.add_argument("--device", default="cpu")
+    e.add_argument("--no-optimize", action="store_true",
+                   help="run the model as built (eager) instead of through vitlab.optimize")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 
@@ -176,5 +135,7 @@ def register(sub) -> None:
     p.add_argument("--topk", type=int, default=5)
     p.add_argument("--weights", default="auto", choices=["auto", "raw", "ema"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--no-optimize", action="store_true",
+                   help="run the model as built (eager) instead of through vitlab.optimize")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_predict)

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from vitlab.convert import CheckpointError
 from vitlab.train import checkpoint as ck
-from vitlab.train.classification import autocast, add_sums
+from vitlab.train.classification import add_sums, autocast
 from vitlab.train.config import TrainConfig
 from vitlab.train.plots import curves_png
 from vitlab.train.progress import Progress, say
