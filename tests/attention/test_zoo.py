@@ -55,7 +55,7 @@ def test_prefix_tokens_work_or_are_refused(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_in_a_block(name):
-    block = vitlab.layers.Block(DIM, HEADS, attn_layer=name)
+    block = vitlab.attention.Block(DIM, HEADS, attn_layer=name)
     x = torch.randn(2, 7 * 9, DIM)
     assert block(x, (7, 9)).shape == x.shape
 

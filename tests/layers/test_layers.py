@@ -7,9 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.layers import (
-    Attention,
     AttentionPool,
-    Block,
     DropPath,
     LayerScale,
     LinearPatchEmbed,
@@ -19,7 +17,6 @@ from vitlab.layers import (
     SwiGLU,
     apply_rope,
     conv_to_linear_patch_weight,
-    create_attention,
     drop_path_schedule,
     pool_tokens,
     resample_abs_pos_embed,
@@ -193,27 +190,6 @@ def test_drop_path_row_mode():
 def test_layer_scale():
     ls = LayerScale(4, 1e-5)
     torch.testing.assert_close(ls(torch.ones(2, 4)), torch.full((2, 4), 1e-5))
-
-
-def test_fused_and_explicit_attention_agree_and_weights_are_stochastic():
-    attn = Attention(32, 4, qk_norm=True).eval()
-    x = torch.randn(2, 10, 32)
-    out, weights = attn(x, return_attn=True)
-    torch.testing.assert_close(attn(x), out, rtol=1e-5, atol=1e-5)
-    assert weights.shape == (2, 4, 10, 10)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 10))
-
-
-def test_attention_dim_not_divisible():
-    with pytest.raises(ValueError, match="not divisible by num_heads"):
-        Attention(30, 4)
-
-
-def test_block_builds_attention_by_name_and_rejects_unknown():
-    blk = Block(32, 4, attn_layer="msa", mlp_layer="swiglu", norm_layer="rmsnorm", init_values=1e-5)
-    assert blk(torch.randn(2, 5, 32), (2, 2)).shape == (2, 5, 32)
-    with pytest.raises(ValueError, match="unknown attention 'msaa'; close matches: msa"):
-        create_attention("msaa", 32, 4)
 
 
 def test_pooling():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import vitlab
-from vitlab.layers import Attention
+from vitlab.attention import MultiHeadSelfAttention as Attention
 from vitlab.models.litv2 import (
     ConvFFN,
     ConvFFNBlock,

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 import vitlab
-from vitlab.layers import Attention
-from vitlab.models.pvt import SpatialReductionAttention
+from vitlab.attention import MultiHeadSelfAttention as Attention
+from vitlab.attention import SpatialReductionAttention
 
 SMALL = dict(depths=(1, 1, 1, 1))
 

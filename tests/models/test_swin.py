@@ -8,7 +8,8 @@ import torch
 
 import vitlab
 from tests.conftest import check_published, timm_pair
-from vitlab.models.swin import SwinTransformer, shifted_window_mask
+from vitlab.attention.local_window import _WindowAttentionBase
+from vitlab.models.swin import SwinTransformer
 
 timm = pytest.importorskip("timm")
 
@@ -101,11 +102,28 @@ def test_pyramid():
 
 
 def test_shift_mask():
-    mask = shifted_window_mask((8, 8), (4, 4), (2, 2))  # (4 windows, 16, 16)
+    """The shifted-window mask of the zoo's attention, which Swin uses: Swin's regions of the rolled map."""
+    attn = _WindowAttentionBase(32, 2, window_size=4, shift_size=2, rel_pos_bias=False)
+    mask = attn._structure_mask(8, 8, 2, 2, "cpu")[:, 0]  # (4 windows, 16, 16) "may attend"
     assert mask.shape == (4, 16, 16)
-    assert (mask[0] == 0).all()  # the top-left window is all one region
-    assert (mask[3] != 0).any() and torch.equal(mask, mask.transpose(1, 2))
-    assert set(mask.unique().tolist()) == {-100.0, 0.0}
+    assert mask[0].all()  # the top-left window is all one region
+    assert not mask[3].all() and torch.equal(mask, mask.transpose(1, 2))
+    # the bottom-right window holds four regions of 2x2 tokens: each token attends to its own 4
+    assert (mask[3].sum(-1) == 4).all()
+
+
+def test_one_window_attention_and_one_relative_position_index():
+    """Swin's blocks hold the zoo's window attentions (no copy of their own), with timm's parameter names."""
+    from vitlab.attention import LocalWindowAttention, ShiftedWindowAttention
+
+    model = vitlab.create_model(NAMES[0], **SMALL)
+    kinds = [type(b.attn) for s in model.layers for b in s.blocks]
+    assert kinds[:2] == [LocalWindowAttention, ShiftedWindowAttention]
+    assert kinds[-1] is LocalWindowAttention  # 2x2 last stage: the window clamps to the grid, no shift
+    attn = model.layers[3].blocks[1].attn
+    assert attn.relative_position_bias_table.shape == (3 * 3, 24)  # a 2x2 window: (2*2-1)^2 offsets
+    assert {n for n, _ in model.layers[0].blocks[1].named_parameters(recurse=True)} >= {
+        "attn.qkv.weight", "attn.proj.weight", "attn.relative_position_bias_table"}
 
 
 def test_bad_sizes():

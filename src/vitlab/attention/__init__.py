@@ -1,17 +1,37 @@
-"""The attention zoo: every mechanism behind one interface, ``forward(x, hw)`` with x (B, N, C) tokens of an
-H x W grid, built by name with :func:`create`. The registry itself lives in :mod:`vitlab.layers.create_attn`
-so that :class:`vitlab.layers.Block` can build any mechanism by name (``attn_layer='msa'``). Each module of
-this package holds one mechanism and registers it on import (a new file is picked up without editing this one).
+"""The one home of attention: the registry, multi-head self-attention (``msa``), every zoo mechanism, the
+offset-bias attention of LeViT / EfficientFormer and the pluggable pre-norm :class:`Block`.
+
+Every mechanism sits behind one interface, ``forward(x, hw)`` with x (B, N, C) tokens of an H x W grid, and is
+built by name with :func:`create` (``Block(dim, heads, attn_layer='hilo')`` does the same inside a block). Each
+module of this package holds one mechanism and registers it on import (a new file is picked up without editing
+this one). Building blocks that know no attention (MLP, norms, drop path, embeddings) live in
+:mod:`vitlab.layers`.
 """
 
 import importlib
 import pkgutil
 
-from vitlab.layers.attention import Attention as MultiHeadSelfAttention
-from vitlab.layers.create_attn import create_attention as create
-from vitlab.layers.create_attn import list_attention, register_attention
+from vitlab.attention._registry import (
+    accepts_prefix_tokens,
+    create_attention,
+    get_attention,
+    list_attention,
+    register_attention,
+)
+from vitlab.attention.block import Block
+from vitlab.attention.local_window import LocalWindowAttention
+from vitlab.attention.msa import MultiHeadSelfAttention
+from vitlab.attention.offset_bias import OffsetBiasAttentionBase
+from vitlab.attention.shifted_window import ShiftedWindowAttention
+from vitlab.attention.sra import SpatialReductionAttention
+
+create = create_attention
 
 for _mod in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_mod.name}")
 
-__all__ = ["MultiHeadSelfAttention", "create", "list_attention", "register_attention"]
+__all__ = [
+    "Block", "LocalWindowAttention", "MultiHeadSelfAttention", "OffsetBiasAttentionBase", "ShiftedWindowAttention",
+    "SpatialReductionAttention", "accepts_prefix_tokens", "create", "create_attention", "get_attention",
+    "list_attention", "register_attention",
+]

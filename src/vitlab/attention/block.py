@@ -9,11 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from vitlab.layers.create_attn import create_attention
-from vitlab.layers.drop import DropPath
-from vitlab.layers.layer_scale import LayerScale
-from vitlab.layers.mlp import create_mlp
-from vitlab.layers.norm import get_norm_layer
+from vitlab.attention._registry import create_attention
+from vitlab.layers import DropPath, LayerScale, create_mlp, get_norm_layer
 
 
 class Block(nn.Module):

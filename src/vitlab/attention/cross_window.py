@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from vitlab.attention._registry import register_attention
 from vitlab.attention._window import expand_heads, grid_size, valid_keys
-from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
 
 
@@ -41,6 +41,8 @@ class _LePE(nn.Module):
 
 @register_attention("cross_window")
 class CrossWindowAttention(nn.Module):
+    prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, split_size: int = 7):
         super().__init__()

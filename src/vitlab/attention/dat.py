@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.init import trunc_normal_
 
+from vitlab.attention._registry import register_attention
 from vitlab.attention._window import grid_size
-from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads, to_2tuple
 
 
@@ -59,6 +59,8 @@ def _norm_coords(n: int, step: float, offset: float, size: int, dtype, device) -
 
 @register_attention("dat")
 class DeformableAttention(nn.Module):
+    prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, n_groups: int | None = None, ksize: int = 5, stride: int = 1,
                  offset_range_factor: float = 2.0, use_pe: bool = True, q_size=(14, 14)):

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.init import trunc_normal_
 
+from vitlab.attention._registry import register_attention
 from vitlab.attention._window import (
     grid_size,
     pad_to_multiple,
@@ -48,7 +49,6 @@ from vitlab.attention._window import (
     relative_position_index,
     reverse,
 )
-from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
 
 
@@ -79,6 +79,8 @@ def _window_to_pooled_index(ws: int, fw: int) -> torch.Tensor:
 
 @register_attention("focal")
 class FocalAttention(nn.Module):
+    prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, window_size: int = 7, expand_size: int = 3, focal_level: int = 2,
                  focal_window: int = 3, pool_method: str = "fc"):

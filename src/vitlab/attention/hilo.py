@@ -36,8 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vitlab.attention._registry import register_attention
 from vitlab.attention._window import expand_heads, grid_size, pad_to_multiple, valid_keys
-from vitlab.layers.create_attn import register_attention
 from vitlab.layers.helpers import check_heads
 
 
@@ -64,6 +64,8 @@ def hilo_flops(N: int, D: int, s: int, alpha: float = 0.5) -> float:
 
 @register_attention("hilo")
 class HiLo(nn.Module):
+    prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, window_size: int = 2, alpha: float = 0.9,
                  pooled_queries: bool = False):

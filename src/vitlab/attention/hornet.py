@@ -18,11 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vitlab.layers.create_attn import register_attention
+from vitlab.attention._registry import register_attention
 
 
 @register_attention("hornet")
 class GnConv(nn.Module):
+    prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, order: int = 4, kernel_size: int = 7, scale: float = 1.0 / 3.0):
         super().__init__()

@@ -14,13 +14,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.layers.create_attn import register_attention
+from vitlab.attention._registry import register_attention
 from vitlab.layers.helpers import check_heads
 from vitlab.layers.pos_embed import apply_rope
 
 
 @register_attention("msa")
-class Attention(nn.Module):
+class MultiHeadSelfAttention(nn.Module):
     fused_attn: bool = True  # class-wide switch: False forces the explicit softmax path (e.g. for comparison)
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, qk_norm: bool = False,
@@ -53,3 +53,6 @@ class Attention(nn.Module):
             x = F.dropout(attn, drop) @ v
         x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
         return (x, attn) if return_attn else x
+
+
+Attention = MultiHeadSelfAttention  # timm's name

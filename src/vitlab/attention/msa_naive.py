@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.layers.create_attn import register_attention
+from vitlab.attention._registry import register_attention
 from vitlab.layers.helpers import check_heads
 
 

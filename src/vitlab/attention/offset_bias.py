@@ -1,16 +1,15 @@
 """Attention with a learned bias per relative offset (|dy|, |dx|) on a fixed token grid (LeViT, Graham et al.,
-2021; reused by EfficientFormer): one table entry per offset and head, gathered into an additive mask."""
+2021; reused by EfficientFormer): one table entry per offset and head, gathered into an additive mask.
+
+This module holds the shared base; the two LeViT attentions and EfficientFormer's live with their models
+(their projections carry BatchNorms / timm's key layout). Registers nothing: a mechanism tied to one grid size
+is no drop-in ``forward(x, hw)`` token mixer.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-
-
-def downsample_size(size: int) -> int:
-    """Output length of a 3x3 stride-2 pad-1 convolution (ceil(size / 2))."""
-    return (size - 1) // 2 + 1
 
 
 def _offset_index(q_pos: torch.Tensor, k_pos: torch.Tensor, width: int) -> torch.Tensor:
@@ -26,50 +25,26 @@ def _grid_positions(h: int, w: int, stride: int = 1, device=None) -> torch.Tenso
 
 
 class OffsetBiasAttentionBase(nn.Module):
-    """Shared by both LeViT attentions: the learned per-head bias table ``attention_biases`` (heads, H*W), one
-    entry per offset (|dy|, |dx|), gathered into a (heads, Nq, Nk) additive mask.
+    """Shared by the LeViT and EfficientFormer attentions: the learned per-head bias table ``attention_biases``
+    (heads, H*W), one entry per offset (|dy|, |dx|), gathered into a (heads, Nq, Nk) additive bias.
 
-    The gather is cached for inference (eval mode, no gradient wanted): it depends only on the parameters, so it
-    is recomputed only when they change (train(), .to(), load_state_dict, an in-place update)."""
+    One plain path on every device and under every tracer: the bias is gathered on each call (a (heads, Nq, Nk)
+    index, small next to the attention itself) and the attention is the explicit ``softmax(q k^T s + bias) v``,
+    which on CPU fp32 inference measured faster than ``scaled_dot_product_attention`` with a float mask
+    (LeViT-256, batch 32: see ``_attend``)."""
 
     attention_bias_idxs: torch.Tensor
-    fused_attn: bool | None = None  # use F.scaled_dot_product_attention; None: on CUDA only (measured faster)
 
     def _init_bias(self, num_heads: int, resolution: tuple[int, int], q_stride: int) -> None:
         H, W = resolution
         self.attention_biases = nn.Parameter(torch.zeros(num_heads, H * W))
         idx = _offset_index(_grid_positions(H, W, q_stride), _grid_positions(H, W), W)  # (Nq, Nk)
         self.register_buffer("attention_bias_idxs", idx, persistent=False)  # derived, not a weight
-        self._bias_cache: torch.Tensor | None = None
-        self._bias_cache_version = -1
-
-    def train(self, mode: bool = True):
-        self._bias_cache = None
-        return super().train(mode)
-
-    def _apply(self, fn, *args, **kwargs):
-        self._bias_cache = None
-        return super()._apply(fn, *args, **kwargs)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._bias_cache = None
-        return super()._load_from_state_dict(*args, **kwargs)
 
     def get_attention_biases(self) -> torch.Tensor:  # (heads, Nq, Nk)
-        if torch.compiler.is_compiling() or self.training or (
-                torch.is_grad_enabled() and self.attention_biases.requires_grad):
-            return self.attention_biases[:, self.attention_bias_idxs]
-        version = self.attention_biases._version
-        if self._bias_cache is None or self._bias_cache_version != version:
-            self._bias_cache = self.attention_biases[:, self.attention_bias_idxs]
-            self._bias_cache_version = version
-        return self._bias_cache
+        return self.attention_biases[:, self.attention_bias_idxs]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, h, Nq, D), k (B, h, Nk, D), v (B, h, Nk, Dv) -> (B, h, Nq, Dv): softmax(q k^T / sqrt(D) + bias) v."""
-        bias = self.get_attention_biases()
-        fused = self.fused_attn if self.fused_attn is not None else q.device.type == "cuda"
-        if fused:  # SDPA's kernels win on GPU; on CPU with a float mask they are slower than matmul-softmax-matmul
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=self.scale)
-        attn = (q * self.scale) @ k.transpose(-2, -1) + bias  # (B, h, Nq, Nk)
+        attn = (q * self.scale) @ k.transpose(-2, -1) + self.get_attention_biases()  # (B, h, Nq, Nk)
         return attn.softmax(dim=-1) @ v

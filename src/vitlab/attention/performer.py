@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vitlab.layers.create_attn import register_attention
+from vitlab.attention._registry import register_attention
 from vitlab.layers.helpers import check_heads
 
 

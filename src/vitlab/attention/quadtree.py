@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.layers.create_attn import register_attention
+from vitlab.attention._registry import register_attention
 from vitlab.layers.helpers import check_heads
 
 
@@ -67,6 +67,8 @@ def _gather_children(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 @register_attention("quadtree")
 class QuadTreeAttention(nn.Module):
+    prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, num_levels: int = 2, topk: int = 8, lepe: bool = True):
         super().__init__()

@@ -18,8 +18,8 @@ in a window). No prefix (class) tokens: a ValueError is raised when N != H*W.
 
 from __future__ import annotations
 
+from vitlab.attention._registry import register_attention
 from vitlab.attention.local_window import _WindowAttentionBase
-from vitlab.layers.create_attn import register_attention
 
 
 @register_attention("shifted_window")
@@ -27,7 +27,7 @@ class ShiftedWindowAttention(_WindowAttentionBase):
     _name = "shifted_window"
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0, window_size: int = 7, shift_size: int = 3,
+                 proj_drop: float = 0.0, window_size=7, shift_size=3,
                  rel_pos_bias: bool = True):
         super().__init__(dim, num_heads, qkv_bias, attn_drop, proj_drop, window_size=window_size,
                          shift_size=shift_size, rel_pos_bias=rel_pos_bias)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vitlab.layers.create_attn import register_attention
+from vitlab.attention._registry import register_attention
 
 
 class LKA(nn.Module):
@@ -37,6 +37,8 @@ class LKA(nn.Module):
 
 @register_attention("van")
 class VANAttention(nn.Module):
+    prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, kernel_size: int = 5, dilated_kernel_size: int = 7,
                  dilation: int = 3, shortcut: bool = True):

@@ -1,16 +1,20 @@
 """Building blocks of vision transformers. Imports only torch and einops; knows no model."""
 
-from vitlab.layers.attention import Attention
-from vitlab.layers.block import Block
+from vitlab.layers.checkpoint import checkpoint_seq
 from vitlab.layers.classifier import check_pool, create_classifier
-from vitlab.layers.create_attn import create_attention, list_attention, register_attention
 from vitlab.layers.drop import DropPath, drop_path, drop_path_schedule
 from vitlab.layers.features import feature_take_indices, intermediates_plan
-from vitlab.layers.helpers import check_heads, check_image, init_linears_trunc_normal_, make_divisible, to_2tuple
+from vitlab.layers.helpers import (
+    check_heads,
+    check_image,
+    downsample_size,
+    init_linears_trunc_normal_,
+    make_divisible,
+    to_2tuple,
+)
 from vitlab.layers.layer_scale import LayerScale, LayerScale2d
 from vitlab.layers.mlp import Mlp, SwiGLU, create_mlp, get_act_layer, swiglu_hidden_dim
 from vitlab.layers.norm import RMSNorm, get_norm_layer
-from vitlab.layers.offset_bias_attn import OffsetBiasAttentionBase, downsample_size
 from vitlab.layers.patch_embed import LinearPatchEmbed, PatchEmbed, conv_to_linear_patch_weight
 from vitlab.layers.pool import AttentionPool, check_pool_type, pool_tokens
 from vitlab.layers.pos_embed import (
@@ -22,11 +26,11 @@ from vitlab.layers.pos_embed import (
 )
 
 __all__ = [
-    "apply_rope", "Attention", "AttentionPool", "Block", "check_heads", "check_image", "check_pool",
-    "check_pool_type", "conv_to_linear_patch_weight", "create_attention", "create_classifier", "create_mlp",
+    "apply_rope", "AttentionPool", "check_heads", "checkpoint_seq", "check_image", "check_pool",
+    "check_pool_type", "conv_to_linear_patch_weight", "create_classifier", "create_mlp",
     "downsample_size", "drop_path", "drop_path_schedule", "DropPath", "feature_take_indices", "get_act_layer",
     "get_norm_layer", "init_linears_trunc_normal_", "intermediates_plan", "LayerScale", "LayerScale2d",
-    "LinearPatchEmbed", "list_attention", "make_divisible", "Mlp", "OffsetBiasAttentionBase", "PatchEmbed",
-    "pool_tokens", "register_attention", "resample_abs_pos_embed", "RMSNorm", "rope_frequencies",
+    "LinearPatchEmbed", "make_divisible", "Mlp", "PatchEmbed",
+    "pool_tokens", "resample_abs_pos_embed", "RMSNorm", "rope_frequencies",
     "RotaryEmbedding2D", "sincos_2d_pos_embed", "SwiGLU", "swiglu_hidden_dim", "to_2tuple",
 ]

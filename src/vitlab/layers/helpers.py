@@ -48,3 +48,8 @@ def init_linears_trunc_normal_(module, std: float = 0.02) -> None:
             nn.init.trunc_normal_(m.weight, std=std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+
+def downsample_size(size: int) -> int:
+    """Output length of a 3x3 stride-2 pad-1 convolution (ceil(size / 2))."""
+    return (size - 1) // 2 + 1

@@ -24,12 +24,12 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from vitlab.attention import OffsetBiasAttentionBase
 from vitlab.layers import (
     DropPath,
     LayerScale,
     LayerScale2d,
     Mlp,
-    OffsetBiasAttentionBase,
     check_image,
     check_pool,
     downsample_size,

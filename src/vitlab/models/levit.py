@@ -39,9 +39,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from vitlab.attention import OffsetBiasAttentionBase
 from vitlab.layers import (
     DropPath,
-    OffsetBiasAttentionBase,
     check_image,
     check_pool,
     downsample_size,

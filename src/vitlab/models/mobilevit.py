@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
+from vitlab.attention import Block
 from vitlab.layers import (
-    Block,
     DropPath,
     check_image,
     check_pool,

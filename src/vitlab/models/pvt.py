@@ -9,7 +9,9 @@ A transformer with a CNN-like feature pyramid: four stages at strides 4, 8, 16, 
    the paper's code does; the last stage also prepends a class token, which has its own embedding entry);
 3. runs pre-norm transformer blocks whose attention is *spatial-reduction attention* (SRA): queries keep
    the full grid, while keys and values come from the grid reduced by a R_i x R_i stride-R_i conv and a
-   LayerNorm, so attention costs (H_i W_i)^2 / R_i^2 instead of (H_i W_i)^2. R = 8, 4, 2, 1.
+   LayerNorm, so attention costs (H_i W_i)^2 / R_i^2 instead of (H_i W_i)^2. R = 8, 4, 2, 1. This is the
+   zoo's ``sra`` mechanism (:class:`vitlab.attention.SpatialReductionAttention`, PVT's parameter names); the
+   class token of the last stage (R = 1) is an ordinary query / key there.
 
 Configs (paper Table 1): widths 64/128/320/512, heads 1/2/5/8, MLP ratios 8/8/4/4; depths 2-2-2-2 (Tiny),
 3-4-6-3 (Small), 3-4-18-3 (Medium), 3-8-27-3 (Large). Classification uses the class token after a final
@@ -26,15 +28,14 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from vitlab.attention import Block, SpatialReductionAttention
 from vitlab.layers import (
-    Block,
     PatchEmbed,
     check_heads,
     check_image,
     check_pool_type,
+    checkpoint_seq,
     drop_path_schedule,
     get_norm_layer,
     init_linears_trunc_normal_,
@@ -48,49 +49,6 @@ from vitlab.registry import ModelConfig, register_model
 
 _PAPER = ("Wang et al., Pyramid Vision Transformer: A Versatile Backbone for Dense Prediction without "
           "Convolutions, ICCV 2021")
-
-
-class SpatialReductionAttention(nn.Module):
-    """SRA: ``Attention(x W_q, SR(x) W_k, SR(x) W_v)`` with ``SR(x) = LayerNorm(Conv_{R x R, stride R}(x))``.
-
-    With ``sr_ratio == 1`` there is no reduction and it is plain multi-head self-attention (``q`` and ``kv``
-    are the rows of a fused ``qkv``). Prefix tokens (the class token) are not part of the grid: they are kept
-    unreduced and joined to the reduced keys / values (the reference code only uses a prefix where R = 1).
-    """
-
-    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0, sr_ratio: int = 1, sr_norm_eps: float = 1e-5):
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = check_heads(dim, num_heads)
-        self.sr_ratio = sr_ratio
-        self.q = nn.Linear(dim, dim, bias=qkv_bias)
-        self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
-        self.attn_drop = attn_drop
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-        if sr_ratio > 1:
-            self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
-            self.norm = nn.LayerNorm(dim, eps=sr_norm_eps)
-        else:
-            self.sr, self.norm = None, None
-
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
-        B, N, C = x.shape  # N = prefix + H*W
-        q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)  # (B, heads, N, hd)
-        if self.sr is not None:
-            if hw is None:
-                raise ValueError("spatial-reduction attention with sr_ratio > 1 needs the grid size hw")
-            H, W = hw
-            prefix, grid = x[:, : N - H * W], x[:, N - H * W :]
-            grid = grid.transpose(1, 2).reshape(B, C, H, W)
-            grid = self.sr(grid).flatten(2).transpose(1, 2)  # (B, H/R * W/R, C)
-            x = self.norm(torch.cat([prefix, grid], dim=1))
-        kv = self.kv(x).reshape(B, x.shape[1], 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        k, v = kv.unbind(0)  # (B, heads, N', hd) each, N' = prefix + H*W / R^2
-        drop = self.attn_drop if self.training else 0.0
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, heads, N, hd)
-        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
 
 
 class PVTStage(nn.Module):
@@ -112,7 +70,7 @@ class PVTStage(nn.Module):
         self.blocks = nn.ModuleList([
             Block(dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
                   attn_drop=attn_drop_rate, drop_path=p, act_layer=act_layer, norm_layer=norm_layer,
-                  attn_layer=SpatialReductionAttention, attn_kwargs={"sr_ratio": sr_ratio})
+                  attn_layer="sra", attn_kwargs={"sr_ratio": sr_ratio})
             for p in (drop_path or [0.0] * depth)])
         self.grad_checkpointing = False
 
@@ -130,12 +88,7 @@ class PVTStage(nn.Module):
 
     def forward(self, x: torch.Tensor, cls_token: torch.Tensor | None = None):
         x, hw = self.embed(x, cls_token)
-        for blk in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(blk, x, hw, use_reentrant=False)
-            else:
-                x = blk(x, hw)
-        return x, hw  # (B, prefix + h*w, C)
+        return checkpoint_seq(self.blocks, x, hw, enabled=self.grad_checkpointing), hw  # (B, prefix + h*w, C)
 
 
 class PyramidVisionTransformer(TimmApiMixin, nn.Module):

@@ -12,10 +12,11 @@ alternate
   additive mask (0 within a region, -100 across regions, as the paper's code) keeps them apart.
 
 Every window attention adds a learned *relative position bias* B[dy, dx] (one table of (2M-1)^2 entries per
-head) to the logits: ``softmax(QK^T / sqrt(d) + B + mask) V``. We pass ``B + mask`` as the additive
-``attn_mask`` of ``scaled_dot_product_attention`` (same function, fused kernel); the shift mask is a
-precomputed buffer. When a stage's grid is no larger than the window (the 7x7 last stage at 224), the window
-shrinks to the grid and the shift is dropped, as in the paper's code.
+head) to the logits: ``softmax(QK^T / sqrt(d) + B + mask) V``. The attention itself is the zoo's
+``local_window`` (W-MSA) and ``shifted_window`` (SW-MSA) mechanism of :mod:`vitlab.attention`, which passes
+``B + mask`` as the additive ``attn_mask`` of ``scaled_dot_product_attention`` (masked pairs get -inf rather
+than the paper code's -100: the same softmax in fp32). When a stage's grid is no larger than the window (the 7x7
+last stage at 224), the window shrinks to the grid and the shift is dropped, as in the paper's code.
 
 Module names follow timm's ``SwinTransformer`` (except the classifier: ``head`` rather than ``head.fc``,
 remapped by :meth:`SwinTransformer.checkpoint_filter_fn`), so timm state dicts load.
@@ -28,16 +29,15 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from einops import rearrange
-from torch.utils.checkpoint import checkpoint
 
+from vitlab.attention import create_attention
 from vitlab.layers import (
     DropPath,
     Mlp,
     PatchEmbed,
-    check_heads,
     check_pool,
+    checkpoint_seq,
     drop_path_schedule,
     get_norm_layer,
     init_linears_trunc_normal_,
@@ -49,78 +49,6 @@ from vitlab.registry import ModelConfig, register_model
 
 _PAPER = "Liu et al., Swin Transformer: Hierarchical Vision Transformer using Shifted Windows, ICCV 2021"
 _POOL_TYPES = ("avg", "max", "")
-
-
-def relative_position_index(win_h: int, win_w: int) -> torch.Tensor:
-    """(N, N) index into the ((2*win_h-1) * (2*win_w-1)) bias table for every pair of tokens in a window
-    (N = win_h * win_w): the offset (dy, dx), shifted to be non-negative, flattened row-major."""
-    ys, xs = torch.meshgrid(torch.arange(win_h), torch.arange(win_w), indexing="ij")
-    ys, xs = ys.flatten(), xs.flatten()  # (N,)
-    dy = ys[:, None] - ys[None, :] + (win_h - 1)  # (N, N) in [0, 2*win_h - 2]
-    dx = xs[:, None] - xs[None, :] + (win_w - 1)
-    return dy * (2 * win_w - 1) + dx
-
-
-def shifted_window_mask(hw: tuple[int, int], window: tuple[int, int], shift: tuple[int, int]) -> torch.Tensor:
-    """(num_windows, N, N) additive mask of SW-MSA: 0 between tokens of the same region of the rolled grid,
-    -100 between tokens that the cyclic shift brought together from different regions."""
-    (H, W), (wh, ww), (sh, sw) = hw, window, shift
-    region = torch.zeros(H, W)
-    cnt = 0
-    for hs in (slice(0, H - wh), slice(H - wh, H - sh), slice(H - sh, H)):
-        for ws in (slice(0, W - ww), slice(W - ww, W - sw), slice(W - sw, W)):
-            region[hs, ws] = cnt
-            cnt += 1
-    region = rearrange(region, "(nh wh) (nw ww) -> (nh nw) (wh ww)", wh=wh, ww=ww)  # (nW, N)
-    diff = region[:, None, :] - region[:, :, None]  # (nW, N, N)
-    return torch.zeros_like(diff).masked_fill(diff != 0, -100.0)
-
-
-class WindowAttention(nn.Module):
-    """Multi-head self-attention inside windows, with a relative position bias (and the shift mask, if any).
-
-    ``forward(x, mask)``: x (B * nW, N, C) tokens of nW windows per image, mask (nW, N, N) or None.
-    """
-
-    def __init__(self, dim: int, num_heads: int, window_size, qkv_bias: bool = True, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0):
-        super().__init__()
-        self.dim = dim
-        self.num_heads = num_heads
-        self.head_dim = check_heads(dim, num_heads)
-        self.window_size = to_2tuple(window_size)
-        win_h, win_w = self.window_size
-        self.window_area = win_h * win_w
-        table_size = (2 * win_h - 1) * (2 * win_w - 1)
-        self.relative_position_bias_table = nn.Parameter(torch.zeros(table_size, num_heads))
-        # derived from the window size alone: not saved (timm drops it from its checkpoints too)
-        index = relative_position_index(win_h, win_w)
-        self.register_buffer("relative_position_index", index, persistent=False)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.attn_drop = attn_drop
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def relative_position_bias(self) -> torch.Tensor:
-        """(heads, N, N) bias B[i, j] = table[offset(i, j)]."""
-        bias = self.relative_position_bias_table[self.relative_position_index]  # (N, N, heads)
-        return bias.permute(2, 0, 1).contiguous()
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        B_, N, C = x.shape
-        q, k, v = self.qkv(x).view(B_, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        bias = self.relative_position_bias()  # (heads, N, N)
-        if mask is None:
-            attn_mask = bias.unsqueeze(0)  # (1, heads, N, N): broadcast over windows, no copy
-        else:
-            nW = mask.shape[0]
-            # (nW, heads, N, N) -> (B * nW, heads, N, N): windows are ordered (image, window) like the mask
-            attn_mask = (mask.unsqueeze(1).to(bias.dtype) + bias).expand(B_ // nW, -1, -1, -1, -1)
-            attn_mask = attn_mask.reshape(B_, self.num_heads, N, N)
-        drop = self.attn_drop if self.training else 0.0
-        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask.to(q.dtype), dropout_p=drop)  # (B_,h,N,d)
-        x = x.transpose(1, 2).reshape(B_, N, C)
-        return self.proj_drop(self.proj(x))
 
 
 class SwinTransformerBlock(nn.Module):
@@ -146,29 +74,19 @@ class SwinTransformerBlock(nn.Module):
                                  f"{window[0]}x{window[1]}; every stage grid (img_size / patch_size / 2**stage) "
                                  f"must be a multiple of the window size or no larger than it")
         self.norm1 = norm(dim)
-        self.attn = WindowAttention(dim, num_heads, self.window_size, qkv_bias=qkv_bias, attn_drop=attn_drop,
-                                    proj_drop=proj_drop)
+        kind = dict(shift_size=self.shift_size) if any(self.shift_size) else {}
+        self.attn = create_attention("shifted_window" if kind else "local_window", dim, num_heads,
+                                     window_size=self.window_size, qkv_bias=qkv_bias, attn_drop=attn_drop,
+                                     proj_drop=proj_drop, **kind)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        mask = (shifted_window_mask(self.input_resolution, self.window_size, self.shift_size)
-                if any(self.shift_size) else None)
-        self.register_buffer("attn_mask", mask, persistent=False)  # (nW, N, N) or None
 
     def _attn(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, H, W, C) -> (B, H, W, C): (shifted) window attention."""
-        (wh, ww), (sh, sw) = self.window_size, self.shift_size
-        H, W = x.shape[1], x.shape[2]
-        shifted = sh > 0 or sw > 0
-        if shifted:  # cyclic shift up-left: the windows of this block straddle the previous block's borders
-            x = torch.roll(x, shifts=(-sh, -sw), dims=(1, 2))
-        win = rearrange(x, "b (nh wh) (nw ww) c -> (b nh nw) (wh ww) c", wh=wh, ww=ww)  # (B*nW, N, C)
-        win = self.attn(win, self.attn_mask)
-        x = rearrange(win, "(b nh nw) (wh ww) c -> b (nh wh) (nw ww) c", nh=H // wh, nw=W // ww, wh=wh)
-        if shifted:
-            x = torch.roll(x, shifts=(sh, sw), dims=(1, 2))
-        return x
+        """x (B, H, W, C) -> (B, H, W, C): (shifted) window attention over the H x W token grid."""
+        B, H, W, C = x.shape
+        return self.attn(x.reshape(B, H * W, C), (H, W)).view(B, H, W, C)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, H, W, C) -> (B, H, W, C)
         x = x + self.drop_path1(self._attn(self.norm1(x)))
@@ -222,13 +140,7 @@ class SwinTransformerStage(nn.Module):
             for i in range(depth)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, H, W, C) -> (B, H', W', C')
-        x = self.downsample(x)
-        for blk in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(blk, x, use_reentrant=False)
-            else:
-                x = blk(x)
-        return x
+        return checkpoint_seq(self.blocks, self.downsample(x), enabled=self.grad_checkpointing)
 
 
 class SwinTransformer(TimmApiMixin, nn.Module):
@@ -299,11 +211,9 @@ class SwinTransformer(TimmApiMixin, nn.Module):
             raise ValueError(f"unknown weight_init {weight_init!r}; choose 'trunc_normal' or 'none'")
 
     def _init_trunc_normal(self) -> None:
-        """The paper's init: truncated normal (std 0.02) for linears and the bias tables, zero biases."""
+        """The paper's init: truncated normal (std 0.02) for linears and the bias tables (done by the window
+        attention itself), zero biases."""
         init_linears_trunc_normal_(self)
-        for m in self.modules():
-            if isinstance(m, WindowAttention):
-                nn.init.trunc_normal_(m.relative_position_bias_table, std=0.02)
 
     # ---- timm-style API -------------------------------------------------------------------------------
     @torch.jit.ignore
@@ -398,4 +308,4 @@ def swin_base_patch4_window7_224(**kwargs) -> SwinTransformer:
     return _create(dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)), kwargs)
 
 
-__all__ = ["PatchMerging", "SwinTransformer", "SwinTransformerBlock", "SwinTransformerStage", "WindowAttention"]
+__all__ = ["PatchMerging", "SwinTransformer", "SwinTransformerBlock", "SwinTransformerStage"]

@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from vitlab.attention import Block
 from vitlab.layers import (
     AttentionPool,
-    Block,
     PatchEmbed,
     RotaryEmbedding2D,
     check_heads,
