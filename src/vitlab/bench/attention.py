@@ -9,6 +9,11 @@ issue 4: weights and input stay fp32 and the layer runs under ``torch.autocast``
 module and the input to that dtype instead). Parameters and MACs ("FLOPs" as the paper counts them) are
 counted once at batch 1 on the meta device.
 
+Each layer is timed as ``vitlab.optimize`` makes it by default (``optimize="auto"``: the fastest of the eager
+backends ``none`` / ``onednn`` / ``kernels`` measured on this machine and cached; ``compile`` is left out of
+the per-layer choice, which would compile every mechanism -- pass ``optimize="compile"`` for that), and each
+row records the ``backend`` used; ``optimize=None`` times the plain eager layers.
+
 Each row: ``name, params_m, mflops, device, dtype, batch_size, img_per_s, rel_msa`` (throughput relative to
 ``msa`` measured in the same run, None when msa is not part of it) plus ``paper_params_m, paper_mflops,
 paper_cpu_img_per_s, paper_gpu_img_per_s`` (None for mechanisms without a Table IV row) and the run settings.
@@ -20,7 +25,7 @@ import io
 import json
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -29,14 +34,13 @@ import torch.nn as nn
 from vitlab._io import atomic_write
 from vitlab.attention import create, list_attention
 from vitlab.bench.paper_table_iv import SETTINGS, paper_row
-from vitlab.optimize import kernels
-from vitlab.optimize.onednn import onednn_linear_available
 from vitlab.profile import count_macs, count_params
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
-ROW_KEYS = ("name", "params_m", "mflops", "device", "dtype", "batch_size", "img_per_s", "rel_msa")
+ROW_KEYS = ("name", "params_m", "mflops", "device", "dtype", "batch_size", "img_per_s", "rel_msa", "backend")
+EAGER_CANDIDATES = ("none", "onednn", "kernels")
 
 
 class _OnGrid(nn.Module):
@@ -64,7 +68,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_layers(layers: dict[str, nn.Module], x: torch.Tensor, hw, warmup: int, runs: int,
+def _time_layers(layers: dict[str, Callable], x: torch.Tensor, hw, warmup: int, runs: int,
                  autocast_dtype: torch.dtype | None = None, on_run=None) -> dict[str, float]:
     """Median seconds of one forward pass of each layer over ``runs`` timed calls, after ``warmup`` untimed ones
     (under ``torch.autocast(device, autocast_dtype)`` when given).
@@ -104,11 +108,12 @@ def _select(only: str | Iterable[str] | None) -> list[str]:
 def bench_attention(device: str | torch.device = "cpu", batch_size: int = 64,
                     dtype: str | torch.dtype = "fp32", only: str | Iterable[str] | None = None,
                     warmup: int = 3, runs: int = 10, hw=(14, 14), dim: int = 768, num_heads: int = 12,
-                    progress: bool = True, autocast: bool = True) -> list[dict]:
+                    progress: bool = True, autocast: bool = True, optimize: str | None = "auto") -> list[dict]:
     """Benchmark every registered mechanism (or those in ``only``: names or "a,b") as one layer each.
 
     A bf16 / fp16 ``dtype`` runs under ``torch.autocast`` with fp32 weights and input (``autocast=False``:
-    module and input cast to ``dtype``). fp32 ignores ``autocast``.
+    module and input cast to ``dtype``). fp32 ignores ``autocast``. ``optimize``: the ``vitlab.optimize``
+    backend each layer runs through (``"auto"`` chooses among the eager backends; None: plain eager).
 
     Returns one dict per mechanism, in registry order (see the module docstring for the keys). All layers are
     built first and timed in round robin (see :func:`_time_layers`)."""
@@ -128,13 +133,14 @@ def bench_attention(device: str | torch.device = "cpu", batch_size: int = 64,
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    layers, costs = {}, {}
+    torch.manual_seed(0)
+    x = torch.randn(batch_size, hw[0] * hw[1], dim, device=device, dtype=param_dtype)
+    layers, costs, backends = {}, {}, {}
     for name in names:
         costs[name] = attention_cost(name, hw, dim, num_heads)
         torch.manual_seed(0)
-        layers[name] = create(name, dim, num_heads).to(device=device, dtype=param_dtype).eval()
-    torch.manual_seed(0)
-    x = torch.randn(batch_size, hw[0] * hw[1], dim, device=device, dtype=param_dtype)
+        layer = create(name, dim, num_heads).to(device=device, dtype=param_dtype).eval()
+        layers[name], backends[name] = _optimized(layer, x, hw, optimize)
 
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=not progress, transient=True) as bar:
@@ -150,7 +156,7 @@ def bench_attention(device: str | torch.device = "cpu", batch_size: int = 64,
         paper = paper_row(name) or {}
         rows.append(dict(
             name=name, params_m=round(params_m, 4), mflops=round(mflops, 2), device=device.type,
-            dtype=dtype_name, autocast=use_amp, batch_size=batch_size,
+            dtype=dtype_name, autocast=use_amp, batch_size=batch_size, backend=backends[name],
             img_per_s=round(batch_size / seconds[name], 2),
             rel_msa=None, median_ms=round(seconds[name] * 1e3, 3), runs=runs, warmup=warmup, hw=list(hw),
             dim=dim, num_heads=num_heads, paper_params_m=paper.get("params_m"),
@@ -162,18 +168,32 @@ def bench_attention(device: str | torch.device = "cpu", batch_size: int = 64,
     return rows
 
 
-def cpu_fast_paths() -> dict:
-    """Whether oneDNN's fused linear and vitlab's compiled kernels are in use: CPU fp32 speeds depend on them."""
-    return dict(onednn_linear=onednn_linear_available(), kernels=kernels.status())
+def _optimized(layer: nn.Module, x: torch.Tensor, hw, backend: str | None) -> tuple[nn.Module, str]:
+    """The layer as ``vitlab.optimize`` makes it (``backend``: "auto" among the eager backends, or a backend
+    name; None: as built), called as ``layer(x, hw)``; and the backend used."""
+    if backend is None:
+        return layer, "eager (not optimized)"
+    from vitlab.optimize import optimize
+
+    kwargs = dict(candidates=EAGER_CANDIDATES) if backend == "auto" else {}
+    grid = optimize(_OnGrid(layer, tuple(hw)), x, backend=backend, **kwargs)
+    return (lambda t, _hw, g=grid: g(t)), grid.vitlab_backend
+
+
+def machine() -> dict:
+    """The machine the speeds belong to: CPU model, the ISA in use (caps from the environment included), threads,
+    native bf16."""
+    from vitlab.optimize import cpu
+
+    return dict(cpu=cpu.cpu_model(), isa=cpu.isa(), threads=torch.get_num_threads(), native_bf16=cpu.native_bf16())
 
 
 def write_json(rows: list[dict], path: str | Path) -> Path:
-    """Save the rows as ``{"benchmark", "paper", "paper_settings", "torch", "cpu_fast_paths", "rows"}`` JSON,
-    atomically. ``cpu_fast_paths`` records whether oneDNN's linear and vitlab's compiled kernels were in use
-    (CPU fp32 speeds depend on them)."""
+    """Save the rows as ``{"benchmark", "paper", "paper_settings", "torch", "machine", "rows"}`` JSON,
+    atomically. ``machine`` records the CPU model and ISA; each row its ``backend`` (``vitlab.optimize``)."""
     payload = dict(benchmark="attention", paper="LITv2/HiLo supplementary, Table IV (seed 002)",
                    paper_settings={**SETTINGS, "hw": list(SETTINGS["hw"])}, torch=torch.__version__,
-                   cpu_fast_paths=cpu_fast_paths(), rows=rows)
+                   machine=machine(), rows=rows)
     data = (json.dumps(payload, indent=2) + "\n").encode()
     return atomic_write(path, data)
 
@@ -218,9 +238,10 @@ def format_table(rows: list[dict]):
         title += f": {r0['device']}, {r0['dtype']}, batch {r0['batch_size']}"
     caption = "FLOPs are MACs (multiply-add = 1), fused attention counted."
     if rows and rows[0]["device"] == "cpu":
-        fast = cpu_fast_paths()
-        caption += (f"\nCPU: oneDNN linear {'on' if fast['onednn_linear'] else 'off'}, "
-                    f"compiled kernels {fast['kernels']}.")
+        m = machine()
+        caption += f"\nCPU: {m['cpu']}, ISA {m['isa']}, {m['threads']} threads."
+    if rows and "backend" in rows[0]:
+        caption += "\nvitlab.optimize backend: " + ", ".join(f"{r['name']} {r['backend']}" for r in rows) + "."
     table = Table(title=title, caption=caption)
     table.add_column("Name")
     for col in ("Params (M)", "FLOPs (M)", "img/s", "rel. MSA", "paper CPU", "paper GPU"):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from vitlab.optimize.onednn import use_onednn
+from vitlab.optimize.onednn import onednn_linear_available
 
 
 def sync(device: torch.device) -> None:
@@ -50,16 +50,38 @@ def paired_times(fn_a: Callable[[], object], fn_b: Callable[[], object], device:
     return statistics.median(ta), statistics.median(tb), statistics.median(b / a for a, b in zip(ta, tb))
 
 
+def round_robin_times(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int = 3,
+                      runs: int = 10) -> dict[str, list[float]]:
+    """Every run calls each of ``fns`` once, the order reversed every other run (no implementation always runs
+    on a warmer cache); returns each one's per-run seconds. Ratios of the same run are paired: they compare
+    calls taken moments apart, which cancels the drift of a noisy, shared machine."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    order = list(fns.items())
+    for i in range(runs):
+        for name, fn in order if i % 2 == 0 else order[::-1]:
+            times[name].append(time_once(fn, device))
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], ours: str, peer: str) -> tuple[float, float, float]:
+    """(median, min, max) over the runs of ``peer``'s time / ``ours``'s time (> 1: ours is faster)."""
+    r = [b / a for a, b in zip(times[ours], times[peer])]
+    return statistics.median(r), min(r), max(r)
+
+
 def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, n: int | None = None, runs: int = 10) -> float:
     """TFLOP/s of a large square matrix product in ``dtype`` on ``device``: the best of ``runs`` after warm-up
     (a peak, so the fastest run; utilisation is measured against it). On the CPU in fp32 the faster of ATen's
-    BLAS and oneDNN's matmul counts, since our linear layers run the latter (``vitlab.layers.linear``)."""
+    BLAS and oneDNN's matmul counts, since ``vitlab.optimize`` may run the latter."""
     n = n or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     products = [lambda: a @ b]
     with torch.inference_mode():
-        if use_onednn(a, b):
+        if device.type == "cpu" and dtype == torch.float32 and onednn_linear_available():
             products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
         best = float("inf")
         for product in products:
