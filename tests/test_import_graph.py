@@ -110,3 +110,41 @@ def test_vitlab_imports_form_a_dag():
 @pytest.mark.parametrize("name", sorted(_modules()))
 def test_every_module_imports(name):
     importlib.import_module(name)
+
+
+def test_no_global_state_changed_at_import_or_by_plots(tmp_path):
+    """Importing every module leaves the umask, torch's FLOP registry and matplotlib's backend alone; plots use
+    the object API (no pyplot); counting registers nothing globally."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import importlib, os, sys
+        def boom(*a):
+            raise AssertionError("os.umask called")
+        os.umask = boom
+        import matplotlib
+        backend = dict.__getitem__(matplotlib.rcParams, "backend")  # get_backend() would resolve it
+        from torch.utils.flop_counter import flop_registry
+        before = set(flop_registry)
+        for name in {sorted(m for m in _modules() if m != "vitlab.__main__")!r}:
+            importlib.import_module(name)
+        assert set(flop_registry) == before, "FLOP formulas registered at import"
+        import torch
+        from vitlab._io import atomic_write
+        from vitlab.profile import count_macs
+        from vitlab.train.plots import confusion_png, curves_png
+        atomic_write({str(tmp_path / "x.bin")!r}, b"x")
+        rows = [{{"epoch": 1, "train_loss": 1.0, "val_loss": 1.0, "val_top1": 50.0, "ema_val_top1": 40.0}}]
+        assert curves_png(rows)[:4] == b"\\x89PNG"
+        assert confusion_png(torch.eye(3, dtype=torch.long), ["a", "b", "c"], "t")[:4] == b"\\x89PNG"
+        q = torch.randn(1, 2, 4, 8)
+        count_macs(lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x), q)
+        assert set(flop_registry) == before, "FLOP formulas registered by counting"
+        assert "matplotlib.pyplot" not in sys.modules, "pyplot imported"
+        assert dict.__getitem__(matplotlib.rcParams, "backend") == backend, "matplotlib backend switched"
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "PYTHONPATH": str(SRC)})
+    assert r.returncode == 0, r.stderr[-3000:]

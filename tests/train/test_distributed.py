@@ -1,5 +1,6 @@
-"""DDP and FSDP2 under torchrun with 2 gloo processes on CPU. Tiny runs (one block, 8x8 fake images), so they
-run in the default suite, and so in CI, as the issue asks."""
+"""DDP and FSDP2 under torchrun with 2 gloo processes on CPU (tiny runs: one block, 8x8 fake images), and the
+same strategies in this process as a world of one (seconds: EMA under FSDP, feature distillation under DDP and
+FSDP, the dcp checkpoint round trip)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,85 @@ def test_two_processes_match_one_at_the_same_global_batch(tmp_path, strategy):
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(one) == len(two) == 3
     assert one == pytest.approx(two, rel=1e-4, abs=1e-5)
-    assert json.loads((tmp_path / "two" / "summary.json").read_text())["world_size"] == 2
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["strategy"] == strategy
+    if strategy == "fsdp":
+        assert summary["fsdp_units"] == 2  # the one block, then the root
+    else:
+        assert "fsdp_units" not in summary
+
+
+FEATURE = ["--distill", "feature", "--teacher", "vit_pico_patch8_32", "--distill.teacher_kwargs",
+           "{depth: 2, embed_dim: 48, num_heads: 2, patch_size: 4}", "--distill.student_layers", "0",
+           "--distill.teacher_layers", "1", "--ema-decay", "0.9"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_feature_distillation_and_ema_two_processes_match_one(tmp_path, strategy):
+    """The projectors' gradients are averaged across ranks (they train inside the wrapped module) and the EMA
+    follows the sharded weights: two processes at batch 32 match one at batch 64."""
+    _launch(1, tmp_path / "one", "--strategy", strategy, "--batch-size", "64", *FEATURE)
+    _launch(2, tmp_path / "two", "--strategy", strategy, "--batch-size", "32", *FEATURE)
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert one == pytest.approx(two, rel=1e-4, abs=1e-5)
+    rows = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    rows1 = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["ema_val_loss"] for r in rows] == pytest.approx([r["ema_val_loss"] for r in rows1], rel=1e-4)
+
+
+# ---------------------------------------------------------------- in this process, a world of one
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+
+
+def _feature_cfg(out, strategy, **kw):
+    from tests.train.conftest import tiny_config
+    from vitlab.data import DataConfig
+    from vitlab.train import DistillConfig
+
+    data = DataConfig("fake", fake_num_samples=32, fake_num_classes=4, fake_img_size=16, mixup=0.0, cutmix=0.0)
+    return tiny_config(out, data=data, strategy=strategy, ema_decay=0.9, batch_size=16, epochs=2, distill=DistillConfig(
+        kind="feature", teacher="vit_pico_patch8_32", teacher_kwargs={"depth": 2, "embed_dim": 48, "num_heads": 2},
+        student_layers=[0], teacher_layers=[1]), **kw)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ema_and_feature_distillation_under_each_strategy_resume_exactly(tmp_path, world_of_one, strategy):
+    import torch
+    import torch.distributed as dist
+
+    from vitlab.train import checkpoint as ck
+    from vitlab.train import fit
+
+    straight = fit(_feature_cfg(tmp_path / "a", strategy))
+    assert not dist.is_initialized()  # fit closes the group it opened
+    assert straight["strategy"] == strategy and straight["finished"]
+    assert (straight.get("fsdp_units") == 2) == (strategy == "fsdp")
+    fit(_feature_cfg(tmp_path / "b", strategy, stop_after=1))
+    b = tmp_path / "b" / "run"
+    fit(_feature_cfg(tmp_path / "b", strategy, resume=str(b)))
+    a = tmp_path / "a" / "run"
+    assert _losses(a) == _losses(b)
+    for name in ("model.safetensors", "ema.safetensors"):
+        wa, _ = ck.load_weights((a / "last").resolve() / name)
+        wb, _ = ck.load_weights((b / "last").resolve() / name)
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
+    state = ck.load_trainer_state(a / "last")
+    assert "projector" in state and state["ema_updates"] == 4
+    rows = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
+    assert all("ema_val_top1" in r for r in rows)
 
 
 def test_fsdp_checkpoint_saved_then_resumed(tmp_path):

@@ -149,3 +149,24 @@ def test_amp_accumulation_channels_last_grad_checkpointing(tmp_path, amp):
 @pytest.mark.slow
 def test_compile(tmp_path):
     assert fit(tiny_config(tmp_path, epochs=1, compile=True))["finished"]
+
+
+def test_python_resume_takes_the_runs_own_model_and_data_and_restores_threads(tmp_path, capsys):
+    """``fit(TrainConfig(resume=RUN))`` continues the run with its own model, data and recipe, as the CLI does."""
+    from tests.train.conftest import TINY_MODEL
+    from vitlab.cli import main
+    from vitlab.train import TrainConfig
+    from vitlab.train.trainer import resume_config
+
+    fit(tiny_config(tmp_path, stop_after=1))
+    run = tmp_path / "run"
+    threads = torch.get_num_threads()
+    cfg = resume_config(TrainConfig(resume=str(run), threads=1))
+    assert cfg.model_kwargs == TINY_MODEL and cfg.data.dataset == "fake" and cfg.lr == 5e-3 and cfg.threads == 1
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--threads", "1", "--print-config"]) == 0
+    assert TrainConfig.from_yaml(capsys.readouterr().out) == cfg  # the CLI resolves it the same way
+    s = fit(TrainConfig(resume=str(run), threads=1))
+    assert s["finished"] and s["epochs_done"] == 2 and s["dataset"] == "fake"
+    assert ck.load_trainer_state(run / "last")["epoch"] == 2
+    assert torch.get_num_threads() == threads  # fit set one thread, then gave the old count back
