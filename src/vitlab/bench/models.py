@@ -2,14 +2,21 @@
 
 For each model: images/s, step time, peak memory (CUDA), params, GMACs (one multiply-add = 1), achieved
 TFLOP/s (2 FLOPs per MAC; a training step counts 3x the forward) and utilisation against a matrix-product
-peak measured in the same run. With ``compare='timm'`` timm's implementation of the same architecture is
-built with the same weights and timed alternately with ours in the same process; ``ratio_vs_timm`` is the
-median of the paired ratios (our throughput / timm's: > 1 means we are faster).
+peak measured in the same run.
+
+Our side runs through ``vitlab.optimize`` for inference by default (``optimize=False``: plain eager; the
+backend used is in each row). ``compare`` names the peers, built from timm with the same weights and timed in
+round robin with ours in the same process: ``"timm"`` (timm eager) and ``"timm-compile"`` (timm +
+``torch.compile``, Inductor; on the CPU with freezing for inference -- the strongest peer a CPU user picks;
+on a GPU, run it with ``dtype="bf16"`` for the compile + bf16 peer). ``ratio_vs_timm`` /
+``ratio_vs_timm_compile`` are the medians of the per-run paired ratios (our throughput / the peer's: > 1
+means we are faster), ``ratio_spread_*`` their (min, max).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Iterable
 from contextlib import nullcontext
 
@@ -17,13 +24,25 @@ import torch
 import torch.nn as nn
 
 from vitlab._io import atomic_write
-from vitlab.bench.timing import matmul_peak_tflops, median_time, paired_times
+from vitlab.bench.timing import matmul_peak_tflops, paired_ratio, round_robin_times
 from vitlab.convert import load_state_dict
 from vitlab.profile import profile_model
 from vitlab.registry import create_model, get_model_config, list_models
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("infer", "train")
+PEERS = ("timm", "timm-compile")
+
+
+def _peers(compare: str | Iterable[str] | None) -> tuple[str, ...]:
+    if compare is None:
+        return ()
+    names = [c.strip() for c in compare.split(",")] if isinstance(compare, str) else list(compare)
+    names = [n for n in names if n]
+    bad = [n for n in names if n not in PEERS]
+    if bad:
+        raise ValueError(f"compare must name peers from {list(PEERS)}, got {bad}")
+    return tuple(n for n in PEERS if n in names)
 
 
 def _timm_twin(name: str, ours: nn.Module) -> nn.Module | None:
@@ -77,26 +96,32 @@ def _peak_mem_mb(step, dev: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(dev) / 2**20
 
 
-def _prepare(model: nn.Module, device, channels_last: bool, compile_: bool) -> nn.Module:
+def _prepare(model: nn.Module, device, channels_last: bool, compile_: bool, mode: str = "train") -> nn.Module:
     model = model.to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return torch.compile(model) if compile_ else model
+    if not compile_:
+        return model
+    if mode == "infer" and torch.device(device).type == "cpu":
+        return torch.compile(model.eval(), options={"freezing": True})  # inference_mode in the step
+    return torch.compile(model)
 
 
 def bench_models(patterns: str | Iterable[str] = "*", mode: str = "infer", device: str = "cpu",
                  dtype: str = "fp32", batch_size: int = 32, compile: bool = False, channels_last: bool = False,
-                 compare: str | None = None, warmup: int = 3, runs: int = 10, progress: bool = True,
-                 fuse: bool = False) -> list[dict]:
+                 compare: str | Iterable[str] | None = None, warmup: int = 3, runs: int = 10,
+                 progress: bool = True, fuse: bool = False, optimize: bool | str = True) -> list[dict]:
     """Benchmark the registered models matching ``patterns`` (see the module docstring); one row per
-    (model, implementation, mode). ``fuse`` folds our BatchNorms for inference where a model has ``fuse()``
-    (LeViT); timm's model is timed as timm ships it."""
+    (model, implementation, mode). Inference runs our model through ``vitlab.optimize`` (``"auto"``: measured
+    on this batch, cached; or the backend named by ``optimize``) unless ``optimize=False`` or ``compile=True``
+    (both implementations plainly compiled); ``fuse`` folds our BatchNorms for plain eager inference where a
+    model has ``fuse()`` (LeViT; optimize does it too). timm's model is timed as timm ships it (eager and / or
+    compiled: ``compare``)."""
     if mode not in (*MODES, "both"):
         raise ValueError(f"mode must be 'infer', 'train' or 'both', got {mode!r}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
-    if compare not in (None, "timm"):
-        raise ValueError(f"compare must be 'timm' or None, got {compare!r}")
+    peers = _peers(compare)
     names = list_models(list(patterns) if not isinstance(patterns, str) else patterns)
     if not names:
         raise ValueError(f"no registered model matches {patterns!r}")
@@ -116,34 +141,54 @@ def bench_models(patterns: str | Iterable[str] = "*", mode: str = "infer", devic
             for m in modes:
                 bar.update(task, description=f"{name} {m} ({dev.type}, {dtype}, batch {batch_size})")
                 rows.extend(_bench_one(name, cfg.input_size, prof, m, dev, tdtype, dtype, batch_size, compile,
-                                       channels_last, compare, warmup, runs, peak, fuse and m == "infer"))
+                                       channels_last, peers, warmup, runs, peak, fuse and m == "infer",
+                                       optimize if m == "infer" and not compile else False))
                 bar.advance(task)
     return rows
 
 
-def _bench_one(name, input_size, prof, mode, dev, tdtype, dtype, batch_size, compile_, channels_last, compare,
-               warmup, runs, peak, fuse) -> list[dict]:
+def _ours(ours: nn.Module, dev, channels_last: bool, compile_: bool, fuse: bool, optimize: bool | str,
+          x) -> tuple:
+    """(our model ready to time, the ``vitlab.optimize`` backend or None, fused)."""
+    if not optimize:
+        fused = fuse and hasattr(ours, "fuse")
+        if fused:
+            ours = ours.eval().fuse()
+        return _prepare(ours, dev, channels_last, compile_), None, fused
+    from vitlab.optimize import optimize as vitlab_optimize
+
+    ours = ours.to(dev)
+    if channels_last:
+        ours = ours.to(memory_format=torch.channels_last)
+    fast = vitlab_optimize(ours, x, backend="auto" if optimize is True else optimize)
+    return fast, fast.vitlab_backend, hasattr(ours, "fuse")
+
+
+def _bench_one(name, input_size, prof, mode, dev, tdtype, dtype, batch_size, compile_, channels_last, peers,
+               warmup, runs, peak, fuse, optimize) -> list[dict]:
     bs, note = batch_size, ""
+    if dev.type == "cpu" and tdtype == torch.bfloat16:
+        from vitlab.optimize.cpu import bf16_note
+
+        note = bf16_note() or ""
     while True:
         try:
-            torch.manual_seed(0)
-            ours = create_model(name)
-            twin = _timm_twin(name, ours) if compare == "timm" else None
-            fused = fuse and hasattr(ours, "fuse")
-            if fused:
-                ours = ours.eval().fuse()
-            impls = {"vitlab": _prepare(ours, dev, channels_last, compile_)}
-            if twin is not None:
-                impls["timm"] = _prepare(twin, dev, channels_last, compile_)
             x = torch.randn(bs, *input_size, device=dev)
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
+            torch.manual_seed(0)
+            ours = create_model(name)
+            twin = _timm_twin(name, ours) if peers else None  # before any fusing: timm's keys
+            fast, backend, fused = _ours(ours, dev, channels_last, compile_, fuse, optimize, x)
+            impls = {"vitlab": fast}
+            if twin is not None:
+                twin = twin.to(dev)
+                if "timm" in peers:
+                    impls["timm"] = _prepare(twin, dev, channels_last, compile_, mode)
+                if "timm-compile" in peers:
+                    impls["timm-compile"] = _prepare(twin, dev, channels_last, True, mode)
             steps = {k: _step_fn(v, x, mode, tdtype) for k, v in impls.items()}
-            if "timm" in steps:
-                t_ours, t_timm, ratio = paired_times(steps["vitlab"], steps["timm"], dev, warmup, runs)
-                times = {"vitlab": t_ours, "timm": t_timm}
-            else:
-                times, ratio = {"vitlab": median_time(steps["vitlab"], dev, warmup, runs)}, None
+            times = round_robin_times(steps, dev, warmup, runs)
             peak_mem = {k: _peak_mem_mb(step, dev) for k, step in steps.items()}
             break
         except torch.cuda.OutOfMemoryError:
@@ -152,22 +197,33 @@ def _bench_one(name, input_size, prof, mode, dev, tdtype, dtype, batch_size, com
             bs, note = bs // 2, f"out of memory at batch {bs}; retried smaller"
             torch.cuda.empty_cache()
     flops_per_step = 2 * prof.gmacs * 1e9 * bs * (3 if mode == "train" else 1)
+    ratios = {peer: paired_ratio(times, "vitlab", peer) for peer in impls if peer != "vitlab"}
     out = []
-    for impl, seconds in times.items():
+    for impl, ts in times.items():
+        seconds = statistics.median(ts)
         tflops = flops_per_step / seconds / 1e12
-        out.append(dict(
+        row = dict(
             model=name, impl=impl, mode=mode, device=dev.type, dtype=dtype, batch_size=bs,
             img_per_s=round(bs / seconds, 2), step_ms=round(seconds * 1e3, 3),
-            peak_mem_mb=None if peak_mem[impl] is None else round(peak_mem[impl], 1), params_m=round(prof.params_m, 2),
-            gmacs=round(prof.gmacs, 3), tflops=round(tflops, 4), util=round(tflops / peak, 4),
-            ratio_vs_timm=(None if ratio is None else round(ratio, 4)) if impl == "vitlab" else None,
-            compile=compile_, channels_last=channels_last, fused=fused and impl == "vitlab", note=note))
+            peak_mem_mb=None if peak_mem[impl] is None else round(peak_mem[impl], 1),
+            params_m=round(prof.params_m, 2), gmacs=round(prof.gmacs, 3), tflops=round(tflops, 4),
+            util=round(tflops / peak, 4), ratio_vs_timm=None, ratio_vs_timm_compile=None,
+            compile=compile_ or impl == "timm-compile", channels_last=channels_last,
+            fused=fused and impl == "vitlab", backend=backend if impl == "vitlab" else None, note=note)
+        if impl == "vitlab":
+            for peer, (med, lo, hi) in ratios.items():
+                field = "ratio_vs_" + peer.replace("-", "_")
+                row[field] = round(med, 4)
+                row["ratio_spread_" + peer.replace("-", "_")] = [round(lo, 4), round(hi, 4)]
+        out.append(row)
     return out
 
 
 def write_json(rows: list[dict], path) -> None:
-    atomic_write(path, (json.dumps({"benchmark": "models", "torch": torch.__version__, "rows": rows}, indent=2)
-                        + "\n").encode())
+    from vitlab.bench.attention import machine
+
+    payload = {"benchmark": "models", "torch": torch.__version__, "machine": machine(), "rows": rows}
+    atomic_write(path, (json.dumps(payload, indent=2) + "\n").encode())
 
 
 def plot(rows: list[dict], path) -> None:
@@ -180,7 +236,7 @@ def plot(rows: list[dict], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for impl, marker in (("vitlab", "o"), ("timm", "x")):
+    for impl, marker in (("vitlab", "o"), ("timm", "x"), ("timm-compile", "+")):
         pts = [r for r in rows if r["impl"] == impl]
         ax.scatter([r["gmacs"] for r in pts], [r["img_per_s"] for r in pts], marker=marker, label=impl)
         for r in pts:
@@ -204,11 +260,19 @@ def format_table(rows: list[dict]):
 
     t = Table(title="bench models (GMACs: one multiply-add = 1; TFLOP/s = 2 x MACs / time)")
     for c in ("model", "impl", "mode", "batch", "img/s", "step ms", "peak MB", "GMACs", "TFLOP/s", "util",
-              "ours/timm"):
+              "ours/timm", "ours/timm-compile"):
         t.add_column(c, justify="left" if c in ("model", "impl", "mode") else "right", no_wrap=c == "model")
     for r in rows:
         t.add_row(r["model"], r["impl"], r["mode"], str(r["batch_size"]), f"{r['img_per_s']:.1f}",
                   f"{r['step_ms']:.1f}", "-" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.0f}",
                   f"{r['gmacs']:.2f}", f"{r['tflops']:.3f}", f"{r['util']:.1%}",
-                  "-" if r["ratio_vs_timm"] is None else f"{r['ratio_vs_timm']:.3f}")
+                  _ratio(r, "timm"), _ratio(r, "timm_compile"))
     return t
+
+
+def _ratio(r: dict, peer: str) -> str:
+    v = r.get(f"ratio_vs_{peer}")
+    if v is None:
+        return "-"
+    lo, hi = r.get(f"ratio_spread_{peer}") or (v, v)
+    return f"{v:.3f} [{lo:.2f}-{hi:.2f}]"

@@ -15,11 +15,22 @@ def _save(module, rows, args) -> None:
         console.print(f"wrote {args.plot}")
 
 
+def _bf16_note(args) -> None:
+    if args.device == "cpu" and args.dtype == "bf16":
+        from vitlab.optimize.cpu import bf16_note
+
+        note = bf16_note()
+        if note:
+            console.print(f"[yellow]note:[/] {note}")
+
+
 def cmd_attention(args) -> int:
     from vitlab.bench import attention
 
+    _bf16_note(args)
     rows = attention.bench_attention(device=args.device, batch_size=args.batch_size, dtype=args.dtype,
-                                     only=args.only, warmup=args.warmup, runs=args.runs, progress=not args.quiet)
+                                     only=args.only, warmup=args.warmup, runs=args.runs, progress=not args.quiet,
+                                     optimize=None if args.no_optimize else "auto")
     console.print(attention.format_table(rows))
     _save(attention, rows, args)
     return 0
@@ -28,10 +39,13 @@ def cmd_attention(args) -> int:
 def cmd_models(args) -> int:
     from vitlab.bench import models
 
+    _bf16_note(args)
+    compare = None if not args.compare else ",".join(args.compare)
     rows = models.bench_models(args.pattern or ["vit_base_patch16_224"], mode=args.mode, device=args.device,
                                dtype=args.dtype, batch_size=args.batch_size, compile=args.compile,
-                               channels_last=args.channels_last, compare=args.compare, warmup=args.warmup,
-                               runs=args.runs, progress=not args.quiet, fuse=args.fuse)
+                               channels_last=args.channels_last, compare=compare, warmup=args.warmup,
+                               runs=args.runs, progress=not args.quiet, fuse=args.fuse,
+                               optimize=not args.no_optimize)
     console.print(models.format_table(rows))
     _save(models, rows, args)
     return 0
@@ -57,6 +71,11 @@ def _common(p, batch_size: int, runs: int) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _no_optimize(p) -> None:
+    p.add_argument("--no-optimize", action="store_true",
+                   help="time our plain eager modules instead of what vitlab.optimize makes of them")
+
+
 def register(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: attention layers, whole models, the optimization ladder")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -65,6 +84,7 @@ def register(sub) -> None:
     _common(a, 64, 10)
     a.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     a.add_argument("--only", help="comma-separated mechanism names")
+    _no_optimize(a)
     a.set_defaults(func=cmd_attention)
 
     m = bsub.add_parser("models", help="whole-model throughput, memory and utilisation, optionally against timm")
@@ -74,8 +94,12 @@ def register(sub) -> None:
     m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     m.add_argument("--compile", action="store_true", help="torch.compile both implementations")
     m.add_argument("--channels-last", action="store_true")
-    m.add_argument("--compare", choices=["timm"], help="time timm's implementation with the same weights too")
-    m.add_argument("--fuse", action="store_true", help="inference: fold our BatchNorms first (LeViT's fuse())")
+    _no_optimize(m)
+    m.add_argument("--compare", nargs="+", choices=["timm", "timm-compile"],
+                   help="time timm's implementation with the same weights too: eager (timm) and / or "
+                        "torch.compile'd (timm-compile: Inductor, freezing on the CPU)")
+    m.add_argument("--fuse", action="store_true",
+                   help="with --no-optimize: fold our BatchNorms first (LeViT's fuse())")
     m.set_defaults(func=cmd_models)
 
     lad = bsub.add_parser("ladder", help="seed 004's optimization ladder for training one model")
