@@ -15,6 +15,7 @@ from vitlab.attention._registry import (
     accepts_prefix_tokens,
     create_attention,
     get_attention,
+    layout_kwargs,
     list_attention,
     register_attention,
 )
@@ -33,5 +34,5 @@ for _mod in pkgutil.iter_modules(__path__):
 __all__ = [
     "Block", "LocalWindowAttention", "MultiHeadSelfAttention", "OffsetBiasAttentionBase", "ShiftedWindowAttention",
     "SpatialReductionAttention", "accepts_prefix_tokens", "create", "create_attention", "get_attention",
-    "list_attention", "register_attention",
+    "layout_kwargs", "list_attention", "register_attention",
 ]

@@ -9,6 +9,7 @@ mechanism, and :class:`~vitlab.attention.block.Block`, can import it without a c
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable
 
 import torch.nn as nn
@@ -52,3 +53,40 @@ def accepts_prefix_tokens(name: str | Callable[..., nn.Module]) -> bool:
     Grid mechanisms (windows, pooling, convolutions over the map) set the class attribute
     ``prefix_tokens = False``; anything that does not say so (MSA, linear attention, ...) is assumed to."""
     return bool(getattr(get_attention(name), "prefix_tokens", True))
+
+
+def _init_params(factory: Callable[..., nn.Module]) -> set[str]:
+    try:
+        return set(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to inspect
+        return set()
+
+
+def layout_kwargs(attn_layer: str | Callable[..., nn.Module], *, num_prefix_tokens: int, grid_size,
+                  attn_kwargs: dict | None = None, rope: bool = False, model: str = "this model") -> dict:
+    """Check that mechanism ``attn_layer`` works on a model's token layout (``num_prefix_tokens`` prefix tokens
+    before a ``grid_size`` grid; RoPE if ``rope``) and return its keyword arguments: ``attn_kwargs`` plus the
+    layout arguments the mechanism asks for and the caller did not set (``num_prefix_tokens``, ``grid_size``,
+    e.g. Linformer's sequence projections are sized by them).
+
+    One ValueError, raised when the model is built, for a grid mechanism (``prefix_tokens = False``) given
+    prefix tokens, or RoPE given a mechanism whose ``forward`` takes no ``rope``."""
+    factory = get_attention(attn_layer)
+    name = attn_layer if isinstance(attn_layer, str) else getattr(attn_layer, "__name__", repr(attn_layer))
+    if num_prefix_tokens and not accepts_prefix_tokens(factory):
+        raise ValueError(
+            f"attention {name!r} attends over the H x W token grid only and takes no prefix tokens, but {model} "
+            f"puts {num_prefix_tokens} (class / distillation / register) before the grid; build it without them "
+            f"(class_token=False, global_pool='avg', no dist / register tokens) or choose a mechanism that "
+            f"takes them (e.g. {', '.join(n for n in list_attention() if accepts_prefix_tokens(n))})")
+    forward = getattr(factory, "forward", None)
+    if rope and (forward is None or "rope" not in inspect.signature(forward).parameters):
+        raise ValueError(f"pos_embed='rope' needs an attention that rotates queries and keys (msa); "
+                         f"{name!r} takes no rope")
+    kw = dict(attn_kwargs or {})
+    params = _init_params(factory)
+    if "num_prefix_tokens" in params:
+        kw.setdefault("num_prefix_tokens", num_prefix_tokens)
+    if "grid_size" in params and grid_size is not None:
+        kw.setdefault("grid_size", tuple(grid_size))
+    return kw

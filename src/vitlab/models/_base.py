@@ -1,7 +1,8 @@
 """The part of timm's model API that every family implements the same way (not a family: registers nothing).
 
 :class:`TimmApiMixin` gives ``forward``, ``get_classifier``, ``reset_classifier`` and ``set_grad_checkpointing``
-over a model's ``head`` (and ``head_dist`` when it has one, DeiT-style). A family sets ``pool_types`` (the
+over a model's ``head`` (and ``head_dist`` when it has one, DeiT-style), and declares :meth:`shard_units`, which
+every family overrides. A family sets ``pool_types`` (the
 ``global_pool`` values ``reset_classifier`` accepts) and overrides ``_make_head`` when its head is not a plain
 linear layer.
 """
@@ -27,6 +28,12 @@ class TimmApiMixin:
         for m in self.modules():
             if hasattr(m, "grad_checkpointing"):
                 m.grad_checkpointing = enable
+
+    def shard_units(self) -> list[nn.Module]:
+        """The submodules an FSDP strategy wraps one by one, in forward order, before it wraps the root (which
+        keeps what is left: embeddings, downsampling between stages, norms, the head). Disjoint submodules
+        that together hold most of the parameters; every family declares its own."""
+        raise NotImplementedError(f"{type(self).__name__} declares no FSDP shard units: override shard_units()")
 
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:

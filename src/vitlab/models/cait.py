@@ -26,14 +26,15 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from vitlab.attention import create_attention, layout_kwargs
 from vitlab.layers import (
     DropPath,
     Mlp,
     PatchEmbed,
     check_heads,
     check_pool,
+    checkpoint_seq,
     get_norm_layer,
     init_linears_trunc_normal_,
     intermediates_plan,
@@ -87,7 +88,7 @@ class TalkingHeadAttn(nn.Module):
             return x.is_cuda and self.num_heads * self.head_dim <= _FOLD_MAX_WIDTH
         return self.folded
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
         B, N, C = x.shape
         qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
         if self._use_folded(x):
@@ -151,16 +152,20 @@ class ClassAttn(nn.Module):
 
 
 class LayerScaleBlock(nn.Module):
-    """Self-attention block with LayerScale: ``x + gamma_1 * TH-Attn(Norm(x))``, ``x + gamma_2 * MLP(Norm(x))``."""
+    """Self-attention block with LayerScale: ``x + gamma_1 * Attn(Norm(x))``, ``x + gamma_2 * MLP(Norm(x))``.
+    ``attn_layer``: talking heads (default) or any mechanism of :mod:`vitlab.attention` (name or class), called
+    as ``attn(x, hw)`` on the patch tokens of the H x W grid (no prefix token in these blocks)."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  proj_drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
                  act_layer: str | Callable = "gelu", norm_layer: str | Callable = "layernorm",
-                 init_values: float = 1e-5):
+                 init_values: float = 1e-5, attn_layer: str | Callable = TalkingHeadAttn,
+                 attn_kwargs: dict | None = None):
         super().__init__()
         norm = get_norm_layer(norm_layer)
         self.norm1 = norm(dim)
-        self.attn = TalkingHeadAttn(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
+        self.attn = create_attention(attn_layer, dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop,
+                                     proj_drop=proj_drop, **(attn_kwargs or {}))
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
@@ -168,8 +173,8 @@ class LayerScaleBlock(nn.Module):
         self.gamma_1 = nn.Parameter(init_values * torch.ones(dim))
         self.gamma_2 = nn.Parameter(init_values * torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, C)
-        x = x + self.drop_path(self.gamma_1 * self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:  # (B, N, C)
+        x = x + self.drop_path(self.gamma_1 * self.attn(self.norm1(x), hw))
         return x + self.drop_path(self.gamma_2 * self.mlp(self.norm2(x)))
 
 
@@ -199,7 +204,11 @@ class LayerScaleBlockClassAttn(nn.Module):
 
 class Cait(TimmApiMixin, nn.Module):
     """CaiT: ``depth`` talking-heads self-attention blocks on the patches, then ``depth_token_only``
-    class-attention blocks. ``forward_features`` returns the normed (B, 1 + N, C) tokens, class token first."""
+    class-attention blocks. ``forward_features`` returns the normed (B, 1 + N, C) tokens, class token first.
+
+    ``attn_layer`` replaces talking heads in the self-attention blocks by any mechanism of
+    :mod:`vitlab.attention` (name or class; ``attn_kwargs`` its options): those blocks see only the patch grid,
+    so grid mechanisms (``hilo``, ``local_window``, ...) work too. The class-attention blocks keep class attention."""
 
     pool_types = _POOL_TYPES
 
@@ -227,6 +236,8 @@ class Cait(TimmApiMixin, nn.Module):
         act_layer: str | Callable = "gelu",
         dynamic_img_size: bool = False,
         weight_init: str = "trunc_normal",
+        attn_layer: str | Callable = TalkingHeadAttn,
+        attn_kwargs: dict | None = None,
     ):
         super().__init__()
         check_pool(global_pool, _POOL_TYPES)
@@ -247,9 +258,12 @@ class Cait(TimmApiMixin, nn.Module):
         common = dict(dim=embed_dim, num_heads=num_heads, qkv_bias=qkv_bias, act_layer=act_layer,
                       norm_layer=norm_layer, init_values=init_values)
         # the paper's stochastic depth is uniform over the blocks (not the linear schedule of DeiT)
+        attn_kwargs = layout_kwargs(attn_layer, num_prefix_tokens=0, grid_size=self.patch_embed.grid_size,
+                                    attn_kwargs=attn_kwargs, model="CaiT")
         self.blocks = nn.Sequential(*[
             LayerScaleBlock(mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate, attn_drop=attn_drop_rate,
-                            drop_path=drop_path_rate, **common) for _ in range(depth)])
+                            drop_path=drop_path_rate, attn_layer=attn_layer, attn_kwargs=attn_kwargs, **common)
+            for _ in range(depth)])
         reduction = max(self.patch_embed.patch_size)
         self.feature_info = [dict(num_chs=embed_dim, reduction=reduction, module=f"blocks.{i}")
                              for i in range(depth)]
@@ -286,10 +300,11 @@ class Cait(TimmApiMixin, nn.Module):
             pos = resample_abs_pos_embed(pos, hw, self.patch_embed.grid_size, num_prefix_tokens=0)
         return self.pos_drop(x + pos), hw
 
-    def _run_block(self, blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            return checkpoint(blk, x, use_reentrant=False)
-        return blk(x)
+    def shard_units(self) -> list[nn.Module]:
+        return [*self.blocks, *self.blocks_token_only]
+
+    def _run_blocks(self, blocks, x: torch.Tensor, hw) -> torch.Tensor:
+        return checkpoint_seq(blocks, x, hw, enabled=self.grad_checkpointing)
 
     def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, C) patch tokens -> (B, 1 + N, C): the class token after the class-attention blocks, first."""
@@ -301,10 +316,8 @@ class Cait(TimmApiMixin, nn.Module):
         return torch.cat((x_cls, x), dim=1)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x, _ = self._embed(x)
-        for blk in self.blocks:
-            x = self._run_block(blk, x)
-        return self.norm(self.forward_cls(x))
+        x, hw = self._embed(x)
+        return self.norm(self.forward_cls(self._run_blocks(self.blocks, x, hw)))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         if self.global_pool == "token":
@@ -326,7 +339,7 @@ class Cait(TimmApiMixin, nn.Module):
         blocks = self.blocks[: last + 1]
         feats = []
         for i, blk in enumerate(blocks):
-            x = self._run_block(blk, x)
+            x = self._run_blocks((blk,), x, (H, W))
             if i in take:
                 feats.append(self.norm(x) if norm else x)
         if output_fmt == "NCHW":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from vitlab.attention import OffsetBiasAttentionBase
 from vitlab.layers import (
@@ -32,6 +31,7 @@ from vitlab.layers import (
     Mlp,
     check_image,
     check_pool,
+    checkpoint_seq,
     downsample_size,
     drop_path_schedule,
     init_linears_trunc_normal_,
@@ -197,12 +197,7 @@ class EfficientFormerStage(nn.Module):
         self.blocks = nn.Sequential(*blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.downsample(x)
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            for blk in self.blocks:
-                x = blk(x) if isinstance(blk, Flat) else checkpoint(blk, x, use_reentrant=False)
-            return x
-        return self.blocks(x)
+        return checkpoint_seq(self.blocks, self.downsample(x), enabled=self.grad_checkpointing)
 
 
 class EfficientFormer(TimmApiMixin, nn.Module):
@@ -267,6 +262,10 @@ class EfficientFormer(TimmApiMixin, nn.Module):
     @torch.jit.ignore
     def set_distilled_training(self, enable: bool = True) -> None:
         self.distilled_training = enable
+
+    def shard_units(self) -> list[nn.Module]:
+        """The meta blocks (4-D and 3-D) of every stage, in forward order; downsampling convs stay with the root."""
+        return [b for s in self.stages for b in s.blocks if isinstance(b, (MetaBlock2d, MetaBlock1d))]
 
     @staticmethod
     def checkpoint_filter_fn(state_dict: dict, model: EfficientFormer) -> dict:

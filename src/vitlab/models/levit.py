@@ -37,13 +37,13 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from vitlab.attention import OffsetBiasAttentionBase
 from vitlab.layers import (
     DropPath,
     check_image,
     check_pool,
+    checkpoint_seq,
     downsample_size,
     get_act_layer,
     intermediates_plan,
@@ -320,11 +320,7 @@ class LevitStage(nn.Module):
             for _ in range(depth)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            for m in (self.downsample, *self.blocks):
-                x = checkpoint(m, x, use_reentrant=False)
-            return x
-        return self.blocks(self.downsample(x))
+        return checkpoint_seq((self.downsample, *self.blocks), x, enabled=self.grad_checkpointing)
 
 
 def _per_stage(value, n: int, what: str) -> tuple:
@@ -420,6 +416,10 @@ class Levit(TimmApiMixin, nn.Module):
     @torch.jit.ignore
     def set_distilled_training(self, enable: bool = True) -> None:
         self.distilled_training = enable
+
+    def shard_units(self) -> list[nn.Module]:
+        """Each stage's shrinking-attention block (stages 2, 3) and its blocks, in forward order."""
+        return [m for s in self.stages for m in (s.downsample, *s.blocks) if not isinstance(m, nn.Identity)]
 
     @torch.no_grad()
     def fuse(self) -> Levit:

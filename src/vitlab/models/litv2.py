@@ -45,7 +45,6 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from torchvision.ops import deform_conv2d
 
 from vitlab.attention import create as create_attention
@@ -54,6 +53,7 @@ from vitlab.layers import (
     PatchEmbed,
     check_heads,
     check_pool,
+    checkpoint_seq,
     drop_path_schedule,
     get_act_layer,
     get_norm_layer,
@@ -218,12 +218,7 @@ class LITv2Stage(nn.Module):
             x = self.downsample(_to_map(x, hw))  # (B, C', H/2, W/2)
             hw = (x.shape[2], x.shape[3])
             x = x.flatten(2).transpose(1, 2)  # (B, H/2 * W/2, C')
-        for blk in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(blk, x, hw, use_reentrant=False)
-            else:
-                x = blk(x, hw)
-        return x, hw
+        return checkpoint_seq(self.blocks, x, hw, enabled=self.grad_checkpointing), hw
 
 
 class LITv2(TimmApiMixin, nn.Module):
@@ -307,6 +302,11 @@ class LITv2(TimmApiMixin, nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return set()  # no position embeddings or bias tables (the official set names a non-existent tensor)
+
+    def shard_units(self) -> list[nn.Module]:
+        """The blocks of every stage (ConvFFN, then HiLo blocks), in forward order; token merging stays with the
+        root."""
+        return [b for stage in self.layers for b in stage.blocks]
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _check_size(self, h: int, w: int, what: str = "input") -> None:

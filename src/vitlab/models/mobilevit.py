@@ -33,13 +33,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.utils.checkpoint import checkpoint
 
 from vitlab.attention import Block
 from vitlab.layers import (
     DropPath,
     check_image,
     check_pool,
+    checkpoint_seq,
     create_classifier,
     drop_path_schedule,
     get_act_layer,
@@ -243,6 +243,11 @@ class MobileViT(TimmApiMixin, nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.head.fc
 
+    def shard_units(self) -> list[nn.Module]:
+        """The five stages (two MobileNetV2 stages, three MV2 + MobileViT-block stages), in forward order: the
+        transformer blocks are too small (and fold / unfold around them) to be worth a unit each."""
+        return list(self.stages)
+
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         self.num_classes = num_classes
         if global_pool is not None:
@@ -259,17 +264,13 @@ class MobileViT(TimmApiMixin, nn.Module):
                              f"patches of the last MobileViT block), got {h}x{w}; resize the input or "
                              f"create the model with interpolate_patches=True")
 
-    def _run_stage(self, stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            return checkpoint(stage, x, use_reentrant=False)
-        return stage(x)
+    def _run_stages(self, stages, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_seq(stages, x, enabled=self.grad_checkpointing)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x = self.stem(x)  # (B, stem, H/2, W/2)
-        for stage in self.stages:
-            x = self._run_stage(stage, x)
-        return self.final_conv(x)  # (B, num_features, H/32, W/32)
+        return self.final_conv(self._run_stages(self.stages, x))  # (B, num_features, H/32, W/32)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         return self.head(x, pre_logits=pre_logits)
@@ -288,7 +289,7 @@ class MobileViT(TimmApiMixin, nn.Module):
         for i, stage in enumerate(self.stages):
             if i > last:
                 break
-            x = self._run_stage(stage, x)
+            x = self._run_stages((stage,), x)
             if i == len(self.stages) - 1:
                 x = self.final_conv(x)
             if i in take:

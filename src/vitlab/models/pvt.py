@@ -168,6 +168,11 @@ class PyramidVisionTransformer(TimmApiMixin, nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {"cls_token"} | {f"stages.{i}.pos_embed" for i in range(len(self.stages))}
 
+    def shard_units(self) -> list[nn.Module]:
+        """The blocks of every stage, in forward order; patch embeddings and position embeddings stay with
+        the root."""
+        return [b for stage in self.stages for b in stage.blocks]
+
     # ---- forward ---------------------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:
         h, w = check_image(x, self.in_chans)

@@ -220,6 +220,10 @@ class SwinTransformer(TimmApiMixin, nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {n for n, _ in self.named_parameters() if "relative_position_bias_table" in n}
 
+    def shard_units(self) -> list[nn.Module]:
+        """The blocks of every stage, in forward order; patch merging stays with the root."""
+        return [b for stage in self.layers for b in stage.blocks]
+
     # ---- forward ---------------------------------------------------------------------------------------
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)  # (B, H/4, W/4, C)

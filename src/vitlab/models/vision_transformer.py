@@ -14,15 +14,15 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
-from vitlab.attention import Block
+from vitlab.attention import Block, layout_kwargs
 from vitlab.layers import (
     AttentionPool,
     PatchEmbed,
     RotaryEmbedding2D,
     check_heads,
     check_pool_type,
+    checkpoint_seq,
     create_classifier,
     drop_path_schedule,
     feature_take_indices,
@@ -40,6 +40,11 @@ POS_EMBED_TYPES = ("learn", "sincos", "rope", "none")
 
 
 class VisionTransformer(TimmApiMixin, nn.Module):
+    """ViT. ``attn_layer`` takes any mechanism of :mod:`vitlab.attention` by name or class (default ``'msa'``,
+    timm's attention); ``attn_kwargs`` are its options. A grid mechanism (``hilo``, ``local_window``, ...) needs
+    a model without prefix tokens (``class_token=False, global_pool='avg'``): with them it is refused with a
+    ValueError when the model is built."""
+
     def __init__(
         self,
         img_size=224,
@@ -120,6 +125,9 @@ class VisionTransformer(TimmApiMixin, nn.Module):
         common = dict(dim=embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate,
                       attn_drop=attn_drop_rate, norm_layer=norm_layer, act_layer=act_layer)
         if block_fn is Block:
+            # any zoo mechanism that works on this token layout (a grid mechanism needs no prefix tokens)
+            attn_kwargs = layout_kwargs(attn_layer, num_prefix_tokens=self.num_prefix_tokens, grid_size=grid,
+                                        attn_kwargs=attn_kwargs, rope=pos_embed == "rope", model="this ViT")
             common.update(qkv_bias=qkv_bias, qk_norm=qk_norm, init_values=init_values, mlp_layer=mlp_layer,
                           attn_layer=attn_layer, attn_kwargs=attn_kwargs)
         common.update(block_kwargs or {})
@@ -166,6 +174,9 @@ class VisionTransformer(TimmApiMixin, nn.Module):
         if self.head_dist is not None:
             self.head_dist = create_classifier(self.embed_dim, num_classes, device)
 
+    def shard_units(self) -> list[nn.Module]:
+        return list(self.blocks)
+
     # ---- forward ---------------------------------------------------------------------------------------
     def _grid(self, x: torch.Tensor) -> tuple[int, int]:
         return self.patch_embed.dynamic_feat_size(x.shape[-2:])
@@ -191,11 +202,9 @@ class VisionTransformer(TimmApiMixin, nn.Module):
             x = x + pos
         return self.pos_drop(x)
 
-    def _run_block(self, blk: nn.Module, x: torch.Tensor, hw, rope) -> torch.Tensor:
-        args = (x, hw) if rope is None else (x, hw, rope)
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            return checkpoint(blk, *args, use_reentrant=False)
-        return blk(*args)
+    def _run_blocks(self, blocks, x: torch.Tensor, hw, rope) -> torch.Tensor:
+        args = (hw,) if rope is None else (hw, rope)
+        return checkpoint_seq(blocks, x, *args, enabled=self.grad_checkpointing)
 
     def _rope(self, x: torch.Tensor, hw):
         return None if self.rope is None else self.rope(hw, device=x.device, dtype=x.dtype)
@@ -203,9 +212,7 @@ class VisionTransformer(TimmApiMixin, nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         hw = self._grid(x)
         x = self._pos_embed(self.patch_embed(x), hw)
-        rope = self._rope(x, hw)
-        for blk in self.blocks:
-            x = self._run_block(blk, x, hw, rope)
+        x = self._run_blocks(self.blocks, x, hw, self._rope(x, hw))
         return self.norm(x)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,7 +243,7 @@ class VisionTransformer(TimmApiMixin, nn.Module):
         blocks = self.blocks[: last + 1]
         feats = []
         for i, blk in enumerate(blocks):
-            x = self._run_block(blk, x, hw, rope)
+            x = self._run_blocks((blk,), x, hw, rope)
             if i in take:
                 feats.append(self.norm(x) if norm else x)
         prefix = [y[:, : self.num_prefix_tokens] for y in feats]
