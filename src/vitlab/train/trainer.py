@@ -275,7 +275,8 @@ class Trainer:
             data_cfg = getattr(task.data, "config", None)
             cfg_out = replace(cfg, resume=None, output_dir=str(run_dir), stop_after=None)
             if data_cfg is not None:
-                cfg_out = replace(cfg_out, data=replace(data_cfg, img_size=task.data.img_size))
+                cfg_out = replace(cfg_out, data=replace(data_cfg, img_size=getattr(task.data, "img_size",
+                                                                                   data_cfg.img_size)))
             cfg_out.save(run_dir / "config.yaml")
             self._write_metrics()
         if rng_to_restore is not None:
