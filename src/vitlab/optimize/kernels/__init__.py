@@ -1,36 +1,40 @@
-"""Fused fp32 CPU attention kernels for HiLo (Pan et al., NeurIPS 2022), compiled from C on first use.
+"""Fused fp32 CPU attention kernels for HiLo (Pan et al., NeurIPS 2022), built on first use by
+``torch.utils.cpp_extension`` as PyTorch operators (``torch.ops.vitlab_hilo``).
 
-HiLo's two branches are attention shapes that PyTorch's CPU kernels serve poorly (``docs/benchmarks.md``,
-batch 64, ViT-B's 14x14 map, 2-core AVX-512 machine):
+HiLo's two attention cores are shapes that PyTorch's CPU kernels serve poorly:
 
-* :func:`lofi_attention`: every query row attends to the same few keys (the 49 tokens of the pooled map).
-  The flash kernel runs 64 x 49 x 64 GEMM calls at ~30 GMAC/s; this kernel keeps a block of query rows against
-  all keys in registers: 21 ms instead of 34 ms.
-* :func:`window_attention`: attention inside 2 x 2 windows. PyTorch needs a window-partition copy, one SDPA
-  problem of 4 tokens per window and head (6,272 of them), and a window-reverse copy: 16 ms. This kernel reads
-  the projected tokens in place and writes raster order: 3 ms.
+* :func:`lofi_attention`: every query row attends to the same few keys (the 49 tokens of the pooled map); SDPA
+  runs them as many tiny GEMM calls, the kernel keeps a block of query rows against all keys in registers.
+* :func:`window_attention`: attention inside s x s windows. PyTorch needs a window-partition copy, one SDPA
+  problem of s*s tokens per window and head, and a window-reverse copy; the kernel reads the projected tokens
+  in place and writes raster order.
 
-Both compute what ``F.scaled_dot_product_attention`` computes (max |diff| ~2e-7 in fp32) and have no backward:
-callers use them only for fp32 CPU inference (see :func:`vitlab.layers.linear.cpu_fp32_inference`).
+Both compute what ``F.scaled_dot_product_attention`` computes (max |diff| ~3e-7 in fp32) and have no backward:
+they are for fp32 CPU inference, applied from outside the models by :func:`vitlab.optimize.hilo.swap_hilo`
+(``vitlab.optimize(model, backend="kernels")``).
 
-Building. ``attention_cpu.c`` (GCC vector extensions and OpenMP) is compiled by GCC (``$CC`` when set, which
-may carry arguments such as ``ccache gcc``, else ``gcc``, else ``cc``) with ``-O3 -march=native -fopenmp``
-into a per-user cache (``$VITLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/vitlab`` or ``~/.cache/vitlab``). The
-cache key covers the source, the flags, the compiler and the CPU's model and feature flags, so a home folder
-shared by different machines never loads a build made for another CPU. The library is written under a
-temporary name, made readable to all and renamed into place (concurrent processes race harmlessly); a cached
-file that does not load is rebuilt once. It is loaded with ctypes and checked against SDPA on small problems
-before its first use. It links the ``libgomp.so.1`` that PyTorch has already loaded, so the kernels run on
-PyTorch's own worker threads.
+Instruction sets. ``hilo_attention.cpp`` compiles the kernel body (``hilo_body.h``) twice, for AVX2 + FMA
+(8-float vectors, register blocks sized for 16 registers; what ``-mavx2 -mfma`` gives) and for AVX-512
+(16-float vectors, 32 registers), and each call runs the path of ATen's CPU capability
+(``torch.backends.cpu.get_cpu_capability()``): the CPU's best, or what ``ATEN_CPU_CAPABILITY=avx2`` asks, which
+measures the AVX2 path on an AVX-512 machine. :func:`isa` says which.
 
-:func:`available` is False (and callers keep PyTorch's kernels, the same function) on any system other than
-Linux with PyTorch's OpenMP backend, without a C compiler with OpenMP, when the build or the check fails, and
-when ``VITLAB_CKERNELS=0`` is set. :func:`status` says which.
+Building. ``torch.utils.cpp_extension.load`` (needs a C++ compiler with OpenMP and ninja) compiles the source
+into a private temporary folder; the library is then renamed into the cache, atomically, under a name that
+hashes the sources, the flags, the compiler and torch's version: ``$VITLAB_CACHE_DIR/kernels`` when set, else
+torch's extension folder (``$TORCH_EXTENSIONS_DIR/vitlab``, default ``~/.cache/torch_extensions/vitlab``). An
+exclusive ``flock`` on a lock file next to it makes concurrent processes (pytest-xdist workers) build once and
+the others wait and load it; a lock never outlives its process. A cached file that does not load is rebuilt
+once. The operators are checked against SDPA on small problems before their first use.
+
+:func:`available` is False (and :func:`~vitlab.optimize.hilo.swap_hilo` swaps nothing) on anything but x86-64
+Linux with PyTorch's OpenMP backend and an AVX2 or AVX-512 ATen capability, without a C++ compiler or ninja,
+when the build or the self-check fails, and when ``VITLAB_CKERNELS=0`` is set. :func:`status` says which.
 """
 
 from __future__ import annotations
 
-import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -45,19 +49,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCE = Path(__file__).with_name("attention_cpu.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi")
-MAX_HEAD_DIM = 64  # the kernels hold a head's row in at most four 16-float vectors
+SOURCES = (Path(__file__).with_name("hilo_attention.cpp"), Path(__file__).with_name("hilo_body.h"))
+CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")  # no -march: each ISA region has its own `#pragma GCC target`
+LDFLAGS = ("-fopenmp",)
+MAX_HEAD_DIM = 64  # the kernels hold a head's row in registers
 MAX_KEYS = 64  # Lo-Fi keys per (batch, head) item
 MAX_WINDOW_TOKENS = 64  # tokens of one Hi-Fi window (s <= 8)
-
-_L, _P, _I, _F = ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    # q, (qb, qh, qn), k, v, (kb, kh, kn), o, (ob, oh, on), B, H, N, M, D, scale, threads
-    "lofi_attention": [_P, _L, _L, _L, _P, _P, _L, _L, _L, _P, _L, _L, _L, _I, _I, _I, _I, _I, _F, _I],
-    # x, (xb, xr, xc), (qo, ko, vo), o, (ob, or, oc), B, H, W, s, heads, D, scale, threads
-    "hifi_attention": [_P, _L, _L, _L, _L, _L, _L, _P, _L, _L, _L, _I, _I, _I, _I, _I, _I, _F, _I],
-}
+_ISA_CODES = {"AVX512": 512, "AVX2": 2}
 _reason = "not loaded yet"
 
 
@@ -67,8 +65,14 @@ def status() -> str:
 
 
 def available() -> bool:
-    """Whether the compiled kernels are loaded and checked (built on the first call; see the module docstring)."""
+    """Whether the operators are built, loaded and checked (built on the first call; see the module docstring)."""
     return _library() is not None
+
+
+def isa() -> str | None:
+    """The instruction set the kernels run ("AVX512" or "AVX2", ATen's CPU capability), None where neither."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if cap in _ISA_CODES else None
 
 
 def lofi_supported(head_dim: int, keys: int) -> bool:
@@ -87,7 +91,7 @@ def lofi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
     Returns (B, heads, N, D) laid out as (B, N, heads, D), as PyTorch's CPU SDPA does, so that
     ``out.transpose(1, 2).reshape(B, N, heads * D)`` is free."""
-    lib = _require()
+    _require()
     _check(q, k, v)
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"lofi_attention takes 4-D (B, heads, tokens, D) tensors, got {tuple(q.shape)} and "
@@ -100,12 +104,8 @@ def lofi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if not lofi_supported(D, M):
         raise ValueError(f"lofi_attention takes head_dim a multiple of 16 up to {MAX_HEAD_DIM} and 1 to {MAX_KEYS} "
                          f"keys, got head_dim {D} and {M} keys")
-    out = torch.empty(B, N, H, D, dtype=torch.float32, device="cpu").transpose(1, 2)
     scale = D**-0.5 if scale is None else scale
-    rc = lib.lofi_attention(q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), *k.stride()[:3],
-                            out.data_ptr(), *out.stride()[:3], B, H, N, M, D, scale, torch.get_num_threads())
-    _raise_for(rc, "lofi_attention")
-    return out
+    return torch.ops.vitlab_hilo.lofi_attention(q, k, v, scale, _ISA_CODES[isa()])
 
 
 def window_attention(qkv: torch.Tensor, window: int, heads: int, scale: float | None = None) -> torch.Tensor:
@@ -115,150 +115,166 @@ def window_attention(qkv: torch.Tensor, window: int, heads: int, scale: float | 
     strides with contiguous channels, e.g. a channel slice of a larger projection). Windows cut by the bottom or
     right border hold only their real tokens, as padding the map and masking the padded keys would give.
     Returns (B, H, W, heads * D), contiguous, in raster order."""
-    lib = _require()
+    _require()
     _check(qkv)
     if qkv.dim() != 4 or heads < 1:
         raise ValueError(f"window_attention takes a (B, H, W, 3 * heads * D) map and heads >= 1, got "
                          f"{tuple(qkv.shape)} and heads={heads}")
-    B, H, W, C3 = qkv.shape
+    C3 = qkv.shape[-1]
     if C3 % (3 * heads):
         raise ValueError(f"window_attention: {C3} channels do not split into q, k, v of {heads} heads")
     D = C3 // (3 * heads)
     if not window_supported(D, window):
         raise ValueError(f"window_attention takes head_dim a multiple of 16 up to {MAX_HEAD_DIM} and windows of at "
                          f"most {MAX_WINDOW_TOKENS} tokens, got head_dim {D} and window {window}")
-    out = torch.empty(B, H, W, heads * D, dtype=torch.float32, device="cpu")
     scale = D**-0.5 if scale is None else scale
-    hd = heads * D
-    rc = lib.hifi_attention(qkv.data_ptr(), *qkv.stride()[:3], 0, hd, 2 * hd, out.data_ptr(), *out.stride()[:3],
-                            B, H, W, window, heads, D, scale, torch.get_num_threads())
-    _raise_for(rc, "window_attention")
-    return out
+    return torch.ops.vitlab_hilo.window_attention(qkv, window, heads, scale, _ISA_CODES[isa()])
 
 
 def _check(*tensors: torch.Tensor) -> None:
     for t in tensors:
-        if (type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1
-                or t.requires_grad):
+        if (t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 or t.requires_grad):
             raise ValueError(f"the CPU kernels take plain fp32 CPU tensors with a contiguous last dimension and no "
                              f"autograd, got {type(t).__name__} {t.dtype} on {t.device} with strides {t.stride()}")
 
 
-def _raise_for(rc: int, name: str) -> None:
-    if rc:
-        raise RuntimeError(f"{name} failed ({'unsupported shape' if rc == 1 else 'out of memory'})")
-
-
-def _require() -> ctypes.CDLL:
-    lib = _library()
-    if lib is None:
+def _require() -> None:
+    if _library() is None:
         raise RuntimeError(f"vitlab's CPU kernels are not available: {_reason}")
-    return lib
 
 
 def _cache_dir() -> Path:
     if os.environ.get("VITLAB_CACHE_DIR"):
         return Path(os.environ["VITLAB_CACHE_DIR"]) / "kernels"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vitlab" / "kernels"
+    from torch.utils.cpp_extension import get_default_build_root
 
-
-def _cpu_fingerprint() -> str:
-    """The CPU's model and feature flags: a build with -march=native is only valid where they are the same."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(keep)))
+    return Path(get_default_build_root()) / "vitlab"
 
 
 def _compiler() -> list[str] | None:
-    """The compiler command: ``$CC`` split like a shell would (``ccache gcc``), else gcc, else cc."""
-    for cc in (os.environ.get("CC"), "gcc", "cc"):
-        cmd = shlex.split(cc) if cc else []
-        if cmd and shutil.which(cmd[0]):
-            return [shutil.which(cmd[0]), *cmd[1:]]
-    return None
+    """The C++ compiler command torch's cpp_extension runs: ``$CXX`` (may carry a launcher such as ``ccache``),
+    else ``c++``; None when it is not found."""
+    cmd = shlex.split(os.environ.get("CXX") or "c++")
+    return [shutil.which(cmd[0]), *cmd[1:]] if cmd and shutil.which(cmd[0]) else None
 
 
-def _build(cc: list[str], rebuild: bool = False) -> Path:
-    """Compile the source into the cache (once per source, flags, compiler and CPU) and return the library."""
-    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), " ".join(cc), version, _cpu_fingerprint(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"attention_cpu-{key}.so"
-    if lib.exists() and not rebuild:
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=f".{lib.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        res = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
-        if res.returncode:
-            last = (res.stderr or res.stdout).strip().splitlines()
-            raise RuntimeError(f"{Path(cc[-1]).name} exited with {res.returncode}: {last[-1] if last else ''}")
-        os.chmod(tmp, 0o755)  # mkstemp's 0600 would lock other users of a shared cache out
-        os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def _key(cxx: list[str]) -> str:
+    version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    parts = [p.read_text() for p in SOURCES] + [" ".join(CFLAGS + LDFLAGS), " ".join(cxx), version,
+                                                torch.__version__, sys.version.split()[0], platform.machine()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _build(cxx: list[str], rebuild: bool = False, load: bool = True) -> Path:
+    """The cached library (built once per key; see the module docstring). With ``load`` the operators are
+    registered in this process (once a process: a second library of the namespace would clash)."""
+    from torch.utils import cpp_extension
+
+    name = f"vitlab_hilo_{_key(cxx)}"
+    root = _cache_dir()
+    lib = root / f"{name}.so"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when this process closes it or dies: never stale
+        if lib.exists() and not rebuild:
+            if load:
+                torch.ops.load_library(str(lib))
+            return lib
+        with tempfile.TemporaryDirectory(dir=root, prefix=f".{name}.") as tmp:
+            if load:
+                cpp_extension.load(name=name, sources=[str(SOURCES[0])], extra_cflags=list(CFLAGS),
+                                   extra_ldflags=list(LDFLAGS), build_directory=tmp, is_python_module=False,
+                                   verbose=False)
+            else:
+                _compile_only(name, tmp)
+            built = Path(tmp) / f"{name}.so"
+            os.chmod(built, 0o755)  # readable by the other users of a shared cache
+            os.replace(built, lib)  # atomic; the loaded library stays mapped
     return lib
 
 
-def _self_check(lib: ctypes.CDLL) -> str | None:
+def _compile_only(name: str, build_dir: str) -> None:
+    """Build without loading (the namespace may already be registered in this process): in a child process."""
+    code = ("import sys, torch.utils.cpp_extension as c; c.load(name=sys.argv[1], sources=[sys.argv[2]], "
+            f"extra_cflags={list(CFLAGS)!r}, extra_ldflags={list(LDFLAGS)!r}, build_directory=sys.argv[3], "
+            "is_python_module=False, verbose=False)")
+    res = subprocess.run([sys.executable, "-c", code, name, str(SOURCES[0]), build_dir], capture_output=True,
+                         text=True, timeout=900)
+    if res.returncode:
+        raise RuntimeError((res.stderr or res.stdout).strip().splitlines()[-1])
+
+
+def _self_check() -> str | None:
     """Compare both kernels with PyTorch on small problems that exercise padding and odd sizes; None when equal."""
     g = torch.Generator().manual_seed(0)
     cpu = dict(dtype=torch.float32, device="cpu")  # whatever the default dtype and device are
-    threads = torch.get_num_threads()
+    code = _ISA_CODES[isa()]
     with torch.no_grad():
         q, k, v = (torch.randn(2, 3, n, 32, generator=g, **cpu) for n in (13, 21, 21))
-        out = torch.empty(2, 13, 3, 32, **cpu).transpose(1, 2)
-        rc = lib.lofi_attention(q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), *k.stride()[:3],
-                                out.data_ptr(), *out.stride()[:3], 2, 3, 13, 21, 32, 32**-0.5, threads)
-        if rc or not torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5):
+        out = torch.ops.vitlab_hilo.lofi_attention(q, k, v, 32**-0.5, code)
+        if not torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5):
             return "lofi_attention disagrees with SDPA"
         qkv = torch.randn(1, 3, 5, 3 * 16, generator=g, **cpu)  # one head of 16 channels, windows cut at the border
-        out = torch.empty(1, 3, 5, 16, **cpu)
-        rc = lib.hifi_attention(qkv.data_ptr(), *qkv.stride()[:3], 0, 16, 32, out.data_ptr(), *out.stride()[:3],
-                                1, 3, 5, 2, 1, 16, 0.25, threads)
-        if rc:
-            return "hifi_attention rejected a supported shape"
+        out = torch.ops.vitlab_hilo.window_attention(qkv, 2, 1, 0.25, code)
         for r in range(0, 3, 2):
             for c in range(0, 5, 2):
                 win = qkv[0, r:r + 2, c:c + 2].reshape(-1, 3, 16)
-                ref = F.scaled_dot_product_attention(win[:, 0], win[:, 1], win[:, 2])
+                ref = F.scaled_dot_product_attention(win[:, 0], win[:, 1], win[:, 2], scale=0.25)
                 if not torch.allclose(out[0, r:r + 2, c:c + 2].reshape(-1, 16), ref, atol=1e-5):
-                    return "hifi_attention disagrees with SDPA"
+                    return "window_attention disagrees with SDPA"
+    return None
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile / FakeTensor tracing (the operators stay opaque calls in a compiled graph)."""
+
+    @torch.library.register_fake("vitlab_hilo::lofi_attention")
+    def _(q, k, v, scale, isa):
+        B, H, N, D = q.shape
+        return q.new_empty(B, N, H, D).transpose(1, 2)
+
+    @torch.library.register_fake("vitlab_hilo::window_attention")
+    def _(qkv, window, heads, scale, isa):
+        B, H, W, C3 = qkv.shape
+        return qkv.new_empty(B, H, W, C3 // 3)
+
+
+def _unavailable_reason() -> str | None:
+    if os.environ.get("VITLAB_CKERNELS", "1") == "0":
+        return "switched off by VITLAB_CKERNELS=0"
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs x86-64 Linux, this is {sys.platform} {platform.machine()}"
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return "needs PyTorch's OpenMP backend (the kernels share its libgomp threads)"
+    if isa() is None:
+        return f"needs AVX2 or AVX-512; ATen's CPU capability is {torch.backends.cpu.get_cpu_capability()}"
+    if _compiler() is None:
+        return "no C++ compiler found (set CXX, or install g++)"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "torch.utils.cpp_extension needs ninja (pip install ninja)"
     return None
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _library() -> Path | None:
     global _reason
-    if os.environ.get("VITLAB_CKERNELS", "1") == "0":
-        _reason = "switched off by VITLAB_CKERNELS=0"
-        return None
-    if not sys.platform.startswith("linux") or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
-        _reason = "needs Linux and PyTorch's OpenMP backend (the kernels share its libgomp threads)"
-        return None
-    cc = _compiler()
-    if cc is None:
-        _reason = "no C compiler found (set CC, or install gcc)"
+    _reason = _unavailable_reason() or "available"
+    if _reason != "available":
         return None
     lib = None
     for rebuild in (False, True):  # a cached file that does not load (truncated, foreign) is rebuilt once
         try:
-            lib = ctypes.CDLL(str(_build(cc, rebuild)))
-            for name, argtypes in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            lib = _build(_compiler(), rebuild)
             break
-        except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
-            _reason, lib = f"build or load failed: {e}", None
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            last = str(e).strip().splitlines()
+            _reason, lib = f"build or load failed: {last[-1] if last else type(e).__name__}", None
     if lib is None:
         return None
-    bad = _self_check(lib)
+    _register_fakes()
+    bad = _self_check()
     if bad:
         _reason = f"self-check failed: {bad}"
         return None

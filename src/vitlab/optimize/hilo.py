@@ -1,0 +1,87 @@
+"""HiLo with vitlab's compiled CPU attention kernels, applied from outside the model (``vitlab.optimize``,
+backend ``"kernels"``).
+
+:func:`swap_hilo` turns every :class:`vitlab.attention.hilo.HiLo` of a model into a :class:`KernelHiLo`: the
+same module (parameters, buffers, state-dict keys, hooks) with the two attention cores replaced, in fp32 CPU
+inference, by the kernels of :mod:`vitlab.optimize.kernels`:
+
+* Hi-Fi: :func:`~vitlab.optimize.kernels.window_attention` reads the s x s windows in place from the projected
+  map and writes raster order (no window-partition / reverse copies, no padding or mask for cut windows);
+* Lo-Fi: :func:`~vitlab.optimize.kernels.lofi_attention` runs every query against the few pooled keys, reading
+  k and v as strided views of the ``l_kv`` projection.
+
+Everything else (projections, pooling, the Table III ``pooled_queries`` branch) is the parent's code. Any
+call the kernels do not take falls back to the parent, i.e. to SDPA: autograd (an input or a parameter that
+requires grad with grad mode on), another dtype or device, autocast, attention dropout in training, tracing /
+``torch.compile``, and head widths or windows outside the kernels' range. The function is the same
+(``F.scaled_dot_product_attention`` within ~1e-6 in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vitlab.attention.hilo import HiLo
+from vitlab.optimize import kernels
+
+__all__ = ["KernelHiLo", "swap_hilo"]
+
+
+def _plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
+    """Tensors the kernels take: plain fp32 CPU tensors outside autograd, autocast and tracing."""
+    if torch.compiler.is_compiling() or torch.jit.is_scripting() or torch.jit.is_tracing():
+        return False
+    if torch.is_autocast_enabled("cpu"):
+        return False
+    return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == torch.float32
+               and not t.requires_grad and t.stride(-1) == 1 for t in tensors)
+
+
+class KernelHiLo(HiLo):
+    """:class:`HiLo` whose attention cores run vitlab's compiled CPU kernels in fp32 inference (see the module
+    docstring); made by :func:`swap_hilo`, never built directly."""
+
+    def _dropout(self) -> bool:
+        return self.training and self.attn_drop > 0
+
+    def hifi(self, qkv: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        if (kernels.window_supported(self.head_dim, self.ws) and not self._dropout() and _plain_fp32_cpu(qkv)
+                and kernels.available()):
+            # raster (B, H, W, h_dim): HiLo._place_hifi copies it as it is
+            return self.h_proj(kernels.window_attention(qkv, self.ws, self.h_heads))
+        return super().hifi(qkv, H, W)
+
+    def lofi(self, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
+        s, heads, d = self.ws, self.l_heads, self.head_dim
+        B, H, W, C = x.shape
+        M = (-(-H // s)) * (-(-W // s))  # keys of the (ceil-mode) pooled map
+        if (self.pooled_queries or self._dropout() or not kernels.lofi_supported(d, M)
+                or not _plain_fp32_cpu(x, *(() if q is None else (q,)))
+                or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+                or not kernels.available()):
+            return super().lofi(x, q)
+        if s > 1:  # as HiLo.lofi: pool, then project k and v
+            kv_in = F.avg_pool2d(x.permute(0, 3, 1, 2), s, s, ceil_mode=True).flatten(2).transpose(1, 2)
+        else:
+            kv_in = x.reshape(B, H * W, C)
+        k, v = self.l_kv(kv_in).reshape(B, M, 2, heads, d).permute(2, 0, 3, 1, 4).unbind(0)  # strided views
+        q = (self.l_q(x) if q is None else q).reshape(B, H * W, heads, d).transpose(1, 2)
+        o = kernels.lofi_attention(q, k, v)  # (B, heads, N, d), laid out (B, N, heads, d) as SDPA's
+        return self.l_proj(o.transpose(1, 2).reshape(B, H, W, self.l_dim))
+
+
+def swap_hilo(model: nn.Module) -> int:
+    """Make every :class:`HiLo` in ``model`` (the model itself included) a :class:`KernelHiLo`, in place.
+
+    The modules keep their parameters, buffers, state-dict keys and hooks (only their class changes), and
+    compute the same function; subclasses of HiLo other than KernelHiLo are left alone. Returns how many
+    modules were swapped: 0 when the kernels are not available on this machine (``kernels.status()`` says
+    why), in which case nothing changes."""
+    targets = [m for m in model.modules() if type(m) is HiLo]
+    if not targets or not kernels.available():
+        return 0
+    for m in targets:
+        m.__class__ = KernelHiLo
+    return len(targets)

@@ -1,0 +1,105 @@
+// vitlab's fused fp32 CPU attention kernels for HiLo, as PyTorch operators: torch.ops.vitlab_hilo.*
+//
+// Built by torch.utils.cpp_extension (vitlab/optimize/kernels/__init__.py) with -O3 -fopenmp and no -march: the
+// kernel body (hilo_body.h) is compiled twice, once for AVX2 + FMA (what -mavx2 -mfma gives) and once for
+// AVX-512 (F, DQ, BW, VL), each in its own namespace under `#pragma GCC target`. Each call runs the path its
+// `isa` argument names (512 or 2): the Python side passes ATen's CPU capability
+// (torch.backends.cpu.get_cpu_capability(): the CPU's best, or what ATEN_CPU_CAPABILITY asks), so
+// ATEN_CPU_CAPABILITY=avx2 runs the AVX2 code on an AVX-512 machine. Work is split with OpenMP on PyTorch's
+// own libgomp threads (at::get_num_threads()).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstdlib>
+
+#if !defined(__x86_64__) || !defined(__GNUC__)
+#error "vitlab's HiLo kernels need an x86-64 GCC-compatible compiler"
+#endif
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace vitlab_avx2 {
+#define VW 8
+#define RB 12
+#include "hilo_body.h"
+#undef VW
+#undef RB
+}  // namespace vitlab_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
+namespace vitlab_avx512 {
+#define VW 16
+#define RB 24
+#include "hilo_body.h"
+#undef VW
+#undef RB
+}  // namespace vitlab_avx512
+#pragma GCC pop_options
+
+namespace {
+
+void check(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.stride(-1) == 1, "vitlab_hilo: ", name,
+              " must be an fp32 CPU tensor with a contiguous last dimension");
+}
+
+void check_rc(int rc, const char* name) {
+  TORCH_CHECK(rc != 1, "vitlab_hilo::", name, ": unsupported shape");
+  TORCH_CHECK(rc != 2, "vitlab_hilo::", name, ": out of memory");
+}
+
+// softmax(q k^T * scale) v: q (B, H, N, D), k and v (B, H, M, D) with equal strides. Returns (B, H, N, D) laid out
+// as (B, N, H, D), as PyTorch's CPU SDPA.
+at::Tensor lofi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, int64_t isa) {
+  check(q, "q"), check(k, "k"), check(v, "v");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() &&
+                  q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              "vitlab_hilo::lofi_attention: q (B, H, N, D), k and v (B, H, M, D) with equal strides");
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), M = k.size(2), D = q.size(3);
+  at::Tensor out = at::empty({B, N, H, D}, q.options()).transpose(1, 2);
+  if (out.numel() == 0) return out;
+  TORCH_CHECK(isa == 512 || isa == 2, "vitlab_hilo: isa must be 512 (AVX-512) or 2 (AVX2), got ", isa);
+  auto fn = isa == 512 ? vitlab_avx512::lofi_attention : vitlab_avx2::lofi_attention;
+  check_rc(fn(q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<float>(), v.data_ptr<float>(),
+              k.stride(0), k.stride(1), k.stride(2), out.data_ptr<float>(), out.stride(0), out.stride(1),
+              out.stride(2), B, H, N, M, D, (float)scale, at::get_num_threads()),
+           "lofi_attention");
+  return out;
+}
+
+// attention inside the window x window windows of qkv (B, H, W, 3 * heads * D) (q, k, v of each head in that
+// channel order); returns (B, H, W, heads * D), contiguous
+at::Tensor window_attention(const at::Tensor& qkv, int64_t window, int64_t heads, double scale,
+                            int64_t isa) {
+  check(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 4 && heads > 0 && qkv.size(3) % (3 * heads) == 0,
+              "vitlab_hilo::window_attention: qkv (B, H, W, 3 * heads * D)");
+  const int64_t B = qkv.size(0), H = qkv.size(1), W = qkv.size(2), D = qkv.size(3) / (3 * heads);
+  at::Tensor out = at::empty({B, H, W, heads * D}, qkv.options());
+  if (out.numel() == 0) return out;
+  TORCH_CHECK(isa == 512 || isa == 2, "vitlab_hilo: isa must be 512 (AVX-512) or 2 (AVX2), got ", isa);
+  auto fn = isa == 512 ? vitlab_avx512::hifi_attention : vitlab_avx2::hifi_attention;
+  const int64_t hd = heads * D;
+  check_rc(fn(qkv.data_ptr<float>(), qkv.stride(0), qkv.stride(1), qkv.stride(2), 0, hd, 2 * hd,
+              out.data_ptr<float>(), out.stride(0), out.stride(1), out.stride(2), B, H, W, window, heads, D,
+              (float)scale, at::get_num_threads()),
+           "window_attention");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vitlab_hilo, m) {
+  m.def("lofi_attention(Tensor q, Tensor k, Tensor v, float scale, int isa) -> Tensor");
+  m.def("window_attention(Tensor qkv, int window, int heads, float scale, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vitlab_hilo, CPU, m) {
+  m.impl("lofi_attention", &lofi_attention);
+  m.impl("window_attention", &window_attention);
+}
