@@ -27,14 +27,15 @@ def curves_png(metrics: list[dict], monitor: str = "top1") -> bytes:
     fig = _figure((10, 3.6))
     a1, a2 = fig.subplots(1, 2)
     a1.plot(ep, [m["train_loss"] for m in metrics], label="train loss")
-    a1.plot(ep, [m["val_loss"] for m in metrics], label="val loss")
+    if all("val_loss" in m for m in metrics):
+        a1.plot(ep, [m["val_loss"] for m in metrics], label="val loss")
     a1.set_xlabel("epoch")
     a1.legend()
     a2.plot(ep, [m[f"val_{monitor}"] for m in metrics], label=f"val {monitor}")
     if any(f"ema_val_{monitor}" in m for m in metrics):
         a2.plot(ep, [m.get(f"ema_val_{monitor}", float("nan")) for m in metrics], label=f"EMA val {monitor}")
     a2.set_xlabel("epoch")
-    a2.set_ylabel("%")
+    a2.set_ylabel("%" if monitor.startswith("top") else monitor)
     a2.legend()
     fig.tight_layout()
     return _png(fig)

@@ -9,7 +9,8 @@ self-supervised, segmentation or CLIP task plugs in by registering itself::
 
     @register_task("my_task")
     class MyTask:
-        monitor = "top1"            # validation metric that picks the best checkpoint (higher is better)
+        monitor = "top1"            # validation metric that picks the best checkpoint
+        monitor_mode = "max"        # optional: "min" when lower is better (a loss, an error)
         def build(self, cfg, device): ...   # sets self.data, self.model, self.module
         ...
 
@@ -33,6 +34,7 @@ import torch.nn as nn
 @runtime_checkable
 class Task(Protocol):
     monitor: ClassVar[str]  # the validation metric (a key of validation_metrics) that picks the best checkpoint
+    # optional ``monitor_mode: ClassVar[str] = "min"`` when lower is better (default "max")
 
     data: Any
     model: nn.Module

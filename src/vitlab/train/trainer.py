@@ -129,7 +129,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(st.device.type, enabled=cfg.amp == "fp16")
         self.forward = torch.compile(self.wrapped) if cfg.compile else self.wrapped
         self.start_epoch, self.step = 0, 0
-        self.best = {"monitor": -math.inf, "epoch": None, "weights": "raw"}
+        self.best = {"monitor": None, "epoch": None, "weights": "raw"}
         self.metrics: list[dict] = []
 
     # ---------------------------------------------------------------- checkpoints
@@ -167,7 +167,9 @@ class Trainer:
         self.start_epoch, self.step = int(state["epoch"]), int(state["step"])
         best = dict(state["best"])
         if "monitor" not in best:  # runs saved before tasks named their metric
-            best["monitor"] = best.pop(f"val_{self.task.monitor}", -math.inf)
+            best["monitor"] = best.pop(f"val_{self.task.monitor}", None)
+        if best["epoch"] is None:
+            best["monitor"] = None
         self.best = best
         metrics_file = self.run_dir / "metrics.jsonl"
         if metrics_file.is_file():
@@ -305,8 +307,11 @@ class Trainer:
                     e = self.validate(self.ema.module)
                     row.update({f"ema_val_{k}": v for k, v in e.items()})
                     candidates.append(("ema", e[mon]))
-                which, value = max(candidates, key=lambda c: c[1])  # ties keep the raw weights
-                if value > self.best["monitor"]:
+                lower = getattr(task, "monitor_mode", "max") == "min"
+                pick = min if lower else max
+                which, value = pick(candidates, key=lambda c: c[1])  # ties keep the raw weights
+                old = self.best["monitor"]
+                if old is None or (value < old if lower else value > old):
                     is_best = True
                     self.best = {"monitor": value, "epoch": epoch + 1, "weights": which}
             self.metrics.append(row)
@@ -336,7 +341,7 @@ class Trainer:
         mon = task.monitor
         summary = {"task": cfg.task, "model": info.get("model", cfg.model), "dataset": info.get("dataset"),
                    "epochs": cfg.epochs, "epochs_done": end_epoch, "finished": finished,
-                   f"best_val_{mon}": best["monitor"] if best["epoch"] else None,
+                   f"best_val_{mon}": best["monitor"],
                    "best_epoch": best["epoch"], "best_weights": best["weights"], **test,
                    "wall_time_s": time.perf_counter() - self.t_start,
                    **{k: v for k, v in info.items() if k not in ("model", "dataset", "train_images", "val_images")},
@@ -346,8 +351,9 @@ class Trainer:
             ck.atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
             if finished:
                 t = test.get(f"test_{mon}")
-                test_txt = f"test {mon} {t:.2f}%  " if t is not None else ""
-                val_txt = (f"best val {mon} {summary[f'best_val_{mon}']:.2f}% (epoch {best['epoch']}, "
+                test_txt = f"test {mon} {t:.4g}{'%' if mon.startswith('top') else ''}  " if t is not None else ""
+                pct = "%" if mon.startswith("top") else ""
+                val_txt = (f"best val {mon} {summary[f'best_val_{mon}']:.4g}{pct} (epoch {best['epoch']}, "
                            f"{best['weights']})" if best["epoch"] else "")
                 self.say(f"done: {summary['model']} on {summary['dataset']}: {test_txt}{val_txt}  "
                          f"{summary['wall_time_s']:.0f}s  run dir {self.run_dir}", always=True)
