@@ -100,7 +100,7 @@ def test_flags_are_generated_from_the_config_dataclasses(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--amp {none,bf16,fp16}" in out and "--distill.kind {none,hard,soft,feature}" in out
     assert "stochastic depth rate (default: 0.1)" in out and "--data.mixup" in out and "MixUp alpha" in out
-    assert "--task {classify}" in out
+    assert "--task {classify" in out  # the registered tasks
 
 
 def _bad_cases(run, tmp_path) -> dict[str, tuple[list[str], str]]:
@@ -161,7 +161,7 @@ def test_bad_inputs_give_one_line_and_exit_2(trained_run, tmp_path, capsys):
         _check(name, needle, code, capsys.readouterr().err)
 
 
-SUBPROCESS_CASES = ("missing data dir", "class count mismatch", "unreadable image", "bad choice")
+SUBPROCESS_CASES = ("missing data dir", "class count mismatch", "unreadable image")
 
 
 def test_bad_inputs_through_python_m_vitlab(trained_run, tmp_path):
