@@ -12,8 +12,9 @@ inference, by the kernels of :mod:`vitlab.optimize.kernels`:
 
 Everything else (projections, pooling, the Table III ``pooled_queries`` branch) is the parent's code. Any
 call the kernels do not take falls back to the parent, i.e. to SDPA: autograd (an input or a parameter that
-requires grad with grad mode on), another dtype or device, autocast, attention dropout in training, tracing /
-``torch.compile``, and head widths or windows outside the kernels' range. The function is the same
+requires grad with grad mode on), another dtype or device, autocast, attention dropout in training,
+TorchScript tracing, and head widths or windows outside the kernels' range. Under ``torch.compile`` the kernels
+are opaque operators of the graph (registered with their shapes), so Inductor compiles everything around them. The function is the same
 (``F.scaled_dot_product_attention`` within ~1e-6 in fp32).
 """
 
@@ -30,13 +31,14 @@ __all__ = ["KernelHiLo", "swap_hilo"]
 
 
 def _plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
-    """Tensors the kernels take: plain fp32 CPU tensors outside autograd, autocast and tracing."""
-    if torch.compiler.is_compiling() or torch.jit.is_scripting() or torch.jit.is_tracing():
+    """Tensors the kernels take: fp32 CPU tensors with contiguous channels, outside autograd, autocast and
+    TorchScript tracing. (Under torch.compile the kernels are traced as the opaque operators they are.)"""
+    if torch.jit.is_scripting() or torch.jit.is_tracing() or torch.is_autocast_enabled("cpu"):
         return False
-    if torch.is_autocast_enabled("cpu"):
+    if not kernels.isa_code() and not kernels.available():  # e.g. a pickled KernelHiLo in a new process
         return False
-    return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == torch.float32
-               and not t.requires_grad and t.stride(-1) == 1 for t in tensors)
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad and t.stride(-1) == 1
+               for t in tensors)
 
 
 class KernelHiLo(HiLo):
@@ -47,10 +49,11 @@ class KernelHiLo(HiLo):
         return self.training and self.attn_drop > 0
 
     def hifi(self, qkv: torch.Tensor, H: int, W: int) -> torch.Tensor:
-        if (kernels.window_supported(self.head_dim, self.ws) and not self._dropout() and _plain_fp32_cpu(qkv)
-                and kernels.available()):
-            # raster (B, H, W, h_dim): HiLo._place_hifi copies it as it is
-            return self.h_proj(kernels.window_attention(qkv, self.ws, self.h_heads))
+        if kernels.window_supported(self.head_dim, self.ws) and not self._dropout() and _plain_fp32_cpu(qkv):
+            # raster (B, H, W, h_dim), which HiLo._place_hifi copies as it is
+            o = torch.ops.vitlab_hilo.window_attention(qkv, self.ws, self.h_heads, self.head_dim**-0.5,
+                                                       kernels.isa_code())
+            return self.h_proj(o)
         return super().hifi(qkv, H, W)
 
     def lofi(self, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,8 +62,7 @@ class KernelHiLo(HiLo):
         M = (-(-H // s)) * (-(-W // s))  # keys of the (ceil-mode) pooled map
         if (self.pooled_queries or self._dropout() or not kernels.lofi_supported(d, M)
                 or not _plain_fp32_cpu(x, *(() if q is None else (q,)))
-                or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
-                or not kernels.available()):
+                or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))):
             return super().lofi(x, q)
         if s > 1:  # as HiLo.lofi: pool, then project k and v
             kv_in = F.avg_pool2d(x.permute(0, 3, 1, 2), s, s, ceil_mode=True).flatten(2).transpose(1, 2)
@@ -68,7 +70,8 @@ class KernelHiLo(HiLo):
             kv_in = x.reshape(B, H * W, C)
         k, v = self.l_kv(kv_in).reshape(B, M, 2, heads, d).permute(2, 0, 3, 1, 4).unbind(0)  # strided views
         q = (self.l_q(x) if q is None else q).reshape(B, H * W, heads, d).transpose(1, 2)
-        o = kernels.lofi_attention(q, k, v)  # (B, heads, N, d), laid out (B, N, heads, d) as SDPA's
+        # (B, heads, N, d), laid out (B, N, heads, d) as SDPA's
+        o = torch.ops.vitlab_hilo.lofi_attention(q, k, v, d**-0.5, kernels.isa_code())
         return self.l_proj(o.transpose(1, 2).reshape(B, H, W, self.l_dim))
 
 

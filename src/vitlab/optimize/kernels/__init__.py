@@ -56,6 +56,7 @@ MAX_HEAD_DIM = 64  # the kernels hold a head's row in registers
 MAX_KEYS = 64  # Lo-Fi keys per (batch, head) item
 MAX_WINDOW_TOKENS = 64  # tokens of one Hi-Fi window (s <= 8)
 _ISA_CODES = {"AVX512": 512, "AVX2": 2}
+_ISA_CODE = 0  # set when the operators load
 _reason = "not loaded yet"
 
 
@@ -73,6 +74,11 @@ def isa() -> str | None:
     """The instruction set the kernels run ("AVX512" or "AVX2", ATen's CPU capability), None where neither."""
     cap = torch.backends.cpu.get_cpu_capability()
     return cap if cap in _ISA_CODES else None
+
+
+def isa_code() -> int:
+    """The ``isa`` argument of the operators: 512 (AVX-512) or 2 (AVX2), fixed for the process."""
+    return _ISA_CODE
 
 
 def lofi_supported(head_dim: int, keys: int) -> bool:
@@ -105,7 +111,7 @@ def lofi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         raise ValueError(f"lofi_attention takes head_dim a multiple of 16 up to {MAX_HEAD_DIM} and 1 to {MAX_KEYS} "
                          f"keys, got head_dim {D} and {M} keys")
     scale = D**-0.5 if scale is None else scale
-    return torch.ops.vitlab_hilo.lofi_attention(q, k, v, scale, _ISA_CODES[isa()])
+    return torch.ops.vitlab_hilo.lofi_attention(q, k, v, scale, _ISA_CODE)
 
 
 def window_attention(qkv: torch.Tensor, window: int, heads: int, scale: float | None = None) -> torch.Tensor:
@@ -128,7 +134,7 @@ def window_attention(qkv: torch.Tensor, window: int, heads: int, scale: float | 
         raise ValueError(f"window_attention takes head_dim a multiple of 16 up to {MAX_HEAD_DIM} and windows of at "
                          f"most {MAX_WINDOW_TOKENS} tokens, got head_dim {D} and window {window}")
     scale = D**-0.5 if scale is None else scale
-    return torch.ops.vitlab_hilo.window_attention(qkv, window, heads, scale, _ISA_CODES[isa()])
+    return torch.ops.vitlab_hilo.window_attention(qkv, window, heads, scale, _ISA_CODE)
 
 
 def _check(*tensors: torch.Tensor) -> None:
@@ -259,7 +265,7 @@ def _unavailable_reason() -> str | None:
 
 @functools.cache
 def _library() -> Path | None:
-    global _reason
+    global _reason, _ISA_CODE
     _reason = _unavailable_reason() or "available"
     if _reason != "available":
         return None
@@ -274,6 +280,7 @@ def _library() -> Path | None:
     if lib is None:
         return None
     _register_fakes()
+    _ISA_CODE = _ISA_CODES[isa()]
     bad = _self_check()
     if bad:
         _reason = f"self-check failed: {bad}"
