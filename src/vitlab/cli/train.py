@@ -108,7 +108,8 @@ def register(sub) -> None:
                            allow_abbrev=False)
     finally:
         sub._parser_class = old
-    t.add_argument("--config", default=None, help="a YAML TrainConfig (e.g. a run's config.yaml)")
+    t.add_argument("--config", default=None, metavar="FILE",
+                   help="a YAML TrainConfig (e.g. a run's config.yaml); flags apply on top")
     t.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     t.add_argument("--print_config", action="store_true", help="print the resolved config as YAML and exit")
     tasks = "{" + ",".join(list_tasks()) + "}"

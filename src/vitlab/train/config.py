@@ -51,9 +51,9 @@ class TrainConfig:
 
     task: str = "classify"             # what is trained: a registered Task (vitlab.train.list_tasks())
     model: str = DEFAULT_MODEL         # a registered model (vitlab models)
-    model_kwargs: dict = field(default_factory=dict)  # extra create_model kwargs: --model_kwargs.depth 6
+    model_kwargs: dict = field(default_factory=dict)  # extra create_model kwargs, e.g. {depth: 6}
     data: DataConfig = field(default_factory=DataConfig)
-    epochs: int = 50
+    epochs: int = 50                   # the schedule's length
     batch_size: int = 32               # per process, per micro-step
     accum_steps: int = 1               # gradient accumulation: global batch = batch_size * accum_steps * world
     lr: float = 1.6e-2                 # at global batch 512 (DeiT: 5e-4; tuned for the tiny default model)
@@ -62,7 +62,7 @@ class TrainConfig:
     warmup_lr: float = 1e-6            # at global batch 512
     weight_decay: float = 0.05         # not on norms, biases, tokens, position embeddings
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW
-    label_smoothing: float = 0.1
+    label_smoothing: float = 0.1       # of the class loss
     drop_path: float = 0.1             # stochastic depth rate
     clip_grad: float | None = 1.0      # max gradient norm (None = off)
     ema_decay: float = 0.0             # EMA of the weights, evaluated beside them (0 = off; DeiT: 0.99996)
