@@ -227,7 +227,8 @@ def main() -> None:
             cells.append(f"{q['median']:9.3f} [{q['q1']:.3f}, {q['q3']:.3f}]" if q else "-")
         diff = r["max_abs_diff_vs_hilo_eager"]
         print(f"{name:24s}" + "".join(f"{c:>26s}" for c in cells) + (f"{diff:11.1e}" if diff is not None else ""))
-    out = args.out or f"docs/bench/hilo_cpu_{args.isa if args.isa == 'avx2' else meta['aten_cpu_capability'].lower()}.json"
+    isa_name = "avx2" if args.isa == "avx2" else meta["aten_cpu_capability"].lower()
+    out = args.out or f"docs/bench/hilo_cpu_{isa_name}.json"
     if out != "-":
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps({"meta": meta, "results": res}, indent=1) + "\n")

@@ -14,8 +14,8 @@ Everything else (projections, pooling, the Table III ``pooled_queries`` branch) 
 call the kernels do not take falls back to the parent, i.e. to SDPA: autograd (an input or a parameter that
 requires grad with grad mode on), another dtype or device, autocast, attention dropout in training,
 TorchScript tracing, and head widths or windows outside the kernels' range. Under ``torch.compile`` the kernels
-are opaque operators of the graph (registered with their shapes), so Inductor compiles everything around them. The function is the same
-(``F.scaled_dot_product_attention`` within ~1e-6 in fp32).
+are opaque operators of the graph (registered with their shapes), so Inductor compiles everything around them.
+The function is the same (``F.scaled_dot_product_attention`` within ~1e-6 in fp32).
 """
 
 from __future__ import annotations
