@@ -69,25 +69,29 @@ def test_eager_backends_equal_eager(name, backend):
     assert vo.max_abs_diff(out, ref) <= 1e-5
 
 
-def test_compile_backend_equals_eager_and_keeps_inductor_config():
+@pytest.mark.parametrize("backend", ["compile", "onednn+compile"])
+def test_compile_backends_equal_eager_and_keep_inductor_config(backend):
     import torch._inductor.config as inductor_config
 
     before = inductor_config.freezing
     _, x, ref = reference("deit_tiny_patch16_224")
-    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, backend="compile")
-    assert isinstance(model, vo.CompiledInference) and model.vitlab_backend == "compile"
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, backend=backend)
+    assert isinstance(model, vo.CompiledInference) and model.vitlab_backend == backend
     out = model(x)  # runs under no_grad by itself
     assert not out.requires_grad
     assert vo.max_abs_diff(out, ref) <= 1e-5
     assert inductor_config.freezing == before  # freezing was a per-call option
     assert model.num_classes == 1000  # attributes reach the eager module
+    if backend == "onednn+compile" and torch.backends.mkldnn.is_available():
+        assert any(isinstance(m, OneDNNLinear) and m.in_graph for m in model.modules())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["levit_128s", "swin_tiny_patch4_window7_224", "cait_xxs24_224"])
-def test_compile_backend_equals_eager_slow(name):
+@pytest.mark.parametrize("name", ["levit_128s", "swin_tiny_patch4_window7_224", "cait_xxs24_224", "litv2_s"])
+@pytest.mark.parametrize("backend", ["compile", "onednn+compile"])
+def test_compile_backends_equal_eager_slow(name, backend):
     _, x, ref = reference(name)
-    model = vo.optimize(tiny(name), x, backend="compile")
+    model = vo.optimize(tiny(name), x, backend=backend)
     assert vo.max_abs_diff(model(x), ref) <= 1e-5
 
 

@@ -13,6 +13,9 @@ Backends (each returns a model in eval mode whose outputs equal eager's within 1
 * ``"compile"``: ``torch.compile`` (Inductor) run under ``no_grad``; on the CPU with freezing (weights become
   constants, prepacked for MKL / oneDNN, BatchNorms folded) passed as a per-call option, so the global Inductor
   config is left as it was.
+* ``"onednn+compile"`` (CPU): the ``"onednn"`` swaps, then ``"compile"``: Inductor fuses the graph around the
+  linears, which stay oneDNN's GEMMs with their epilogues (one opaque op each) instead of Inductor's own GEMM
+  choice (MKL's packed sgemm for fp32, slow on some CPUs, e.g. AMD's).
 * ``"auto"`` (default): builds every applicable candidate, checks each against eager on ``example_inputs``
   (max |diff| <= 1e-5 x the output's scale; a candidate that fails is rejected), times them in round robin on
   this machine and returns the fastest. ``"none"`` is always a candidate and another wins only when it is
@@ -52,7 +55,7 @@ from vitlab.optimize import cpu as cpuinfo
 
 log = logging.getLogger("vitlab.optimize")
 
-BACKENDS = ("none", "onednn", "kernels", "compile")
+BACKENDS = ("none", "onednn", "kernels", "compile", "onednn+compile")
 CACHE_VERSION = 1
 TOLERANCE = 1e-5
 
@@ -154,6 +157,15 @@ def _build(model: nn.Module, backend: str, device: torch.device, notes: list[str
     n = _swap_onednn(model, notes)
     if backend == "onednn":
         return model if n or explicit else None
+    if backend == "onednn+compile":
+        if not n and not explicit:
+            return None
+        from vitlab.optimize.onednn import OneDNNLinear
+
+        for m in model.modules():
+            if isinstance(m, OneDNNLinear):
+                m.record_in_graph()
+        return _compile(model, device)
     k = _swap_kernels(model, notes)
     if not k:
         notes.append("kernels: no HiLo module swapped")
@@ -337,11 +349,11 @@ def _device_of(model: nn.Module, args: Sequence) -> torch.device:
 
 
 def _candidates(device: torch.device) -> list[str]:
-    return ["none", "onednn", "kernels", "compile"] if device.type == "cpu" else ["none", "compile"]
+    return list(BACKENDS) if device.type == "cpu" else ["none", "compile"]
 
 
 def _finish(model: nn.Module, report: OptimizeReport) -> nn.Module:
-    if report.backend in ("onednn", "kernels"):
+    if report.backend in ("onednn", "kernels", "onednn+compile"):
         model.requires_grad_(False)  # an inference model: the swapped kernels have no backward
     for obj in (model, getattr(model, "module", None)) if isinstance(model, CompiledInference) else (model,):
         object.__setattr__(obj, "vitlab_backend", report.backend)

@@ -53,6 +53,24 @@ def onednn_linear_available() -> bool:
         return False
 
 
+@functools.cache
+def graph_op():
+    """``torch.ops.vitlab.onednn_linear(x, weight, bias, attr, algorithm)``: oneDNN's fused linear as a custom op
+    that ``torch.compile`` keeps as one opaque call (Inductor fuses the rest of the graph around it, and lowers
+    nothing of it). Registered on first use, not at import."""
+
+    @torch.library.custom_op("vitlab::onednn_linear", mutates_args=())
+    def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attr: str,
+                      algorithm: str) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+
+    @onednn_linear.register_fake
+    def _(x, weight, bias, attr, algorithm):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    return torch.ops.vitlab.onednn_linear.default
+
+
 def _cpu_autocast() -> bool:
     try:
         return torch.is_autocast_enabled("cpu")
@@ -95,6 +113,7 @@ class OneDNNLinear(nn.Linear):
         if not fusable(act):
             raise ValueError(f"cannot fuse {type(act).__name__} into oneDNN's epilogue")
         self.__dict__["act"] = act  # not a submodule: no state-dict key, nothing for hooks to miss
+        self.in_graph = False  # True: torch.compile records oneDNN's op (as vitlab::onednn_linear), else ATen's
         self.attr, self.algorithm = _EPILOGUES[type(act)](act) if act is not None else ("none", "")
 
     @classmethod
@@ -114,11 +133,28 @@ class OneDNNLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # cheap guard: the kernel has no backward, does not autocast and is opaque to tracers
         if ((torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-                or type(x) is not torch.Tensor or x.dtype != torch.float32 or not x.is_cpu
-                or x.dim() < 2 or torch.compiler.is_compiling() or torch.jit.is_tracing() or _cpu_autocast()):
-            y = F.linear(x, self.weight, self.bias)
-            return y if self.act is None else self.act(y)
+                or x.dtype != torch.float32 or not x.is_cpu or x.dim() < 2 or torch.jit.is_tracing()
+                or _cpu_autocast()):
+            return self._aten(x)
+        if torch.compiler.is_compiling():
+            if not self.in_graph:
+                return self._aten(x)
+            return torch.ops.vitlab.onednn_linear(x, self.weight, self.bias, self.attr, self.algorithm)
+        if type(x) is not torch.Tensor:
+            return self._aten(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, self.attr, [], self.algorithm)
+
+    def record_in_graph(self, enable: bool = True) -> OneDNNLinear:
+        """Under ``torch.compile``, record oneDNN's kernel as the opaque op ``vitlab::onednn_linear`` (Inductor
+        fuses what surrounds it) instead of ATen's linear (Inductor's own GEMM choice)."""
+        if enable:
+            graph_op()
+        self.in_graph = enable
+        return self
+
+    def _aten(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.act is None else self.act(y)
 
 
 def _swappable(m: nn.Module) -> bool:
