@@ -59,9 +59,10 @@ def test_kernels_run_in_fp32_inference_only(monkeypatch):
                             lambda *a, _real=real, _name=name: seen.append(_name) or _real(*a))
     ref, fast = _pair()
     x = torch.randn(1, 64, 128)
+    expected = ["lofi_attention", "window_attention"] if kernels.isa_code() == 512 else ["window_attention"]
     with torch.no_grad():
         fast(x, (8, 8))
-    assert sorted(seen) == ["lofi_attention", "window_attention"]
+    assert sorted(seen) == expected
     seen.clear()
 
     # autograd: HiLo's SDPA path (the kernels have no backward), and the same gradients
@@ -83,7 +84,23 @@ def test_kernels_run_in_fp32_inference_only(monkeypatch):
         fast(x, (8, 8))
         fast.attn_drop = 0.0
         fast(x, (8, 8))  # training without dropout: the same function, the kernels may run
-    assert sorted(seen) == ["lofi_attention", "window_attention"]  # only the last call
+    assert sorted(seen) == expected  # only the last call
+
+
+def test_avx2_path_keeps_sdpa_for_lofi(monkeypatch):
+    """On the AVX2 path (ATEN_CPU_CAPABILITY=avx2 or an AVX2 CPU) Lo-Fi keeps SDPA (faster there), Hi-Fi runs
+    the kernel; the same function either way."""
+    monkeypatch.setattr(kernels, "_ISA_CODE", 2)
+    seen = []
+    for name in ("lofi_attention", "window_attention"):
+        real = getattr(torch.ops.vitlab_hilo, name)
+        monkeypatch.setattr(torch.ops.vitlab_hilo, name,
+                            lambda *a, _real=real, _name=name: seen.append(_name) or _real(*a))
+    ref, fast = _pair()
+    x = torch.randn(2, 13 * 17, 128)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x, (13, 17)), ref(x, (13, 17)), rtol=1e-5, atol=1e-5)
+    assert seen == ["window_attention"]
 
 
 def test_unsupported_heads_fall_back():

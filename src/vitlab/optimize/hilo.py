@@ -7,8 +7,8 @@ inference, by the kernels of :mod:`vitlab.optimize.kernels`:
 
 * Hi-Fi: :func:`~vitlab.optimize.kernels.window_attention` reads the s x s windows in place from the projected
   map and writes raster order (no window-partition / reverse copies, no padding or mask for cut windows);
-* Lo-Fi: :func:`~vitlab.optimize.kernels.lofi_attention` runs every query against the few pooled keys, reading
-  k and v as strided views of the ``l_kv`` projection.
+* Lo-Fi (AVX-512 only, where it is faster than SDPA): :func:`~vitlab.optimize.kernels.lofi_attention` runs every
+  query against the few pooled keys, reading k and v as strided views of the ``l_kv`` projection.
 
 Everything else (projections, pooling, the Table III ``pooled_queries`` branch) is the parent's code. Any
 call the kernels do not take falls back to the parent, i.e. to SDPA: autograd (an input or a parameter that
@@ -41,6 +41,11 @@ def _plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
+# Whether the Lo-Fi kernel beats SDPA, by ISA path (benchmarks/hilo_cpu.py, docs/benchmarks.md): with AVX-512
+# it takes ~0.8x SDPA's time; on the AVX2 path ATen's SDPA (MKL GEMMs) is faster, so Lo-Fi keeps SDPA there.
+_LOFI = {512: True, 2: False, 0: False}
+
+
 class KernelHiLo(HiLo):
     """:class:`HiLo` whose attention cores run vitlab's compiled CPU kernels in fp32 inference (see the module
     docstring); made by :func:`swap_hilo`, never built directly."""
@@ -60,7 +65,7 @@ class KernelHiLo(HiLo):
         s, heads, d = self.ws, self.l_heads, self.head_dim
         B, H, W, C = x.shape
         M = (-(-H // s)) * (-(-W // s))  # keys of the (ceil-mode) pooled map
-        if (self.pooled_queries or self._dropout() or not kernels.lofi_supported(d, M)
+        if (self.pooled_queries or self._dropout() or not kernels.lofi_supported(d, M) or not _LOFI[kernels.isa_code()]
                 or not _plain_fp32_cpu(x, *(() if q is None else (q,)))
                 or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))):
             return super().lofi(x, q)

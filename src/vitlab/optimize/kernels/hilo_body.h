@@ -56,13 +56,54 @@ INLINE vec vexp(vec x) {
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
+/* Logits of R query rows against the key vectors j0 .. j0 + JB - 1 (JB * VW keys), into p (row stride MP). */
+template <int R, int JB>
+INLINE void qk_block(const float *const *qr, int D, const float *kt, int MP, int j0, float *p) {
+    vec s[R][JB];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < JB; j++) s[r][j] = splat(0.0f);
+    for (int d = 0; d < D; d++) {
+        vec kv[JB];
+        for (int j = 0; j < JB; j++) kv[j] = load(kt + d * MP + VW * (j0 + j));
+        for (int r = 0; r < R; r++) {
+            vec qb = splat(qr[r][d]);
+            for (int j = 0; j < JB; j++) s[r][j] += qb * kv[j];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < JB; j++) store(p + r * MP + VW * (j0 + j), s[r][j]);
+}
+
+/* Weighted values of R rows for the value vectors j0 .. j0 + DB - 1, scaled by inv[r], into o (row stride on). */
+template <int R, int DB>
+INLINE void pv_block(const float *p, int MP, const float *v, long kn, int M, int j0, const float *inv, float *o,
+                     long on, int rows) {
+    vec acc[R][DB];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < DB; j++) acc[r][j] = splat(0.0f);
+    for (int m = 0; m < M; m++) {
+        vec vv[DB];
+        for (int j = 0; j < DB; j++) vv[j] = load(v + m * kn + VW * (j0 + j));
+        for (int r = 0; r < R; r++) {
+            vec pb = splat(p[r * MP + m]);
+            for (int j = 0; j < DB; j++) acc[r][j] += pb * vv[j];
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < DB; j++) store(o + r * on + VW * (j0 + j), acc[r][j] * splat(inv[r]));
+}
+
 /* One (batch, head) item of the Lo-Fi attention: N queries (row stride qn), M keys / values (row stride kn);
- * DV vectors per head row, J vectors of keys. kt: scratch for D * J * VW floats, p: for R * J * VW. */
+ * DV vectors per head row, J vectors of keys. kt: scratch for D * J * VW floats, p: for RMAX * J * VW.
+ * Register blocks: R query rows against C vectors of keys (logits) or of values (outputs), R * C <= RB
+ * accumulators, the rest in blocks of the remainder. */
+constexpr int RMAX = 6;
 template <int DV, int J>
 INLINE void lofi_item(const float *q, long qn, const float *k, const float *v, long kn, int M, float *o, long on,
                       int N, float scale, float *kt, float *p) {
     constexpr int D = DV * VW, MP = J * VW;
-    constexpr int R = cmax(1, cmin(6, RB / cmax(J, DV))); /* query rows per register block */
+    constexpr int C = cmin(4, cmax(J, DV));                    /* vectors per block */
+    constexpr int R = cmax(1, cmin(RMAX, RB / C));             /* query rows per block */
     for (int d = 0; d < D; d++) /* scaled keys, transposed: kt[d][m], zero-padded to MP keys */
         for (int m = 0; m < MP; m++) kt[d * MP + m] = m < M ? k[m * kn + d] * scale : 0.0f;
     vec pad = splat(0.0f); /* pushes the padded keys' logits to ~-inf */
@@ -71,44 +112,28 @@ INLINE void lofi_item(const float *q, long qn, const float *k, const float *v, l
         const int rows = N - n0 < R ? N - n0 : R;
         const float *qr[R];
         for (int r = 0; r < R; r++) qr[r] = q + (long)(n0 + (r < rows ? r : 0)) * qn;
-        vec s[R][J];
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < J; j++) s[r][j] = splat(0.0f);
-        for (int d = 0; d < D; d++) {
-            vec kv[J];
-            for (int j = 0; j < J; j++) kv[j] = load(kt + d * MP + VW * j);
-            for (int r = 0; r < R; r++) {
-                vec qb = splat(qr[r][d]);
-                for (int j = 0; j < J; j++) s[r][j] += qb * kv[j];
-            }
-        }
-        vec inv[R];
-        for (int r = 0; r < R; r++) {
-            s[r][J - 1] += pad;
-            vec mx = s[r][0];
-            for (int j = 1; j < J; j++) mx = vmax(mx, s[r][j]);
+        constexpr int JC = cmin(C, J);
+        for (int j0 = 0; j0 + JC <= J; j0 += JC) qk_block<R, JC>(qr, D, kt, MP, j0, p);
+        if constexpr (J % JC != 0) qk_block<R, J % JC>(qr, D, kt, MP, J - J % JC, p);
+        float inv[R];
+        for (int r = 0; r < R; r++) { /* softmax numerators in place, 1 / their sum */
+            float *pr = p + r * MP;
+            store(pr + MP - VW, load(pr + MP - VW) + pad);
+            vec mx = load(pr);
+            for (int j = 1; j < J; j++) mx = vmax(mx, load(pr + VW * j));
             mx = fold(mx, false);
             vec sum = splat(0.0f);
             for (int j = 0; j < J; j++) {
-                vec e = vexp(s[r][j] - mx);
-                store(p + r * MP + VW * j, e);
+                vec e = vexp(load(pr + VW * j) - mx);
+                store(pr + VW * j, e);
                 sum += e;
             }
-            inv[r] = splat(1.0f) / fold(sum, true);
+            inv[r] = 1.0f / fold(sum, true)[0];
         }
-        vec acc[R][DV];
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < DV; j++) acc[r][j] = splat(0.0f);
-        for (int m = 0; m < M; m++) {
-            vec vv[DV];
-            for (int j = 0; j < DV; j++) vv[j] = load(v + m * kn + VW * j);
-            for (int r = 0; r < R; r++) {
-                vec pb = splat(p[r * MP + m]);
-                for (int j = 0; j < DV; j++) acc[r][j] += pb * vv[j];
-            }
-        }
-        for (int r = 0; r < rows; r++)
-            for (int j = 0; j < DV; j++) store(o + (long)(n0 + r) * on + VW * j, acc[r][j] * inv[r]);
+        float *orow = o + (long)n0 * on;
+        constexpr int DC = cmin(C, DV);
+        for (int j0 = 0; j0 + DC <= DV; j0 += DC) pv_block<R, DC>(p, MP, v, kn, M, j0, inv, orow, on, rows);
+        if constexpr (DV % DC != 0) pv_block<R, DV % DC>(p, MP, v, kn, M, DV - DV % DC, inv, orow, on, rows);
     }
 }
 
@@ -140,7 +165,7 @@ int lofi_attention(const float *q, long qb, long qh, long qn, const float *k, co
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *kt = (float *)malloc(sizeof(float) * (D + 6) * J * VW);
+        float *kt = (float *)malloc(sizeof(float) * (D + RMAX) * J * VW);
         float *p = kt ? kt + D * J * VW : nullptr;
         if (!kt) {
 #pragma omp atomic write
