@@ -75,3 +75,8 @@ def test_cpu_instances_count_like_the_meta_device(name):
     torch.manual_seed(0)
     layer = _OnGrid(create(name, 128, 4).eval(), (14, 14))
     assert count_macs(layer, torch.randn(1, 196, 128)) == round(attention_cost(name, (14, 14), 128, 4)[1] * 1e6)
+
+
+def test_activations_can_be_skipped():
+    prof = vitlab.profile_model("vit_pico_patch8_32", activations=False)
+    assert prof.activation_mb is None and prof.gmacs == vitlab.profile_model("vit_pico_patch8_32").gmacs

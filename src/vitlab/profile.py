@@ -42,7 +42,7 @@ class ModelProfile:
     params_m: float  # all parameters, millions
     trainable_params_m: float
     gmacs: float  # multiply-accumulates of one forward pass of the batch, billions
-    activation_mb: float  # tensors saved for backward in one training forward pass (fp32)
+    activation_mb: float | None  # tensors saved for backward in one training forward pass (fp32); None: not asked
     weights_mb: float  # fp32 weights
     memory_estimate_gb: dict  # seed 004's M = P*4B/(32/Q)*1.2 for Q = 32, 16, 8, 4
 
@@ -90,11 +90,12 @@ def _saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
 
 def profile_model(model_or_name: nn.Module | str, img_size=None, batch_size: int = 1, in_chans: int | None = None,
-                  device: str | torch.device = "meta", **create_kwargs) -> ModelProfile:
+                  device: str | torch.device = "meta", activations: bool = True, **create_kwargs) -> ModelProfile:
     """Profile a model (instance or registered name) at ``img_size`` (default: the model's own input size).
 
     A name is built on ``device`` ('meta' by default: shapes only, no memory, no compute). An instance is
-    profiled where its parameters live.
+    profiled where its parameters live. ``activations=False`` skips the training forward that measures the
+    activation memory (``activation_mb`` is then None).
     """
     if isinstance(model_or_name, str):
         name = model_or_name
@@ -121,10 +122,10 @@ def profile_model(model_or_name: nn.Module | str, img_size=None, batch_size: int
         macs = count_macs(model, x)
     finally:
         model.train(model_was_training)
-    act = _saved_activation_bytes(model, x)
+    act = _saved_activation_bytes(model, x) if activations else None
     return ModelProfile(
         name=name, input_size=(chans, h, w), batch_size=batch_size, params_m=total / 1e6,
-        trainable_params_m=trainable / 1e6, gmacs=macs / 1e9, activation_mb=act / 2**20,
+        trainable_params_m=trainable / 1e6, gmacs=macs / 1e9, activation_mb=None if act is None else act / 2**20,
         weights_mb=total * 4 / 2**20,
         memory_estimate_gb={q: round(memory_estimate_gb(total, q), 3) for q in (32, 16, 8, 4)})
 
@@ -137,7 +138,7 @@ def model_rows(pattern: str | list[str] = "*") -> list[dict]:
     rows = []
     for name in list_models(pattern):
         cfg = get_model_config(name)
-        prof = profile_model(name)
+        prof = profile_model(name, activations=False)
         rows.append({"name": name, "family": cfg.family, "params_m": round(prof.params_m, 2),
                      "gmacs": round(prof.gmacs, 3), "input_size": list(cfg.input_size),
                      "published_params_m": cfg.published_params_m, "published_gmacs": cfg.published_gmacs,
