@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vitlab.attention._window import grid_size
 from vitlab.attention.hilo import HiLo
 from vitlab.optimize import kernels
 
@@ -61,23 +62,59 @@ class KernelHiLo(HiLo):
             return self.h_proj(o)
         return super().hifi(qkv, H, W)
 
-    def lofi(self, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
+    def _fast(self, x: torch.Tensor, *more: torch.Tensor) -> bool:
+        """Whether this call may take the kernels: fp32 CPU inference (see the module docstring)."""
+        return (not self._dropout() and _plain_fp32_cpu(x, *more)
+                and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())))
+
+    def _lofi_attention(self, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Lo-Fi attention before ``l_proj``: x (B, H, W, C), projected queries q (B, H, W, l_dim) -> (B*N, l_dim),
+        by the kernel where it is faster than SDPA (``_LOFI``), else by SDPA as :meth:`HiLo.lofi`."""
         s, heads, d = self.ws, self.l_heads, self.head_dim
         B, H, W, C = x.shape
         M = (-(-H // s)) * (-(-W // s))  # keys of the (ceil-mode) pooled map
-        if (self.pooled_queries or self._dropout() or not kernels.lofi_supported(d, M) or not _LOFI[kernels.isa_code()]
-                or not _plain_fp32_cpu(x, *(() if q is None else (q,)))
-                or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))):
-            return super().lofi(x, q)
         if s > 1:  # as HiLo.lofi: pool, then project k and v
             kv_in = F.avg_pool2d(x.permute(0, 3, 1, 2), s, s, ceil_mode=True).flatten(2).transpose(1, 2)
         else:
             kv_in = x.reshape(B, H * W, C)
-        k, v = self.l_kv(kv_in).reshape(B, M, 2, heads, d).permute(2, 0, 3, 1, 4).unbind(0)  # strided views
-        q = (self.l_q(x) if q is None else q).reshape(B, H * W, heads, d).transpose(1, 2)
-        # (B, heads, N, d), laid out (B, N, heads, d) as SDPA's
-        o = torch.ops.vitlab_hilo.lofi_attention(q, k, v, d**-0.5, kernels.isa_code())
-        return self.l_proj(o.transpose(1, 2).reshape(B, H, W, self.l_dim))
+        kv = self.l_kv(kv_in).reshape(B, M, 2, heads, d).permute(2, 0, 3, 1, 4)
+        q = q.reshape(B, H * W, heads, d).transpose(1, 2)
+        if _LOFI[kernels.isa_code()] and kernels.lofi_supported(d, M):
+            k, v = kv.unbind(0)  # strided views of the projection: the kernel reads them in place
+            o = torch.ops.vitlab_hilo.lofi_attention(q, k, v, d**-0.5, kernels.isa_code())
+        else:
+            k, v = kv.contiguous().unbind(0)
+            o = F.scaled_dot_product_attention(q, k, v)
+        return o.transpose(1, 2).reshape(B * H * W, self.l_dim)  # both lay o out as (B, N, heads, d): free
+
+    def lofi(self, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pooled_queries or not self._fast(x, *(() if q is None else (q,))):
+            return super().lofi(x, q)
+        B, H, W, _ = x.shape
+        o = self._lofi_attention(x, self.l_q(x) if q is None else q)
+        return self.l_proj(o).reshape(B, H, W, self.l_dim)
+
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+        # Both branches in fp32 inference: as HiLo.forward, with each output projection written by one addmm
+        # straight into its channel slice of the output (no projected temporaries, no slice copies).
+        if (self.training or self.pooled_queries or not self.l_heads or not self.h_heads or self.h_proj.bias is None
+                or torch.compiler.is_compiling() or not kernels.window_supported(self.head_dim, self.ws)
+                or not self._fast(x)):
+            return super().forward(x, hw)
+        H, W = grid_size(x, hw, "hilo")
+        B, N, C = x.shape
+        x = x.reshape(B, H, W, C)
+        w = torch.cat((self.h_qkv.weight, self.l_q.weight))  # one projection for Hi-Fi q, k, v and Lo-Fi q
+        b = None if self.h_qkv.bias is None else torch.cat((self.h_qkv.bias, self.l_q.bias))
+        y = F.linear(x, w, b)  # (B, H, W, 3 h_dim + l_dim)
+        hq, hd = 3 * self.h_dim, self.h_dim
+        out = x.new_empty(B * N, C)
+        hi = torch.ops.vitlab_hilo.window_attention(y[..., :hq], self.ws, self.h_heads, self.head_dim**-0.5,
+                                                    kernels.isa_code())  # (B, H, W, h_dim) raster
+        torch.addmm(self.h_proj.bias, hi.view(B * N, hd), self.h_proj.weight.t(), out=out[:, :hd])
+        lo = self._lofi_attention(x, y[..., hq:])
+        torch.addmm(self.l_proj.bias, lo, self.l_proj.weight.t(), out=out[:, hd:])
+        return out.view(B, N, C)
 
 
 def swap_hilo(model: nn.Module) -> int:
