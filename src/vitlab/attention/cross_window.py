@@ -68,7 +68,7 @@ class CrossWindowAttention(nn.Module):
                             h=heads).unbind(0)  # (B, nS * heads, wh*ww, d)
         mask = valid_keys(H, W, wh, ww, qkv.device)  # (nS, 1, L) or None
         if mask is not None:
-            mask = expand_heads(mask, heads)  # (nS * heads, 1, L)
+            mask = expand_heads(mask, heads)  # (1, nS * heads, 1, L)
         drop = self.attn_drop if self.training else 0.0
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nS * heads, L, d)
         nS = Hp // wh * (Wp // ww)

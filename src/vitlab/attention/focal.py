@@ -138,7 +138,8 @@ class FocalAttention(nn.Module):
         return torch.stack([tp[:, a:a + nWh, b:b + nWw] for a in range(fw) for b in range(fw)], dim=3)
 
     def _mask(self, H: int, W: int, Hp: int, Wp: int, dtype, device) -> torch.Tensor:
-        """(nW * heads, L, S) float mask: position biases, and -inf on keys outside the H x W map."""
+        """(1, nW * heads, L, S) float mask: position biases, and -inf on keys outside the H x W map (4-D for
+        SDPA's fused CPU kernel, see :func:`~vitlab.attention._window.expand_heads`)."""
         ws, h, L = self.window_size, self.num_heads, self.window_size**2
         real = torch.zeros(1, Hp, Wp, 1, dtype=torch.bool, device=device)
         real[:, :H, :W] = True
@@ -157,7 +158,7 @@ class FocalAttention(nn.Module):
         bias = torch.cat(bias, dim=2).to(dtype)  # (h, L, S)
         neg = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))
         mask = bias[None] + neg[:, None, None, :]  # (nW, h, L, S)
-        return mask.reshape(-1, L, mask.shape[-1])
+        return mask.reshape(1, -1, L, mask.shape[-1])
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
         H, W = grid_size(x, hw, "focal")
@@ -181,7 +182,7 @@ class FocalAttention(nn.Module):
             ks.append(kp)
             vs.append(vp)
         k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)  # (B, nW * h, S, d)
-        mask = self._mask(H, W, Hp, Wp, q.dtype, x.device)  # (nW * h, L, S)
+        mask = self._mask(H, W, Hp, Wp, q.dtype, x.device)  # (1, nW * h, L, S)
         drop = self.attn_drop if self.training else 0.0
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nW * h, L, d)
         o = reverse(o, ws, ws, Hp, Wp, h)  # (B, Hp, Wp, C)

@@ -115,7 +115,7 @@ class HiLo(nn.Module):
         q, k, v = qkv.view(3, B, nh * nw * h, s * s, d).unbind(0)
         mask = valid_keys(H, W, s, s, qkv.device)  # (nW, 1, s*s) or None when s divides H and W
         if mask is not None:
-            mask = expand_heads(mask, h)  # (nW * h, 1, s*s)
+            mask = expand_heads(mask, h)  # (1, nW * h, 1, s*s)
         drop = self.attn_drop if self.training else 0.0
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nW * h, s*s, d)
         # h_proj mixes channels only, so it runs in window order: (B, s*s, nW, h*d) tokens. SDPA on the CPU

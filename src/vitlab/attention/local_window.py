@@ -112,7 +112,8 @@ class _WindowAttentionBase(nn.Module):
         return bias.t().reshape(self.num_heads, L, L)
 
     def _attn_mask(self, H: int, W: int, sh: int, sw: int, dtype, device) -> torch.Tensor | None:
-        """(nW * heads, L, L) mask for the ``(B, nW * heads, L, d)`` layout (bool, or float with the bias)."""
+        """(1, nW * heads, L, L) mask for the ``(B, nW * heads, L, d)`` layout (bool, or float with the bias);
+        4-D, so that SDPA's fused CPU kernel takes it (see :func:`~vitlab.attention._window.expand_heads`)."""
         (wh, ww), L = self._window, self._window[0] * self._window[1]
         nW = -(-H // wh) * -(-W // ww)
         allowed = self._structure_mask(H, W, sh, sw, device)  # (nW, 1, L, L) or None
@@ -121,7 +122,7 @@ class _WindowAttentionBase(nn.Module):
         bias = self.relative_position_bias().to(dtype)[None]  # (1, heads, L, L)
         if allowed is not None:
             bias = bias + additive(allowed, dtype)  # (nW, heads, L, L)
-        return bias.expand(nW, -1, -1, -1).reshape(nW * self.num_heads, L, L)
+        return bias.expand(nW, -1, -1, -1).reshape(1, nW * self.num_heads, L, L)
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
         H, W = grid_size(x, hw, self._name)
