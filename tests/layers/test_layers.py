@@ -202,3 +202,33 @@ def test_pooling():
         ap.attention.weight.zero_()
         ap.attention.bias.zero_()
     torch.testing.assert_close(pool_tokens(x, "attn", 1, ap), x[:, 1:].mean(1))  # uniform scores = mean
+
+
+def test_checkpoint_seq_same_outputs_and_gradients():
+    """checkpoint_seq recomputes in the backward pass: outputs and gradients equal the plain loop; extra args
+    reach every block; without autograd (or disabled) it is the plain loop."""
+    from vitlab.layers import checkpoint_seq
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x, scale):
+            return torch.tanh(self.lin(x)) * scale
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Scaled() for _ in range(3)])
+    x = torch.randn(4, 8, requires_grad=True)
+    results = []
+    for enabled in (False, True):
+        blocks.zero_grad()
+        x.grad = None
+        y = checkpoint_seq(blocks, x, 0.5, enabled=enabled)
+        y.square().sum().backward()
+        results.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in blocks.parameters()]))
+    (y0, gx0, gp0), (y1, gx1, gp1) = results
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+    assert all(torch.equal(a, b) for a, b in zip(gp0, gp1, strict=True))
+    with torch.no_grad():
+        assert torch.equal(checkpoint_seq(blocks, x, 0.5, enabled=True), y0)
