@@ -120,6 +120,10 @@ def main(argv=None) -> int:
                    native_bf16=cpu.native_bf16(), torch=torch.__version__, loadavg_start=[round(v, 2) for v in load])
     print(json.dumps(machine), flush=True)
     results = []
+    payload = dict(benchmark="optimize_vs_timm", command=" ".join(["python", *sys.argv]),
+                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine,
+                   settings=dict(batch_size=args.batch_size, warmup=args.warmup, runs=args.runs, repeat=args.repeat,
+                                 dtype="fp32", mode="inference, torch.no_grad"), results=results)
     for name in args.models:
         r = bench_model(name, args.batch_size, args.warmup, args.runs, args.repeat, args.cache)
         r["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
@@ -128,13 +132,9 @@ def main(argv=None) -> int:
         print(f"{name:30s} backend {r['backend']:8s} optimize/timm+compile {o['median']:.3f} "
               f"[{o['min']:.3f}-{o['max']:.3f}]  eager/timm eager {e['median']:.3f} [{e['min']:.3f}-{e['max']:.3f}]  "
               f"{r['img_per_s']}", flush=True)
-    payload = dict(benchmark="optimize_vs_timm", command=" ".join([os.path.basename(sys.executable),
-                                                                  *sys.argv]),
-                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine,
-                   settings=dict(batch_size=args.batch_size, warmup=args.warmup, runs=args.runs, repeat=args.repeat,
-                                 dtype="fp32", mode="inference, torch.no_grad"), results=results)
+        if args.json:  # after every model: a run cut short keeps what it measured
+            atomic_write(args.json, (json.dumps(payload, indent=2) + "\n").encode())
     if args.json:
-        atomic_write(args.json, (json.dumps(payload, indent=2) + "\n").encode())
         print(f"wrote {args.json}")
     return 0
 
