@@ -120,7 +120,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--calls", type=int, default=2, help="forward passes per variant per round")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
-    ap.add_argument("--only", default="", help="comma-separated variant names to run (plus the references)")
+    ap.add_argument("--only", default="", help="comma-separated variant names to run (plus paper_eager, msa_eager "
+                    "and hilo_eager, the references)")
     ap.add_argument("--out", default=None, help="JSON path (default docs/bench/hilo_cpu_<isa>.json; '-': none)")
     args = ap.parse_args()
     _reexec_for(args.isa)
@@ -161,7 +162,7 @@ def main() -> None:
             c_kern = torch.compile(copy.deepcopy(kern))
             variants["hilo_kernels_compiled"] = lambda x: c_kern(x, hw)
     if args.only:
-        keep = {"paper_eager", "msa_eager", *args.only.split(",")}
+        keep = {"paper_eager", "msa_eager", "hilo_eager", *args.only.split(",")}
         variants = {k: v for k, v in variants.items() if k in keep}
 
     x = torch.randn(B, H * W, dim)
@@ -195,10 +196,12 @@ def main() -> None:
             "speedup_vs_paper_eager": _quartiles([p / s for p, s in zip(times["paper_eager"], t)]),
             "speedup_vs_msa_eager": _quartiles([m / s for m, s in zip(times["msa_eager"], t)]),
         }
+        res[name]["speedup_vs_hilo_eager"] = _quartiles([h / s for h, s in zip(times["hilo_eager"], t)])
         if "msa_compiled" in times:
             res[name]["speedup_vs_msa_compiled"] = _quartiles([m / s for m, s in zip(times["msa_compiled"], t)])
         res[name]["max_abs_diff_vs_hilo_eager"] = errors.get(name)
         res[name]["first_call_s"] = compile_s[name]
+        res[name]["seconds_per_call"] = [round(s, 5) for s in t]
 
     cpu = platform.processor()
     try:
@@ -218,7 +221,8 @@ def main() -> None:
     print(f"# {meta['what']}\n# batch {B}, {cpu}, ATen {meta['aten_cpu_capability']}, {meta['threads']} threads, "
           f"torch {torch.__version__}, kernels: {meta['kernels']}")
     print(f"# median [q1, q3] over {args.rounds} paired rounds")
-    cols = ["img_per_s", "speedup_vs_paper_eager", "speedup_vs_msa_eager", "speedup_vs_msa_compiled"]
+    cols = ["img_per_s", "speedup_vs_paper_eager", "speedup_vs_msa_eager", "speedup_vs_msa_compiled",
+            "speedup_vs_hilo_eager"]
     print(f"{'variant':24s}" + "".join(f"{c:>26s}" for c in cols) + f"{'max|diff|':>11s}")
     for name, r in res.items():
         cells = []

@@ -10,6 +10,8 @@ inference, by the kernels of :mod:`vitlab.optimize.kernels`:
 * Lo-Fi (AVX-512 only, where it is faster than SDPA): :func:`~vitlab.optimize.kernels.lofi_attention` runs every
   query against the few pooled keys, reading k and v as strided views of the ``l_kv`` projection.
 
+In eval-mode fp32 inference the forward also writes each output projection (``h_proj``, ``l_proj``) by one
+``addmm`` straight into its channel slice of the output, instead of projecting into a temporary and copying it.
 Everything else (projections, pooling, the Table III ``pooled_queries`` branch) is the parent's code. Any
 call the kernels do not take falls back to the parent, i.e. to SDPA: autograd (an input or a parameter that
 requires grad with grad mode on), another dtype or device, autocast, attention dropout in training,
