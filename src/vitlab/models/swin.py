@@ -9,7 +9,7 @@ alternate
 - **W-MSA**: self-attention restricted to non-overlapping M x M windows (M = 7), linear in the image area;
 - **SW-MSA**: the same after a cyclic shift of the grid by (M/2, M/2), so windows straddle the previous
   block's borders. Tokens that the roll brings together from opposite image edges must not attend to each other; an
-  additive mask (0 within a region, -100 across regions, as the paper's code) keeps them apart.
+  additive mask (0 within a region, -inf across regions; the paper's code uses -100) keeps them apart.
 
 Every window attention adds a learned *relative position bias* B[dy, dx] (one table of (2M-1)^2 entries per
 head) to the logits: ``softmax(QK^T / sqrt(d) + B + mask) V``. The attention itself is the zoo's
