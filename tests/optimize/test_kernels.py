@@ -40,6 +40,8 @@ def _window_reference(qkv: torch.Tensor, s: int, heads: int) -> torch.Tensor:
     """Attention of each s x s window (cut at the border) over its real tokens, one window at a time."""
     B, H, W, C3 = qkv.shape
     d = C3 // (3 * heads)
+    if s == 1:  # one token a window attends only to itself: its value (channels: all q, all k, all v)
+        return qkv[..., 2 * heads * d:].contiguous()
     out = torch.empty(B, H, W, heads * d)
     for r in range(0, H, s):
         for c in range(0, W, s):
