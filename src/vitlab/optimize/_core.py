@@ -97,7 +97,10 @@ class CompiledInference(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
 
 
 # ---- building each backend -----------------------------------------------------------------------------------
