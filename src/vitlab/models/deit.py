@@ -14,7 +14,7 @@ _PAPER = "Touvron et al., Training data-efficient image transformers & distillat
 def _cfg(tag: str, params: float, gmacs: float, top1: float) -> ModelConfig:
     return ModelConfig(family="deit", paper=_PAPER, crop_pct=0.875, published_params_m=params,
                        published_gmacs=gmacs, published_top1=top1, hf_hub_id=f"timm/{tag}.fb_in1k",
-                       extra={"patch_size": 16}, smoke_kwargs={"img_size": 32})
+                       extra={"patch_size": 16}, smoke_kwargs={"img_size": 32, "depth": 2})
 
 
 @register_model(config=_cfg("deit_tiny_patch16_224", 5.72, 1.26, 72.2))

@@ -121,7 +121,7 @@ _PAPER = "HaLViT: Half of the Weights are Enough (supplementary, seed 000)"
 
 def _cfg(params: float | None = None) -> ModelConfig:
     return ModelConfig(family="halvit", paper=_PAPER, crop_pct=0.875, published_params_m=params,
-                       extra={"patch_size": 16}, smoke_kwargs={"img_size": 32})
+                       extra={"patch_size": 16}, smoke_kwargs={"img_size": 32, "depth": 2})
 
 
 @register_model(config=_cfg(11.1))
