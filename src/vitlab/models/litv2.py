@@ -45,7 +45,6 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchvision.ops import deform_conv2d
 
 from vitlab.attention import create as create_attention
 from vitlab.layers import (
@@ -169,6 +168,9 @@ class DeformConv2d(nn.Module):
             # the paper counts the deformable conv. Never taken on a real device.
             out = F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
         else:
+            # imported here: torchvision.ops pulls in torch._dynamo, seconds of every `import vitlab`
+            from torchvision.ops import deform_conv2d
+
             out = deform_conv2d(x, offset.to(x.dtype), self.weight, self.bias, stride=self.stride,
                                 padding=self.padding)
         return (out, offset) if return_offset else out
