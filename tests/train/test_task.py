@@ -54,7 +54,7 @@ class BrightnessTask:
     def summary(self):
         return {"model": "toy_brightness_mlp", "dataset": self.data.name}
 
-    def test(self, run_dir, batch_size):
+    def test(self, run_dir, batch_size, checkpoint="last"):
         return {}
 
 

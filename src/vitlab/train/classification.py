@@ -252,12 +252,12 @@ class ClassificationTask:
         return {"model": self.cfg.model, "dataset": b.name, "params_m": self.num_params / 1e6,
                 "img_size": b.img_size, "train_images": len(b.train), "val_images": len(b.val)}
 
-    def test(self, run_dir, batch_size: int) -> dict:
-        """Top-1 / top-5 of the best checkpoint's preferred weights on the test split (when the data has one)."""
+    def test(self, run_dir, batch_size: int, checkpoint: str = "last") -> dict:
+        """Top-1 / top-5 of ``checkpoint``'s preferred weights on the test split (when the data has one)."""
         run_dir = Path(run_dir)
-        if self.data.test is None or not (run_dir / "best").exists():
+        if self.data.test is None or not (run_dir / checkpoint).exists():
             return {"test_top1": None, "test_top5": None}
-        sd, meta = ck.load_weights(run_dir / "best", weights="auto")
+        sd, meta = ck.load_weights(run_dir / checkpoint, weights="auto")
         best_model = create_from_description(meta).to(self.device)
         best_model.load_state_dict(sd)
         r = evaluate_model(best_model, self.data.loader("test", batch_size=batch_size), self.device,

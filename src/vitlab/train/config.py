@@ -23,6 +23,7 @@ from vitlab.data import DataConfig
 Amp = Literal["none", "bf16", "fp16"]
 StrategyName = Literal["none", "ddp", "fsdp"]
 DistillKind = Literal["none", "hard", "soft", "feature"]
+TestWeights = Literal["last", "best"]
 AMP_MODES = typing.get_args(Amp)
 STRATEGIES = typing.get_args(StrategyName)
 DISTILL_KINDS = typing.get_args(DistillKind)
@@ -53,7 +54,7 @@ class TrainConfig:
     model: str = DEFAULT_MODEL         # a registered model (vitlab models)
     model_kwargs: dict = field(default_factory=dict)  # extra create_model kwargs, e.g. {depth: 6}
     data: DataConfig = field(default_factory=DataConfig)
-    epochs: int = 50                   # the schedule's length
+    epochs: int = 100                  # the schedule's length
     batch_size: int = 32               # per process, per micro-step
     accum_steps: int = 1               # gradient accumulation: global batch = batch_size * accum_steps * world
     lr: float = 1.6e-2                 # at global batch 512 (DeiT: 5e-4; tuned for the tiny default model)
@@ -80,6 +81,7 @@ class TrainConfig:
     resume: str | None = None          # a run directory to continue (its model, data and recipe)
     stop_after: int | None = None      # end this invocation after this epoch (the schedule still spans `epochs`)
     eval_every: int = 1                # validate every N epochs (and after the last)
+    test_weights: TestWeights = "last"  # scored on the test split: the last epoch's, or the best on validation
     quiet: bool = False                # only the final summary line
 
     def __post_init__(self):

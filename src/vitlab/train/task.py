@@ -61,8 +61,9 @@ class Task(Protocol):
     def summary(self) -> dict:
         """Fields for the start line and ``summary.json`` (model, dataset, params_m, img_size...)."""
 
-    def test(self, run_dir, batch_size: int) -> dict:
-        """The final evaluation of the best checkpoint (rank 0 only), merged into the summary."""
+    def test(self, run_dir, batch_size: int, checkpoint: str = "last") -> dict:
+        """The final evaluation of the run's ``checkpoint`` (``last`` or ``best``; rank 0 only), merged into the
+        summary."""
 
 
 TASKS: dict[str, type] = {}

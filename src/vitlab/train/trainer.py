@@ -337,12 +337,13 @@ class Trainer:
         finished = end_epoch >= cfg.epochs
         test = {}
         if finished and st.is_main:
-            test = task.test(self.run_dir, max(cfg.batch_size, 256))
+            test = task.test(self.run_dir, max(cfg.batch_size, 256), cfg.test_weights)
         mon = task.monitor
         summary = {"task": cfg.task, "model": info.get("model", cfg.model), "dataset": info.get("dataset"),
                    "epochs": cfg.epochs, "epochs_done": end_epoch, "finished": finished,
                    f"best_val_{mon}": best["monitor"],
-                   "best_epoch": best["epoch"], "best_weights": best["weights"], **test,
+                   "best_epoch": best["epoch"], "best_weights": best["weights"], "test_weights": cfg.test_weights,
+                   **test,
                    "wall_time_s": time.perf_counter() - self.t_start,
                    **{k: v for k, v in info.items() if k not in ("model", "dataset", "train_images", "val_images")},
                    "global_batch": self.global_batch, "world_size": st.world_size, "strategy": st.name,
