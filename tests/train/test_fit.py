@@ -170,3 +170,15 @@ def test_python_resume_takes_the_runs_own_model_and_data_and_restores_threads(tm
     assert s["finished"] and s["epochs_done"] == 2 and s["dataset"] == "fake"
     assert ck.load_trainer_state(run / "last")["epoch"] == 2
     assert torch.get_num_threads() == threads  # fit set one thread, then gave the old count back
+
+
+@pytest.mark.parametrize("which", ["last", "best"])
+def test_the_test_split_scores_the_chosen_checkpoint(tmp_path, which):
+    from vitlab.train import evaluate
+
+    cfg = tiny_config(tmp_path, data=DataConfig("digits", img_size=16), epochs=2, batch_size=128, ema_decay=0.0,
+                      test_weights=which)
+    s = fit(cfg)
+    assert s["test_weights"] == which
+    direct = evaluate(tmp_path / "run" / which, "digits", output_dir=tmp_path / "eval", optimize=False)
+    assert s["test_top1"] == pytest.approx(direct["top1"])
