@@ -3,7 +3,7 @@ optionally written as JSON (atomically) and PNG plots."""
 
 from __future__ import annotations
 
-from vitlab.cli._console import console
+from vitlab._console import console
 
 
 def _save(module, rows, args) -> None:
