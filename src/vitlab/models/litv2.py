@@ -168,7 +168,7 @@ class DeformConv2d(nn.Module):
             # the paper counts the deformable conv. Never taken on a real device.
             out = F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
         else:
-            # imported here: torchvision.ops pulls in torch._dynamo, seconds of every `import vitlab`
+            # imported here: torchvision.ops takes seconds to import (it loads the compiler stack)
             from torchvision.ops import deform_conv2d
 
             out = deform_conv2d(x, offset.to(x.dtype), self.weight, self.bias, stride=self.stride,
