@@ -51,12 +51,18 @@ def test_table_iv_setting():
         torch.testing.assert_close(fast(x, (14, 14)), ref(x, (14, 14)), rtol=1e-5, atol=1e-5)
 
 
-def test_kernels_run_in_fp32_inference_only(monkeypatch):
+def _spy_kernel_calls(monkeypatch) -> list[str]:
+    """The names of the HiLo kernel operators called from now on, in call order."""
     seen = []
     for name in ("lofi_attention", "window_attention"):
         real = getattr(torch.ops.vitlab_hilo, name)
         monkeypatch.setattr(torch.ops.vitlab_hilo, name,
                             lambda *a, _real=real, _name=name: seen.append(_name) or _real(*a))
+    return seen
+
+
+def test_kernels_run_in_fp32_inference_only(monkeypatch):
+    seen = _spy_kernel_calls(monkeypatch)
     ref, fast = _pair()
     x = torch.randn(1, 64, 128)
     expected = ["lofi_attention", "window_attention"] if kernels.isa_code() == 512 else ["window_attention"]
@@ -91,11 +97,7 @@ def test_avx2_path_keeps_sdpa_for_lofi(monkeypatch):
     """On the AVX2 path (ATEN_CPU_CAPABILITY=avx2 or an AVX2 CPU) Lo-Fi keeps SDPA (faster there), Hi-Fi runs
     the kernel; the same function either way."""
     monkeypatch.setattr(kernels, "_ISA_CODE", 2)
-    seen = []
-    for name in ("lofi_attention", "window_attention"):
-        real = getattr(torch.ops.vitlab_hilo, name)
-        monkeypatch.setattr(torch.ops.vitlab_hilo, name,
-                            lambda *a, _real=real, _name=name: seen.append(_name) or _real(*a))
+    seen = _spy_kernel_calls(monkeypatch)
     ref, fast = _pair()
     x = torch.randn(2, 13 * 17, 128)
     with torch.inference_mode():

@@ -41,7 +41,6 @@ import logging
 import math
 import os
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -51,6 +50,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from vitlab._io import atomic_write
 from vitlab.optimize import cpu as cpuinfo
 
 log = logging.getLogger("vitlab.optimize")
@@ -297,18 +297,8 @@ def _read_cache(path: Path) -> dict:
 
 def _write_cache(path: Path, entries: dict) -> None:
     """Write the cache atomically: a temporary file in the same folder, renamed over the old one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = (json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1, sort_keys=True) + "\n").encode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, (json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1, sort_keys=True)
+                        + "\n").encode())
 
 
 def model_fingerprint(model: nn.Module) -> str:
