@@ -51,6 +51,7 @@ class TrainConfig:
     """A training run. ``lr`` is the learning rate at a global batch of 512 (``lr * batch / 512`` is used)."""
 
     task: str = "classify"             # what is trained: a registered Task (vitlab.train.list_tasks())
+    task_args: dict = field(default_factory=dict)  # the task's own options, e.g. {mask_ratio: 0.75}
     model: str = DEFAULT_MODEL         # a registered model (vitlab models)
     model_kwargs: dict = field(default_factory=dict)  # extra create_model kwargs, e.g. {depth: 6}
     data: DataConfig = field(default_factory=DataConfig)

@@ -16,6 +16,10 @@ self-supervised, segmentation or CLIP task plugs in by registering itself::
 
     fit(TrainConfig(task="my_task", ...))      # or: vitlab train --task my_task
 
+A capability package registers its tasks in a module ``vitlab/<capability>/tasks.py``; :func:`list_tasks` and
+:func:`create_task` import those on demand. A task's own options live in ``TrainConfig.task_args`` (a mapping the
+task reads into its own dataclass, so the CLI takes ``--task_args.mask_ratio 0.6``).
+
 Conventions: ``model`` is the network whose weights are the run's output (``model.safetensors``, EMA'd,
 evaluated). ``module`` is what the strategy wraps and the optimiser trains: the model itself, or a module that
 holds it as its attribute ``model`` beside trained extras (e.g. feature-distillation projectors), whose states
@@ -25,6 +29,9 @@ are checkpointed in the trainer state under their attribute names. ``data`` offe
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import pkgutil
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -82,11 +89,24 @@ def register_task(name: str):
     return deco
 
 
+def _discover() -> None:
+    """Import every ``vitlab.<capability>.tasks`` module so its tasks register themselves: the engine names no
+    capability (``ssl``, ``dense``, ``clip`` ... bring their tasks), yet a run resumed from Python finds its task."""
+    import vitlab
+
+    for m in pkgutil.iter_modules(vitlab.__path__):
+        if m.ispkg and importlib.util.find_spec(f"vitlab.{m.name}.tasks") is not None:
+            importlib.import_module(f"vitlab.{m.name}.tasks")
+
+
 def list_tasks() -> list[str]:
+    _discover()
     return sorted(TASKS)
 
 
 def create_task(name: str) -> Task:
+    if name not in TASKS:
+        _discover()
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(list_tasks()) or 'none'}")
     return TASKS[name]()
