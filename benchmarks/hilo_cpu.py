@@ -20,22 +20,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
-
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-            "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"}
-
-
-def _reexec_for(isa: str) -> None:
-    if isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        env = {**os.environ, **AVX2_ENV}
-        sys.exit(subprocess.call([sys.executable, *sys.argv], env=env))
 
 
 def paper_hilo_class():
@@ -124,7 +112,9 @@ def main() -> None:
                     "and hilo_eager, the references)")
     ap.add_argument("--out", default=None, help="JSON path (default docs/bench/hilo_cpu_<isa>.json; '-': none)")
     args = ap.parse_args()
-    _reexec_for(args.isa)
+    from vitlab.optimize import cpu as cpu_info
+
+    cpu_info.rerun_under(args.isa)
 
     import torch
     import torch._inductor.config as inductor_config
@@ -203,17 +193,12 @@ def main() -> None:
         res[name]["first_call_s"] = compile_s[name]
         res[name]["seconds_per_call"] = [round(s, 5) for s in t]
 
-    cpu = platform.processor()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True)
-                   .stdout.splitlines() if ln.startswith("Model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_info.cpu_model()
     meta = {
         "what": "HiLo layer (dim 768, 12 heads, 14x14, s=2, alpha=0.9), fp32 CPU inference, forward only",
         "batch": B, "rounds": args.rounds, "warmup_rounds": args.warmup, "calls_per_round": args.calls,
         "isa_requested": args.isa, "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "env": {k: os.environ.get(k) for k in AVX2_ENV}, "cpu": cpu, "threads": torch.get_num_threads(),
+        "env": cpu_info.isa_caps(), "cpu": cpu, "isa": cpu_info.isa(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "kernels": kernels.status(),
         "command": " ".join(["python", *sys.argv]),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),

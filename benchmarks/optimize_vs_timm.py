@@ -8,8 +8,9 @@ timed in round robin (``--runs`` runs after ``--warmup``, the order reversed eve
 ``torch.no_grad()``; each ratio is the median over the runs of the paired ratio peer time / our time (> 1: ours is
 faster), with its min, max and quartiles. ``--repeat`` repeats the round robin (fresh blocks, same models).
 
-``--isa avx2`` emulates an AVX2 machine on an AVX-512 one (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-MKL_ENABLE_INSTRUCTIONS=AVX2``, set before torch starts: the script re-runs itself) and records the ISA in use.
+``--isa avx2`` emulates an AVX2 machine on an AVX-512 one (``vitlab.optimize.cpu.AVX2_ENV``: ATen, oneDNN and MKL
+capped at AVX2, Inductor's C++ built for ``x86-64-v3``, an Inductor cache of its own; set before torch starts: the
+script re-runs itself) and records the ISA in use.
 
     python benchmarks/optimize_vs_timm.py --models deit_tiny_patch16_224 levit_256 --isa native \\
         --json docs/bench/optimize_vs_timm_avx512.json
@@ -21,11 +22,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 MODELS = ["vit_base_patch16_224", "deit_tiny_patch16_224", "swin_tiny_patch4_window7_224", "levit_256",
           "cait_xxs24_224"]
 
@@ -106,14 +105,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here (atomically)")
     args = p.parse_args(argv)
 
-    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        env = {**os.environ, **AVX2_ENV}  # the caps must be set before torch loads: run again with them
-        return subprocess.call([sys.executable, *sys.argv], env=env)
+    from vitlab.optimize import cpu
+
+    cpu.rerun_under(args.isa)  # the caps must be set before torch loads
 
     import torch
 
     from vitlab._io import atomic_write
-    from vitlab.optimize import cpu
 
     load = os.getloadavg()
     machine = dict(cpu=cpu.cpu_model(), isa=cpu.isa(), isa_env=cpu.isa_caps(), threads=torch.get_num_threads(),

@@ -11,11 +11,20 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 
 import torch
 
-# the environment variables that cap the instruction set of ATen, oneDNN and MKL
-ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# the environment variables that cap the instruction set of ATen, oneDNN, MKL and Inductor's generated C++
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+           "TORCHINDUCTOR_CPP_MARCH")
+# An AVX2 machine emulated on an AVX-512 one. Inductor builds its C++ with -march=native unless told otherwise,
+# and its cache does not key on the caps: a graph compiled (weights prepacked) for AVX-512 and served under
+# them computed NaN in every model we benchmarked, so the emulation also gets an Inductor cache of its own.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"}
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
               "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
@@ -64,6 +73,16 @@ def isa() -> str:
     if lib_caps:
         cap += "+" + ",".join(f"{k}={v}" for k, v in sorted(lib_caps.items()))
     return cap
+
+
+def rerun_under(isa: str) -> None:
+    """For benchmark scripts: with ``isa="avx2"``, run this script again under :data:`AVX2_ENV` (the caps must be
+    set before torch loads) and exit with its status; return at once when already under it or for ``native``."""
+    if isa != "avx2" or all(os.environ.get(k) == v for k, v in AVX2_ENV.items()):
+        return
+    cache = os.path.join(tempfile.gettempdir(), f"torchinductor_avx2_{os.getuid()}")
+    env = {**os.environ, **AVX2_ENV, "TORCHINDUCTOR_CACHE_DIR": cache}
+    sys.exit(subprocess.call([sys.executable, *sys.argv], env=env))
 
 
 def _x86() -> bool:
