@@ -80,7 +80,9 @@ def rerun_under(isa: str) -> None:
     set before torch loads) and exit with its status; return at once when already under it or for ``native``."""
     if isa != "avx2" or all(os.environ.get(k) == v for k, v in AVX2_ENV.items()):
         return
-    cache = os.path.join(tempfile.gettempdir(), f"torchinductor_avx2_{os.getuid()}")
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                     f"torchinductor_{os.getuid()}")
+    cache = base + "_avx2"
     env = {**os.environ, **AVX2_ENV, "TORCHINDUCTOR_CACHE_DIR": cache}
     sys.exit(subprocess.call([sys.executable, *sys.argv], env=env))
 
