@@ -1,0 +1,107 @@
+"""``vitlab analyze TOOL``: the tools of :mod:`vitlab.analysis`, each writing ``TOOL.json`` and ``TOOL.png``
+into ``--out`` (default ``analysis/``) and printing where.
+
+    vitlab analyze attention --model deit_small_patch16_224 --checkpoint w.pth   maps, rollout, overlays
+    vitlab analyze attention --model swin_tiny_patch4_window7_224 --block 5 --query 7,7
+    vitlab analyze spectrum --model litv2_s                 HiLo Hi-Fi / Lo-Fi spectra (seed 002 Fig. II-III)
+    vitlab analyze spectrum --model deit_tiny_patch16_224   relative log-amplitude of every block's output
+    vitlab analyze bias --model levit_256                   attention biases by offset (seed 003 Fig. 1)
+    vitlab analyze posembed --model vit_base_patch16_224    position-embedding cosine similarity
+    vitlab analyze timings                                  seed 003 Table 1 (DeiT-tiny vs LeViT-256 block)
+    vitlab analyze memory --model vit_base_patch16_224 --batch-size 64   seed 004's estimate vs measured
+    vitlab analyze window-study / pooled-queries            seed 002 Tables II and III
+
+Images default to scikit-image's bundled photos (astronaut, coffee, chelsea); ``--images`` takes files.
+Without ``--checkpoint`` the model has its random initialisation (no download happens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vitlab._console import console
+
+
+def _model(args):
+    import vitlab
+
+    kw = {} if args.img_size is None else {"img_size": args.img_size}
+    model = vitlab.create_model(args.model, checkpoint_path=args.checkpoint, **kw)
+    if args.checkpoint is None:
+        console.print("[yellow]note:[/] no --checkpoint: random-init weights (maps show an untrained model)")
+    return model.eval()
+
+
+def _query(text: str):
+    if text in ("cls", "dist"):
+        return text
+    try:
+        r, c = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--query must be cls, dist or ROW,COL (e.g. 7,7), got {text!r}") from None
+    return r, c
+
+
+def _write(out: Path, tool: str, data: dict, png: bytes | None) -> None:
+    from vitlab._io import atomic_write
+
+    paths = [atomic_write(out / f"{tool}.json", (json.dumps(data, indent=1) + "\n").encode())]
+    if png is not None:
+        paths.append(atomic_write(out / f"{tool}.png", png))
+    console.print("wrote " + "  ".join(str(p) for p in paths), highlight=False, soft_wrap=True)
+
+
+def _round(t, nd: int = 5):
+    return None if t is None else [[round(v, nd) for v in row] for row in t.reshape(-1, t.shape[-1]).tolist()]
+
+
+def cmd_attention(args) -> int:
+    import torch
+
+    from vitlab.analysis import analyze_attention, model_images
+    from vitlab.analysis.plots import attention_png
+
+    torch.manual_seed(args.seed)
+    model = _model(args)
+    imgs = model_images(model, args.images, args.img_size)
+    r = analyze_attention(model, imgs.x, block=args.block, query=_query(args.query),
+                          head_fusion=args.head_fusion, discard_ratio=args.discard_ratio)
+    title = (f"{args.model} {r['layer']} ({r['kind']}), query {r['query']}; rollout over "
+             f"{len(r['rollout_layers'])} layers, {args.head_fusion} fusion, discard {args.discard_ratio}")
+    png = attention_png(imgs.display, r["maps"], r["rollout"], imgs.names, title)
+    data = {k: v for k, v in r.items() if k not in ("maps", "rollout")}
+    data.update(model=args.model, checkpoint=args.checkpoint, images=imgs.names,
+                maps={n: [_round(m) for m in r["maps"][i]] for i, n in enumerate(imgs.names)},
+                rollout=None if r["rollout"] is None else {n: _round(r["rollout"][i])
+                                                           for i, n in enumerate(imgs.names)})
+    _write(Path(args.out), "attention", data, png)
+    return 0
+
+
+def _common(p, model: str | None = "deit_tiny_patch16_224", images: bool = True) -> None:
+    if model is not None:
+        p.add_argument("--model", default=model, help=f"a registered model name (default: {model})")
+        p.add_argument("--checkpoint", default=None, metavar="PATH", help="weights to load (timm or vitlab format)")
+        p.add_argument("--img-size", type=int, default=None, help="input size (default: the model's own)")
+    if images:
+        p.add_argument("--images", nargs="+", default=None, metavar="IMAGE",
+                       help="image files (default: the bundled astronaut, coffee, chelsea)")
+    p.add_argument("--out", default="analysis", metavar="DIR", help="output folder (default: analysis)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
+
+
+def register(sub) -> None:
+    from vitlab.analysis.attention import HEAD_FUSIONS
+
+    an = sub.add_parser("analyze", help="analysis tools: attention maps, spectra, biases, timings, memory")
+    asub = an.add_subparsers(dest="tool", required=True)
+
+    a = asub.add_parser("attention", help="per-head attention maps, rollout and overlays")
+    _common(a)
+    a.add_argument("--block", type=int, default=-1, help="attention layer index (default: -1, the last)")
+    a.add_argument("--query", default="cls", help="cls, dist, or a query patch ROW,COL (default: cls; the centre "
+                                                 "patch for models without a class token)")
+    a.add_argument("--head-fusion", default="mean", choices=HEAD_FUSIONS, help="rollout head fusion")
+    a.add_argument("--discard-ratio", type=float, default=0.9, help="rollout: fraction of weakest weights zeroed")
+    a.set_defaults(func=cmd_attention)
