@@ -14,9 +14,13 @@ from vitlab.analysis.attention import (
     capture_attention,
     rollout_map,
 )
+from vitlab.analysis.bias import bias_maps
 from vitlab.analysis.images import DEFAULT_IMAGES, Images, load_images, model_images
+from vitlab.analysis.posembed import cosine_similarity_grid, posembed_similarity
+from vitlab.analysis.spectrum import block_spectra, frequency_magnitude, hilo_spectra, relative_log_amplitude
 
 __all__ = [
     "DEFAULT_IMAGES", "AttentionLayer", "Images", "analyze_attention", "attention_maps", "attention_rollout",
-    "capture_attention", "load_images", "model_images", "rollout_map",
+    "bias_maps", "block_spectra", "capture_attention", "cosine_similarity_grid", "frequency_magnitude",
+    "hilo_spectra", "load_images", "model_images", "posembed_similarity", "relative_log_amplitude", "rollout_map",
 ]

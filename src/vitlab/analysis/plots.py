@@ -58,3 +58,93 @@ def attention_png(display: torch.Tensor, maps: torch.Tensor, rollout: torch.Tens
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return _png(fig)
+
+
+def hilo_spectrum_png(r: dict, title: str) -> bytes:
+    """Figures II and III of seed 002: the 8 channel magnitudes of Hi-Fi (top row) and Lo-Fi (bottom row)."""
+    n = r["hifi"].shape[0]
+    fig = _figure((1.5 * n, 3.6))
+    axes = fig.subplots(2, n, squeeze=False)
+    for row, branch in enumerate(("hifi", "lofi")):
+        for c in range(n):
+            ax = axes[row][c]
+            ax.imshow(r[branch][c].numpy())
+            _off(ax)
+        axes[row][0].set_ylabel({"hifi": "Hi-Fi", "lofi": "Lo-Fi"}[branch], fontsize=9)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def block_spectrum_png(r: dict, title: str) -> bytes:
+    """Park & Kim's Fig. 2(a): relative log amplitude vs frequency per block, coloured by depth, and the value at
+    the highest frequency per block."""
+    from matplotlib import colormaps
+
+    rows = r["blocks"]
+    fig = _figure((10, 3.6))
+    a1, a2 = fig.subplots(1, 2)
+    cmap = colormaps["plasma"]
+    for i, b in enumerate(rows):
+        freqs = [2 * k / b["grid"][0] for k in range(len(b["curve"]))]  # entry k: frequency 2 pi k / H
+        a1.plot(freqs, b["curve"], color=cmap(i / max(len(rows) - 1, 1)), lw=1)
+    a1.set_xlabel("frequency (x pi)")
+    a1.set_ylabel("relative log amplitude")
+    a1.set_title("each block's output (dark: early, light: late)", fontsize=9)
+    a2.plot(range(len(rows)), [b["high"] for b in rows], marker="o", ms=3)
+    a2.set_xlabel("block")
+    a2.set_ylabel("at the highest frequency")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def bias_png(r: dict, title: str, max_layers: int = 8) -> bytes:
+    """Seed 003 Figure 1: each layer's per-head bias maps over offsets (the top-left pixel is the query; yellow
+    high, dark blue low), one shared colour scale over the model's range."""
+    layers = r["layers"][:max_layers]
+    heads = max(lay["maps"].shape[0] for lay in layers)
+    fig = _figure((1.1 * heads + 1.5, 1.2 * len(layers) + 0.6))
+    axes = fig.subplots(len(layers), heads, squeeze=False)
+    lo, hi = r["range"]
+    im = None
+    for i, lay in enumerate(layers):
+        for h in range(heads):
+            ax = axes[i][h]
+            _off(ax)
+            if h < lay["maps"].shape[0]:
+                im = ax.imshow(lay["maps"][h].numpy(), cmap="viridis", vmin=lo, vmax=hi if hi > lo else lo + 1e-6)
+                ax.add_patch(_square())
+            else:
+                ax.axis("off")
+        axes[i][0].set_ylabel(lay["name"].replace(".attn", "").replace("stages.", "s"), fontsize=6)
+    if im is not None:
+        fig.colorbar(im, ax=[a for row in axes for a in row], shrink=0.6)
+    fig.suptitle(title, fontsize=9)
+    return _png(fig)
+
+
+def _square():
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((-0.5, -0.5), 1, 1, fill=False, edgecolor="red", lw=1)
+
+
+def posembed_png(r: dict, title: str) -> bytes:
+    """An H x W mosaic of H x W maps (one image, tiles split by a blank line): tile (i, j) is the cosine
+    similarity of patch (i, j)'s embedding with every patch's."""
+    sim = r["similarity"]
+    H, W = sim.shape[:2]
+    tiles = torch.full((H, H + 1, W, W + 1), float("nan"))  # the extra row / column: a gap between tiles
+    tiles[:, :H, :, :W] = sim.permute(0, 2, 1, 3)  # (i, y, j, x)
+    mosaic = tiles.reshape(H * (H + 1), W * (W + 1))
+    fig = _figure((7, 6.4))
+    ax = fig.subplots()
+    im = ax.imshow(mosaic.numpy(), cmap="viridis", vmin=float(sim.min()), vmax=1, interpolation="nearest")
+    _off(ax)
+    ax.set_xlabel("input patch column")
+    ax.set_ylabel("input patch row")
+    fig.colorbar(im, ax=ax, shrink=0.8, label="cosine similarity")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return _png(fig)

@@ -23,11 +23,29 @@ from pathlib import Path
 from vitlab._console import console
 
 
+def _model_kwargs(pairs: list[str] | None) -> dict:
+    """``--model-arg KEY=VALUE`` pairs as create_model kwargs; values read as YAML (``depths=[2,2,6,2]``)."""
+    import yaml
+
+    out = {}
+    for pair in pairs or []:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--model-arg takes KEY=VALUE, got {pair!r}")
+        out[key.replace("-", "_")] = yaml.safe_load(value)
+    return out
+
+
 def _model(args):
     import vitlab
 
-    kw = {} if args.img_size is None else {"img_size": args.img_size}
-    model = vitlab.create_model(args.model, checkpoint_path=args.checkpoint, **kw)
+    kw = _model_kwargs(args.model_arg)
+    if args.img_size is not None:
+        kw["img_size"] = args.img_size
+    try:
+        model = vitlab.create_model(args.model, checkpoint_path=args.checkpoint, **kw)
+    except TypeError as e:  # an unknown --model-arg
+        raise ValueError(f"{args.model} does not take {sorted(kw)}: {e}") from None
     if args.checkpoint is None:
         console.print("[yellow]note:[/] no --checkpoint: random-init weights (maps show an untrained model)")
     return model.eval()
@@ -43,12 +61,15 @@ def _query(text: str):
     return r, c
 
 
-def _write(out: Path, tool: str, data: dict, png: bytes | None) -> None:
+def _write(out: Path, tool: str, data: dict, pngs: dict[str, bytes] | bytes | None) -> None:
+    """``TOOL.json`` and the PNGs (``TOOL.png``, or ``TOOL-KEY.png`` for a dict of them) into ``out``, atomically."""
     from vitlab._io import atomic_write
 
     paths = [atomic_write(out / f"{tool}.json", (json.dumps(data, indent=1) + "\n").encode())]
-    if png is not None:
-        paths.append(atomic_write(out / f"{tool}.png", png))
+    if isinstance(pngs, bytes):
+        pngs = {"": pngs}
+    for key, png in (pngs or {}).items():
+        paths.append(atomic_write(out / (f"{tool}-{key}.png" if key else f"{tool}.png"), png))
     console.print("wrote " + "  ".join(str(p) for p in paths), highlight=False, soft_wrap=True)
 
 
@@ -79,11 +100,70 @@ def cmd_attention(args) -> int:
     return 0
 
 
+def cmd_spectrum(args) -> int:
+    import torch
+
+    from vitlab.analysis import model_images
+    from vitlab.analysis.plots import block_spectrum_png, hilo_spectrum_png
+    from vitlab.analysis.spectrum import block_spectra, find_hilo, hilo_spectra
+
+    torch.manual_seed(args.seed)
+    model = _model(args)
+    imgs = model_images(model, args.images, args.img_size)
+    data: dict = {"model": args.model, "checkpoint": args.checkpoint, "images": imgs.names}
+    pngs = {}
+    if find_hilo(model):
+        r = hilo_spectra(model, imgs.x, args.block if args.block is not None else -1)
+        pngs["hilo"] = hilo_spectrum_png(r, f"{args.model} {r['layer']}: frequency magnitude ({r['grid'][0]}x"
+                                            f"{r['grid'][1]}) of 8 Hi-Fi (top) / Lo-Fi (bottom) channels, mean "
+                                            f"over {r['num_images']} images")
+        data["hilo"] = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in r.items()}
+    elif args.block is not None:
+        raise ValueError(f"--block picks a HiLo layer; {args.model} has none (models with one: litv2_s, litv2_m, "
+                         f"litv2_b)")
+    b = block_spectra(model, imgs.x)
+    pngs["blocks"] = block_spectrum_png(b, f"{args.model}: relative log amplitude of block outputs (Park & Kim "
+                                           f"2022), mean over {len(imgs.names)} images")
+    data["blocks"] = b["blocks"]
+    _write(Path(args.out), "spectrum", data, pngs)
+    return 0
+
+
+def cmd_bias(args) -> int:
+    from vitlab.analysis.bias import bias_maps
+    from vitlab.analysis.plots import bias_png
+
+    model = _model(args)
+    r = bias_maps(model)
+    png = bias_png(r, f"{args.model}: attention bias by offset (query: top-left pixel), range "
+                      f"[{r['range'][0]:.2f}, {r['range'][1]:.2f}]")
+    data = {"model": args.model, "checkpoint": args.checkpoint, "range": r["range"],
+            "layers": [{**{k: v for k, v in lay.items() if k != "maps"}, "maps": lay["maps"].tolist()}
+                       for lay in r["layers"]]}
+    _write(Path(args.out), "bias", data, png)
+    return 0
+
+
+def cmd_posembed(args) -> int:
+    from vitlab.analysis.plots import posembed_png
+    from vitlab.analysis.posembed import posembed_similarity
+
+    model = _model(args)
+    r = posembed_similarity(model, args.table)
+    png = posembed_png(r, f"{args.model} {r['name']} ({r['kind']}): cosine similarity, neighbours "
+                          f"{r['neighbour_mean']:.2f}, far {r['far_mean']:.2f}")
+    data = {"model": args.model, "checkpoint": args.checkpoint, **r, "similarity": r["similarity"].tolist()}
+    _write(Path(args.out), "posembed", data, png)
+    return 0
+
+
 def _common(p, model: str | None = "deit_tiny_patch16_224", images: bool = True) -> None:
     if model is not None:
         p.add_argument("--model", default=model, help=f"a registered model name (default: {model})")
         p.add_argument("--checkpoint", default=None, metavar="PATH", help="weights to load (timm or vitlab format)")
         p.add_argument("--img-size", type=int, default=None, help="input size (default: the model's own)")
+        p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
+                       help="a create_model argument, repeatable (e.g. pos_embed=sincos)")
     if images:
         p.add_argument("--images", nargs="+", default=None, metavar="IMAGE",
                        help="image files (default: the bundled astronaut, coffee, chelsea)")
@@ -105,3 +185,18 @@ def register(sub) -> None:
     a.add_argument("--head-fusion", default="mean", choices=HEAD_FUSIONS, help="rollout head fusion")
     a.add_argument("--discard-ratio", type=float, default=0.9, help="rollout: fraction of weakest weights zeroed")
     a.set_defaults(func=cmd_attention)
+
+    s = asub.add_parser("spectrum", help="HiLo Hi-Fi / Lo-Fi spectra (LITv2) and every block's relative "
+                                         "log amplitude")
+    _common(s, model="litv2_s")
+    s.add_argument("--block", type=int, default=None, help="HiLo layer with both branches (default: -1, the last)")
+    s.set_defaults(func=cmd_spectrum)
+
+    b = asub.add_parser("bias", help="LeViT / EfficientFormer attention biases as maps over offsets")
+    _common(b, model="levit_256", images=False)
+    b.set_defaults(func=cmd_bias)
+
+    pe = asub.add_parser("posembed", help="cosine similarity of each position embedding with all others")
+    _common(pe, model="vit_base_patch16_224", images=False)
+    pe.add_argument("--table", type=int, default=0, help="which position-embedding table (PVT has one a stage)")
+    pe.set_defaults(func=cmd_posembed)
