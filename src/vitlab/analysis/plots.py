@@ -148,3 +148,54 @@ def posembed_png(r: dict, title: str) -> bytes:
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return _png(fig)
+
+
+def timings_png(r: dict, title: str) -> bytes:
+    """Seed 003 Table 1 beside the measurement: per component, DeiT-tiny and LeViT-256 (ours: median, and the
+    fastest run as a tick; the paper's as hatched bars)."""
+    from vitlab.analysis.timings import ROWS
+
+    rows = list(ROWS) + ["Total"]
+    fig = _figure((9, 5))
+    ax = fig.subplots()
+    hgt = 0.2
+    styles = [("deit_tiny", "ours", "tab:blue", None), ("deit_tiny", "paper", "tab:blue", "//"),
+              ("levit_256", "ours", "tab:orange", None), ("levit_256", "paper", "tab:orange", "//")]
+    for k, (model, src, color, hatch) in enumerate(styles):
+        ys = [i + (k - 1.5) * hgt for i in range(len(rows))]
+        if src == "ours":
+            vals = [r[model]["total_us"] if row == "Total" else r[model]["components_us"].get(row) for row in rows]
+            mins = [r[model]["total_min_us"] if row == "Total" else r[model]["components_min_us"].get(row)
+                    for row in rows]
+        else:
+            vals, mins = [r["paper"][model][row] for row in rows], [None] * len(rows)
+        ax.barh(ys, [v or 0 for v in vals], height=hgt, color=color, hatch=hatch, alpha=0.9 if src == "ours" else 0.4,
+                edgecolor="black" if hatch else color, label=f"{model} ({src})")
+        for y, m in zip(ys, mins):
+            if m is not None:
+                ax.plot([m, m], [y - hgt / 2, y + hgt / 2], color="black", lw=1.5)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(rows)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("microseconds (log); bars: median, black tick: fastest run")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def block_timings_png(r: dict, title: str) -> bytes:
+    """Any block: each leaf module's median microseconds, the rest of the block and its total."""
+    names = list(r["components_us"]) + ["rest", "Total"]
+    vals = list(r["components_us"].values()) + [max(r["rest_us"], 0.0), r["total_us"]]
+    fig = _figure((8, 0.3 * len(names) + 1.5))
+    ax = fig.subplots()
+    ax.barh(range(len(names)), vals, color=["tab:blue"] * (len(names) - 2) + ["tab:gray", "tab:red"])
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("microseconds (median)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return _png(fig)

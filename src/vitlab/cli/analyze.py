@@ -17,6 +17,7 @@ Without ``--checkpoint`` the model has its random initialisation (no download ha
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -157,6 +158,58 @@ def cmd_posembed(args) -> int:
     return 0
 
 
+def _timings_table(r: dict):
+    from rich.table import Table
+
+    from vitlab.analysis.timings import ROWS
+
+    t = Table(title="seed 003 Table 1: microseconds per component, batch 1, 14x14 (median; fastest run)")
+    for col in ("component", "DeiT-tiny ours", "DeiT-tiny paper", "LeViT-256 ours", "LeViT-256 paper"):
+        t.add_column(col, justify="left" if col == "component" else "right")
+
+    def cell(model, row):
+        if row == "Total":
+            return f"{r[model]['total_us']:.0f} ({r[model]['total_min_us']:.0f})"
+        v = r[model]["components_us"].get(row)
+        return "n/a" if v is None else f"{v:.0f} ({r[model]['components_min_us'][row]:.0f})"
+
+    for row in (*ROWS, "Total"):
+        paper = r["paper"]
+        t.add_row(row, cell("deit_tiny", row), str(paper["deit_tiny"][row] or "n/a"), cell("levit_256", row),
+                  str(paper["levit_256"][row] or "n/a"))
+    t.add_row("sum / total", f"{r['deit_tiny']['sum_over_total']:.2f} ({r['deit_tiny']['sum_over_total_min']:.2f})",
+              "", f"{r['levit_256']['sum_over_total']:.2f} ({r['levit_256']['sum_over_total_min']:.2f})", "")
+    return t
+
+
+def cmd_timings(args) -> int:
+    import torch
+
+    from vitlab.analysis import timings
+    from vitlab.analysis.plots import block_timings_png, timings_png
+
+    torch.manual_seed(args.seed)
+    if args.model is None:
+        r = timings.seed003_table1(warmup=args.warmup, runs=args.runs, threads=args.threads, seed=args.seed)
+        console.print(_timings_table(r))
+        png = timings_png(r, f"seed 003 Table 1 here ({args.threads} thread, batch 1, {args.runs} runs) vs the "
+                             f"paper (Xeon E5-2698 core)")
+        _write(Path(args.out), "timings", r, png)
+        return 0
+    model = _model(args)
+    cfg = getattr(model, "pretrained_cfg", None)
+    size = args.img_size or (model.img_size[0] if hasattr(model, "img_size") else cfg.input_size[1] if cfg else 224)
+    x = torch.randn(1, cfg.input_size[0] if cfg else 3, size, size)
+    r = timings.block_timings(model, x, block=args.block, warmup=args.warmup, runs=args.runs, threads=args.threads)
+    for k, v in r["components_us"].items():
+        console.print(f"{k:<24} {v:9.0f} us", highlight=False)
+    console.print(f"{'rest':<24} {r['rest_us']:9.0f} us\n{'total':<24} {r['total_us']:9.0f} us", highlight=False)
+    png = block_timings_png(r, f"{args.model} {r['block']}: {args.threads} thread, batch 1, {size}px, median of "
+                               f"{args.runs}")
+    _write(Path(args.out), "timings", {"model": args.model, **r}, png)
+    return 0
+
+
 def _common(p, model: str | None = "deit_tiny_patch16_224", images: bool = True) -> None:
     if model is not None:
         p.add_argument("--model", default=model, help=f"a registered model name (default: {model})")
@@ -200,3 +253,16 @@ def register(sub) -> None:
     _common(pe, model="vit_base_patch16_224", images=False)
     pe.add_argument("--table", type=int, default=0, help="which position-embedding table (PVT has one a stage)")
     pe.set_defaults(func=cmd_posembed)
+
+    t = asub.add_parser("timings", help="seed 003 Table 1 (DeiT-tiny vs LeViT-256 block components), or any "
+                                        "model's block with --model")
+    _common(t, model=None, images=False)
+    t.add_argument("--model", default=None, help="time this model's block instead of Table 1's two blocks")
+    t.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
+    t.add_argument("--img-size", type=int, default=None, help="input size with --model (default: the model's own)")
+    t.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="a create_model argument, repeatable")
+    t.add_argument("--block", type=int, default=0, help="with --model: which blocks.<i> module (default 0)")
+    t.add_argument("--runs", type=int, default=100, help="timed runs, median reported (>= 50 for Table 1)")
+    t.add_argument("--warmup", type=int, default=10)
+    t.add_argument("--threads", type=int, default=1, help="torch threads while timing (Table 1: 1)")
+    t.set_defaults(func=cmd_timings)
