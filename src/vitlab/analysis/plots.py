@@ -199,3 +199,36 @@ def block_timings_png(r: dict, title: str) -> bytes:
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return _png(fig)
+
+
+def memory_png(rows: list[dict], table: list[dict], title: str) -> bytes:
+    """Left: seed 004's estimate for Q = 32 / 16 / 8 / 4 beside each measurement (loaded, peak). Right: seed 001's
+    complexity table (attention MACs and attention-map memory of one layer vs image size)."""
+    fig = _figure((11, 4))
+    a1, a2 = fig.subplots(1, 2)
+    est = rows[0]["estimate_gb"]
+    labels = [f"estimate Q={q}" for q in est] + [f"{r['mode']} {r['dtype']} b{r['batch_size']} loaded" for r in rows] \
+        + [f"{r['mode']} {r['dtype']} b{r['batch_size']} peak" for r in rows]
+    vals = list(est.values()) + [r["loaded_gb"] for r in rows] + [r["measured_peak_gb"] for r in rows]
+    colors = ["tab:gray"] * len(est) + ["tab:blue"] * len(rows) + ["tab:red"] * len(rows)
+    a1.barh(range(len(vals)), vals, color=colors)
+    a1.set_yticks(range(len(vals)))
+    a1.set_yticklabels(labels, fontsize=8)
+    a1.invert_yaxis()
+    a1.set_xscale("log")
+    a1.set_xlabel(f"GB ({rows[0]['device']})")
+    a1.set_title(f"{rows[0]['model']}: M = P x 4 B / (32/Q) x 1.2 vs measured", fontsize=9)
+    sizes = [t["img_size"] for t in table]
+    a2.plot(sizes, [t["attention_gmacs_per_layer"] for t in table], marker="o", label="attention GMACs / layer")
+    a2.plot(sizes, [t["attention_map_mb_per_layer"] / 1024 for t in table], marker="s",
+            label="attention maps GB / layer (fp32)")
+    for t in table:
+        a2.annotate(f"N={t['tokens']}", (t["img_size"], t["attention_gmacs_per_layer"]), fontsize=7)
+    a2.set_xscale("log")
+    a2.set_yscale("log")
+    a2.set_xlabel("image size (px)")
+    a2.legend(fontsize=8)
+    a2.set_title("seed 001: attention cost grows with N^2", fontsize=9)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return _png(fig)

@@ -210,6 +210,48 @@ def cmd_timings(args) -> int:
     return 0
 
 
+def _vit_shape(name: str, extra: dict) -> dict:
+    """embed_dim, num_heads and patch_size of a plain ViT (built on 'meta': no memory); ViT-B/16's (seed 001's
+    example) for any other family."""
+    import torch
+
+    import vitlab
+
+    with torch.device("meta"):
+        m = vitlab.create_model(name, **extra)
+    attn = getattr(getattr(m, "blocks", [None])[0], "attn", None)
+    if getattr(m, "patch_embed", None) is None or not hasattr(attn, "num_heads"):
+        return {}
+    return dict(embed_dim=m.embed_dim, num_heads=attn.num_heads, patch_size=m.patch_embed.patch_size[0])
+
+
+def cmd_memory(args) -> int:
+    from vitlab.analysis.memory import complexity_table, measure_memory_isolated
+    from vitlab.analysis.plots import memory_png
+
+    modes = ["infer", "train"] if args.mode == "both" else [args.mode]
+    extra = _model_kwargs(args.model_arg)
+    rows = []
+    for mode in modes:
+        console.print(f"measuring {args.model} {mode} at batch {args.batch_size} on {args.device} ({args.dtype}) "
+                      f"in a fresh process ...", highlight=False)
+        rows.append(measure_memory_isolated(args.model, batch_size=args.batch_size, mode=mode, device=args.device,
+                                            dtype=args.dtype, img_size=args.img_size, **extra))
+    table = complexity_table(**_vit_shape(args.model, extra))
+    for r in rows:
+        est = "  ".join(f"Q={q}: {v:.3f}" for q, v in r["estimate_gb"].items())
+        console.print(f"{r['mode']:>5}: estimate GB {est} | measured: loaded {r['loaded_gb']:.3f}, peak "
+                      f"{r['measured_peak_gb']:.3f} GB = {r['measured_over_estimate']:.2f} x the estimate at its "
+                      f"dtype", highlight=False)
+    for t in table:
+        console.print(f"{t['img_size']:>5} px: N = {t['tokens']:>5}, {t['scores_per_head_m']:.2f} M scores/head "
+                      f"(seed 001: {t['seed001_printed_m']}), {t['attention_gmacs_per_layer']:.3f} GMACs/layer, "
+                      f"{t['attention_map_mb_per_layer']:.1f} MB maps/layer", highlight=False)
+    png = memory_png(rows, table, f"{args.model}: memory at batch {args.batch_size} ({args.device}, {args.dtype})")
+    _write(Path(args.out), "memory", {"measurements": rows, "complexity": table, "model": args.model}, png)
+    return 0
+
+
 def _common(p, model: str | None = "deit_tiny_patch16_224", images: bool = True) -> None:
     if model is not None:
         p.add_argument("--model", default=model, help=f"a registered model name (default: {model})")
@@ -266,3 +308,11 @@ def register(sub) -> None:
     t.add_argument("--warmup", type=int, default=10)
     t.add_argument("--threads", type=int, default=1, help="torch threads while timing (Table 1: 1)")
     t.set_defaults(func=cmd_timings)
+
+    m = asub.add_parser("memory", help="seed 004's memory estimate vs the measured peak; seed 001's complexity table")
+    _common(m, model="vit_base_patch16_224", images=False)
+    m.add_argument("--batch-size", type=int, default=64)
+    m.add_argument("--mode", default="infer", choices=["infer", "train", "both"])
+    m.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="fp32 is Q = 32, bf16 Q = 16")
+    m.set_defaults(func=cmd_memory)
