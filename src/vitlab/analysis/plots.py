@@ -232,3 +232,51 @@ def memory_png(rows: list[dict], table: list[dict], title: str) -> bytes:
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return _png(fig)
+
+
+def window_study_png(r: dict, title: str) -> bytes:
+    """Seed 002 Table II: each measured column against the window size, ours (solid, left axis) beside the
+    paper's (dashed, right axis: another GPU, batch and dataset)."""
+    rows, paper = r["rows"], r["paper"]
+    ws = [row["window"] for row in rows]
+    cols = [("gmacs", "gflops", "GMACs"), ("img_per_s", "img_per_s", "img/s"),
+            ("train_memory_gb", "train_memory_gb", "train memory GB"),
+            ("test_memory_gb", "test_memory_gb", "test memory GB"), ("top1", "top1", "top-1 %")]
+    cols = [c for c in cols if all(c[0] in row for row in rows)]
+    fig = _figure((3.2 * len(cols), 3.2))
+    axes = fig.subplots(1, len(cols), squeeze=False)[0]
+    for ax, (ours, theirs, label) in zip(axes, cols):
+        ax.plot(ws, [row[ours] for row in rows], marker="o", label="ours")
+        ax.set_xlabel("window size s")
+        ax.set_title(label, fontsize=9)
+        pw = [s for s in ws if s in paper]
+        if pw:
+            tw = ax.twinx()
+            tw.plot(pw, [paper[s][theirs] for s in pw], ls="--", marker="x", color="tab:gray", label="paper")
+            tw.tick_params(labelsize=7, colors="tab:gray")
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def pooled_queries_png(r: dict, title: str) -> bytes:
+    """Seed 002 Table III: params, GMACs and img/s of both variants, ours beside the paper's."""
+    rows = r["rows"]
+    paper = list(r["paper"].values())
+    fig = _figure((9, 3))
+    axes = fig.subplots(1, 3)
+    for ax, (key, pkey, label) in zip(axes, [("params_m", "params_m", "params (M)"), ("gmacs", "gflops", "GMACs"),
+                                              ("img_per_s", "img_per_s", "img/s")]):
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [row[key] for row in rows], width=0.4, label="ours")
+        if key != "img_per_s":  # throughputs on different hardware are not drawn on one axis
+            ax.bar([x + 0.2 for x in xs], [p[pkey] for p in paper], width=0.4, color="tab:gray", alpha=0.6,
+                   label="paper")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([row["variant"] for row in rows], fontsize=8)
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return _png(fig)

@@ -252,6 +252,57 @@ def cmd_memory(args) -> int:
     return 0
 
 
+def cmd_window_study(args) -> int:
+    import torch
+
+    from vitlab.analysis.plots import window_study_png
+    from vitlab.analysis.studies import window_study
+
+    torch.manual_seed(args.seed)
+    r = window_study(windows=args.windows, model=args.model, img_size=args.img_size or 224,
+                     batch_size=args.batch_size, warmup=args.warmup, runs=args.runs, memory=not args.no_memory,
+                     epochs=args.epochs, dataset=args.data, train_img_size=args.train_img_size,
+                     train_batch_size=args.train_batch_size, lr=args.lr, output_dir=str(Path(args.out) / "runs"),
+                     model_kwargs=_model_kwargs(args.model_arg),
+                     progress=lambda msg: console.print(msg, highlight=False))
+    for row in r["rows"]:
+        console.print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                      highlight=False)
+    png = window_study_png(r, f"{args.model}, HiLo window s (stage 3): {r['settings']['img_size']}px, batch "
+                              f"{args.batch_size}, {torch.get_num_threads()} threads (paper: dashed)")
+    _write(Path(args.out), "window-study", r, png)
+    return 0
+
+
+def cmd_pooled_queries(args) -> int:
+    import torch
+
+    from vitlab.analysis.plots import pooled_queries_png
+    from vitlab.analysis.studies import pooled_queries_study
+
+    torch.manual_seed(args.seed)
+    r = pooled_queries_study(model=args.model, img_size=args.img_size or 224, batch_size=args.batch_size,
+                             warmup=args.warmup, runs=args.runs, model_kwargs=_model_kwargs(args.model_arg))
+    for row in r["rows"]:
+        console.print(f"{row['variant']:>15}: {row['params_m']:.2f} M params, {row['gmacs']:.3f} GMACs, "
+                      f"{row['img_per_s']:.2f} img/s", highlight=False)
+    console.print(f"pooled / standard throughput: {r['speed_ratio']:.2f} (paper, RTX 3090: {1084 / 1471:.2f})",
+                  highlight=False)
+    png = pooled_queries_png(r, f"{args.model} with and without pooled queries ({r['settings']['img_size']}px, "
+                                f"batch {args.batch_size}, {torch.get_num_threads()} threads)")
+    _write(Path(args.out), "pooled-queries", r, png)
+    return 0
+
+
+def _study_args(p, batch_size: int, runs: int) -> None:
+    p.add_argument("--model", default="litv2_s", help="a LITv2 (default: litv2_s)")
+    p.add_argument("--img-size", type=int, default=None, help="input size (default 224)")
+    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="a create_model argument, repeatable")
+    p.add_argument("--batch-size", type=int, default=batch_size, help="batch of the timing and memory runs")
+    p.add_argument("--runs", type=int, default=runs, help="timed round-robin runs (median)")
+    p.add_argument("--warmup", type=int, default=1)
+
+
 def _common(p, model: str | None = "deit_tiny_patch16_224", images: bool = True) -> None:
     if model is not None:
         p.add_argument("--model", default=model, help=f"a registered model name (default: {model})")
@@ -316,3 +367,20 @@ def register(sub) -> None:
     m.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="fp32 is Q = 32, bf16 Q = 16")
     m.set_defaults(func=cmd_memory)
+
+    w = asub.add_parser("window-study", help="seed 002 Table II: LITv2 with HiLo window s = 2..7")
+    _study_args(w, batch_size=8, runs=5)
+    _common(w, model=None, images=False)
+    w.add_argument("--windows", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7], help="window sizes (default 2..7)")
+    w.add_argument("--no-memory", action="store_true", help="skip the train / test memory columns")
+    w.add_argument("--epochs", type=int, default=0, help="train each for this many epochs for top-1 (0: no)")
+    w.add_argument("--data", default="digits", help="dataset of the top-1 column (vitlab train's --data)")
+    w.add_argument("--train-img-size", type=int, default=None, help="training image size (a multiple of 32)")
+    w.add_argument("--train-batch-size", type=int, default=32)
+    w.add_argument("--lr", type=float, default=None, help="learning rate at batch 512 (default: vitlab train's)")
+    w.set_defaults(func=cmd_window_study)
+
+    pq = asub.add_parser("pooled-queries", help="seed 002 Table III: LITv2 with and without pooled queries")
+    _study_args(pq, batch_size=8, runs=10)
+    _common(pq, model=None, images=False)
+    pq.set_defaults(func=cmd_pooled_queries)
