@@ -68,6 +68,7 @@ def test_swin_windows_equal_timm_stitched(tmp_path):
         # timm: (B * nW, heads, L, L), batch outer -> our layout (B, nW * heads, L, L)
         dense = stitch_windows(t.reshape(2, nW * heads, L, L), window_positions(H, W, window, shift), heads, H * W)
         torch.testing.assert_close(lay.attn, dense, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(lay.attn.sum(-1), torch.ones(lay.attn.shape[:-1]), atol=1e-5, rtol=0)
     # stage 1, block 1 (shifted): a query attends only inside its own (rolled) window
     lay = layers[1]
     support = lay.attn[0, 0, 0].reshape(8, 8) > 0
@@ -144,9 +145,7 @@ def test_rollout_of_identity_attention_is_identity(head_fusion):
     ("deit_tiny_distilled_patch16_224", {}),
     ("vit_tiny_patch16_224", {"reg_tokens": 4}),
     ("halvit_tiny_patch16_224", {}),
-    ("swin_tiny_patch4_window7_224", {}),
     ("levit_128s", {}),
-    ("efficientformer_l1", {}),
 ])
 def test_every_attention_row_sums_to_one(name, kw):
     model, x = smoke_model(name, **kw)

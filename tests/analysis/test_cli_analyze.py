@@ -29,9 +29,10 @@ def test_attention_cli(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("tool,args,files", [
-    ("spectrum", ["--model", "litv2_s", "--img-size", "64", "--model-arg", "depths=[1,1,1,1]", "--images",
-                  "coffee"], ["spectrum.json", "spectrum-hilo.png", "spectrum-blocks.png"]),
-    ("bias", ["--model", "levit_128s", "--img-size", "64"], ["bias.json", "bias.png"]),
+    ("spectrum", ["--model", "litv2_s", "--img-size", "64", "--model-arg", "depths=[1,1,1,1]", "--model-arg",
+                  "embed_dim=16", "--model-arg", "num_heads=[1,2,4,8]", "--images", "coffee"],
+     ["spectrum.json", "spectrum-hilo.png", "spectrum-blocks.png"]),
+    ("bias", ["--model", "levit_128s", "--img-size", "64", "--model-arg", "depth=[1,1,1]"], ["bias.json", "bias.png"]),
     ("posembed", ["--model", "vit_pico_patch4_32", "--model-arg", "pos_embed=sincos"],
      ["posembed.json", "posembed.png"]),
 ])

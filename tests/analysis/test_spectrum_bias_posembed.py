@@ -83,9 +83,13 @@ def test_hilo_branches_are_the_layer_output():
         hilo_spectra(model, x, layer=5)
 
 
-@pytest.mark.parametrize("name", ["vit_pico_patch4_32", "swin_tiny_patch4_window7_224", "cait_xxs24_224"])
-def test_block_spectra_any_model(name):
-    model, x = smoke_model(name)
+@pytest.mark.parametrize("name,kw", [
+    ("vit_pico_patch4_32", {}),
+    ("swin_tiny_patch4_window7_224", dict(img_size=32, window_size=4, depths=(2, 2), num_heads=(3, 6), embed_dim=48)),
+    ("cait_xxs24_224", {}),
+])
+def test_block_spectra_any_model(name, kw):
+    model, x = smoke_model(name, **kw)
     rows = block_spectra(model, x)["blocks"]
     assert rows and all(r["curve"][0] == 0.0 and len(r["curve"]) == r["grid"][0] - r["grid"][0] // 2 for r in rows)
 
