@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from vitlab.analysis._common import eval_forward, pick
+
 _RETURN_ATTN = ("MultiHeadSelfAttention", "NaiveAttention", "HaLViTAttention")
 SUPPORTED_FAMILIES = "vit*, deit*, halvit*, vit_pico*, swin*, levit*, efficientformer*"
 HEAD_FUSIONS = ("mean", "max", "min")
@@ -183,22 +185,13 @@ def capture_attention(model: nn.Module, x: torch.Tensor) -> list[AttentionLayer]
         raise ValueError(f"{type(model).__name__} has no token-attention layer the attention tool reads "
                          f"(msa / window / offset-bias attention); models with one: {SUPPORTED_FAMILIES}")
     records: list[AttentionLayer] = []
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), _recording(model, records):
-            model(x)
-    finally:
-        model.train(was_training)
+    eval_forward(model, x, _recording(model, records))
     return records
 
 
 def pick_layer(layers: list[AttentionLayer], index: int) -> AttentionLayer:
     """``layers[index]`` (negative counts from the end), or a ValueError giving the valid range."""
-    if not -len(layers) <= index < len(layers):
-        raise ValueError(f"block index {index} is out of range: this model has {len(layers)} attention layers "
-                         f"(0..{len(layers) - 1}, or -1 for the last)")
-    return layers[index]
+    return pick(layers, index, "block", "attention layers")
 
 
 def query_index(layer: AttentionLayer, query: str | tuple[int, int]) -> int:

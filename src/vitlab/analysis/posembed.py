@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vitlab.analysis._common import pick
+
 
 def _grid(n: int, prefix: int) -> tuple[int, int] | None:
     s = math.isqrt(max(n - prefix, 0))
@@ -57,10 +59,7 @@ def posembed_similarity(model: nn.Module, table: int = 0) -> dict:
     if not tables:
         raise ValueError(f"{type(model).__name__} has no position embedding table; models with one: vit_*, deit_*, "
                          f"cait_*, pvt_* (swin, litv2, levit and efficientformer encode position otherwise)")
-    if not -len(tables) <= table < len(tables):
-        raise ValueError(f"position-embedding index {table} is out of range: this model has {len(tables)} "
-                         f"(0..{len(tables) - 1})")
-    name, pos, prefix, (H, W) = tables[table]
+    name, pos, prefix, (H, W) = pick(tables, table, "position-embedding", "position-embedding tables")
     sim = cosine_similarity_grid(pos, (H, W), prefix)
     ys, xs = torch.meshgrid(torch.arange(H), torch.arange(W), indexing="ij")
     dist = ((ys.reshape(-1, 1) - ys.reshape(1, -1)).abs() + (xs.reshape(-1, 1) - xs.reshape(1, -1)).abs())

@@ -26,6 +26,8 @@ import re
 import torch
 import torch.nn as nn
 
+from vitlab.analysis._common import eval_forward, pick
+
 NUM_PLOTS = 8  # Algorithm 1: num_plots = 8
 
 
@@ -86,18 +88,9 @@ def hilo_spectra(model: nn.Module, x: torch.Tensor, layer: int = -1) -> dict:
     if not layers:
         raise ValueError(f"{type(model).__name__} has no HiLo layer with both Hi-Fi and Lo-Fi heads; models with "
                          f"one: litv2_s, litv2_m, litv2_b")
-    if not -len(layers) <= layer < len(layers):
-        raise ValueError(f"HiLo layer index {layer} is out of range: this model has {len(layers)} HiLo layers with "
-                         f"both branches (0..{len(layers) - 1}, or -1 for the last)")
-    name, m = layers[layer]
+    name, m = pick(layers, layer, "HiLo layer", "HiLo layers with both branches")
     rec: dict = {}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), _hilo_recording(m, rec):
-            model(x)
-    finally:
-        model.train(was_training)
+    eval_forward(model, x, _hilo_recording(m, rec))
     out = {"layer": name, "grid": list(rec["hifi"].shape[-2:]), "num_images": x.shape[0]}
     for branch in ("hifi", "lofi"):
         mag = frequency_magnitude(rec[branch])
@@ -156,13 +149,9 @@ def block_spectra(model: nn.Module, x: torch.Tensor) -> dict:
     prefix = int(getattr(model, "num_prefix_tokens", 0) or 0)
     outs: list[tuple[str, torch.Tensor]] = []
     handles = [m.register_forward_hook(lambda mod, inp, y, n=n: outs.append((n, y))) for n, m in blocks]
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
-            model(x)
+        eval_forward(model, x)
     finally:
-        model.train(was_training)
         for h in handles:
             h.remove()
     rows = []

@@ -185,15 +185,13 @@ def block_timings(model: nn.Module, x: torch.Tensor, block: int = 0, warmup: int
     on its own recorded input, and the whole block; microseconds, median of ``runs``. ``rest_us`` is what the
     block spends outside its leaf modules (attention products and softmax, residual adds, reshapes). ``x`` is
     the model input (the block's own input is recorded in one forward)."""
+    from vitlab.analysis._common import pick
     from vitlab.analysis.spectrum import find_blocks
 
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no modules named blocks.<i> to time")
-    if not -len(blocks) <= block < len(blocks):
-        raise ValueError(f"block index {block} is out of range: this model has {len(blocks)} blocks "
-                         f"(0..{len(blocks) - 1}, or -1 for the last)")
-    name, blk = blocks[block]
+    name, blk = pick(blocks, block, "block", "blocks")
     calls: dict[str, tuple] = {}
 
     def keep(key):
