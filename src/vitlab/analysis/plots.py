@@ -33,7 +33,8 @@ def attention_png(display: torch.Tensor, maps: torch.Tensor, rollout: torch.Tens
     display (N, H, W, 3) in [0, 1]; maps (N, heads, h, w); rollout (N, h, w) or None."""
     n, heads = maps.shape[:2]
     cols = 1 + heads + (rollout is not None)
-    fig = _figure((1.6 * cols, 1.7 * n + 0.4))
+    w = min(1.6, 14.0 / cols)  # many heads: narrower panels, the figure stays <= 14 inches wide
+    fig = _figure((w * cols, (w + 0.1) * n + 0.4))
     axes = fig.subplots(n, cols, squeeze=False)
     size = tuple(display.shape[1:3])
     up = _upsample(maps, size)

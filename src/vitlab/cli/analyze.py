@@ -153,7 +153,7 @@ def cmd_posembed(args) -> int:
     r = posembed_similarity(model, args.table)
     png = posembed_png(r, f"{args.model} {r['name']} ({r['kind']}): cosine similarity, neighbours "
                           f"{r['neighbour_mean']:.2f}, far {r['far_mean']:.2f}")
-    data = {"model": args.model, "checkpoint": args.checkpoint, **r, "similarity": r["similarity"].tolist()}
+    data = {"model": args.model, "checkpoint": args.checkpoint, **r, "similarity": _round(r["similarity"], 4)}
     _write(Path(args.out), "posembed", data, png)
     return 0
 
