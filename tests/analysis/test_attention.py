@@ -75,6 +75,21 @@ def test_swin_windows_equal_timm_stitched(tmp_path):
     assert support.sum() <= 16 and support[0, 0]
 
 
+def test_pvt_spatial_reduction_weights_are_what_sdpa_applies():
+    model, x = smoke_model("pvt_tiny")
+    m = model.stages[0].blocks[0].attn  # sr_ratio 8: 16x16 queries, 2x2 reduced keys
+    seen = {}
+    m.q.register_forward_hook(lambda mod, i, o: seen.setdefault("q", o))
+    m.kv.register_forward_hook(lambda mod, i, o: seen.setdefault("kv", o))
+    lay = capture_attention(model, x)[0]
+    B, N, C = seen["q"].shape
+    q = seen["q"].reshape(B, N, m.num_heads, -1).transpose(1, 2)
+    k, v = seen["kv"].reshape(B, -1, 2, m.num_heads, C // m.num_heads).permute(2, 0, 3, 1, 4)
+    torch.testing.assert_close(lay.attn @ v, torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                               atol=1e-5, rtol=1e-4)
+    assert lay.q_grid == (16, 16) and lay.k_grid == (2, 2) and attention_maps(lay, (3, 4)).shape == (2, 1, 2, 2)
+
+
 def test_window_positions_cover_the_grid_once():
     pos = window_positions(7, 9, (4, 4), (2, 2))  # padded to 8 x 12, rolled
     real = pos[pos >= 0]
@@ -146,6 +161,7 @@ def test_rollout_of_identity_attention_is_identity(head_fusion):
     ("vit_tiny_patch16_224", {"reg_tokens": 4}),
     ("halvit_tiny_patch16_224", {}),
     ("levit_128s", {}),
+    ("pvt_tiny", {}),
 ])
 def test_every_attention_row_sums_to_one(name, kw):
     model, x = smoke_model(name, **kw)

@@ -12,7 +12,9 @@
     back to the image grid as a dense (N x N) matrix whose off-window entries are 0 (exactly the attention the
     window restriction imposes), so the maps and rollout of global attention apply to it unchanged;
   - LeViT / EfficientFormer offset-bias attention (Graham et al., ICCV 2021, Eq. 1): the module's
-    ``_attend(q, k, v)`` swapped for the same product with the weights kept.
+    ``_attend(q, k, v)`` swapped for the same product with the weights kept;
+  - PVT's spatial-reduction attention (Wang et al., ICCV 2021, Eq. 2-3): q and the reduced k read from the
+    module's ``q`` and ``kv`` projections by forward hooks; the keys lie on the reduced grid.
 
 * :func:`attention_maps`: per-head maps of one query (the class token, the distillation token, or a patch at
   (row, col)) over the patch tokens of one layer, as (B, heads, H, W). Prefix tokens (class, distillation,
@@ -36,7 +38,7 @@ import torch.nn as nn
 from vitlab.analysis._common import eval_forward, pick
 
 _RETURN_ATTN = ("MultiHeadSelfAttention", "NaiveAttention", "HaLViTAttention")
-SUPPORTED_FAMILIES = "vit*, deit*, halvit*, vit_pico*, swin*, levit*, efficientformer*"
+SUPPORTED_FAMILIES = "vit*, deit*, halvit*, vit_pico*, swin*, levit*, efficientformer*, pvt*"
 HEAD_FUSIONS = ("mean", "max", "min")
 
 
@@ -46,7 +48,7 @@ class AttentionLayer:
     own order (``num_prefix`` prefix tokens first, then the patch grid in raster order)."""
 
     name: str  # module path in the model
-    kind: str  # 'global', 'window' (stitched to the grid), 'offset_bias'
+    kind: str  # 'global', 'window' (stitched to the grid), 'offset_bias', 'spatial_reduction'
     attn: torch.Tensor
     q_grid: tuple[int, int]  # (H, W) of the query patch tokens
     k_grid: tuple[int, int]  # (H, W) of the key patch tokens
@@ -109,7 +111,7 @@ def _window_attention(m: nn.Module, x: torch.Tensor, hw) -> torch.Tensor:
 
 def find_attention_layers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(name, module, kind) of every attention layer :func:`capture_attention` can read, in module order."""
-    from vitlab.attention import OffsetBiasAttentionBase
+    from vitlab.attention import OffsetBiasAttentionBase, SpatialReductionAttention
     from vitlab.attention.local_window import _WindowAttentionBase
 
     out = []
@@ -120,6 +122,8 @@ def find_attention_layers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
             out.append((name, m, "window"))
         elif isinstance(m, OffsetBiasAttentionBase):
             out.append((name, m, "offset_bias"))
+        elif isinstance(m, SpatialReductionAttention):
+            out.append((name, m, "spatial_reduction"))
     return out
 
 
@@ -160,13 +164,33 @@ def _recording(model: nn.Module, records: list[AttentionLayer]):
             return attn @ v
         return _attend
 
+    def reduction_fwd(name, m):
+        def forward(x, hw=None):
+            seen = {}
+            hooks = [m.q.register_forward_hook(lambda mod, i, o: seen.__setitem__("q", o)),
+                     m.kv.register_forward_hook(lambda mod, i, o: seen.__setitem__("kv", o))]
+            try:
+                out = type(m).forward(m, x, hw)
+            finally:
+                for h in hooks:
+                    h.remove()
+            B, N, C = x.shape
+            q = seen["q"].reshape(B, N, m.num_heads, m.head_dim).transpose(1, 2)
+            k = seen["kv"][..., :C].reshape(B, -1, m.num_heads, m.head_dim).transpose(1, 2)  # kv packs [k, v]
+            attn = ((q * m.head_dim**-0.5) @ k.transpose(-2, -1)).softmax(-1)
+            H, W = (int(hw[0]), int(hw[1])) if hw is not None else _grid_of(N - prefix_default)
+            prefix = N - H * W
+            R = m.sr_ratio
+            records.append(AttentionLayer(name, "spatial_reduction", attn.detach(), (H, W),
+                                          (-(-H // R), -(-W // R)), prefix))
+            return out
+        return forward
+
     try:
         for name, m, kind in find_attention_layers(model):
-            if kind == "global":
-                m.forward = global_fwd(name, m)
-                patched.append((m, "forward"))
-            elif kind == "window":
-                m.forward = window_fwd(name, m)
+            if kind in ("global", "window", "spatial_reduction"):
+                make = {"global": global_fwd, "window": window_fwd, "spatial_reduction": reduction_fwd}[kind]
+                m.forward = make(name, m)
                 patched.append((m, "forward"))
             else:
                 m._attend = bias_attend(name, m)
@@ -183,7 +207,8 @@ def capture_attention(model: nn.Module, x: torch.Tensor) -> list[AttentionLayer]
     ValueError naming the models that have one when ``model`` has no attention layer this can read."""
     if not find_attention_layers(model):
         raise ValueError(f"{type(model).__name__} has no token-attention layer the attention tool reads "
-                         f"(msa / window / offset-bias attention); models with one: {SUPPORTED_FAMILIES}")
+                         f"(msa / window / offset-bias / spatial-reduction attention); models with one: "
+                         f"{SUPPORTED_FAMILIES}")
     records: list[AttentionLayer] = []
     eval_forward(model, x, _recording(model, records))
     return records
