@@ -10,6 +10,8 @@ from PIL import Image
 
 from vitlab.cli import main
 
+TINY_LITV2 = ["--model-arg", "embed_dim=16", "--model-arg", "depths=[1,1,1,1]", "--model-arg", "num_heads=[1,2,4,8]"]
+
 
 def _image(tmp_path):
     path = tmp_path / "img.png"
@@ -29,12 +31,16 @@ def test_attention_cli(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("tool,args,files", [
-    ("spectrum", ["--model", "litv2_s", "--img-size", "64", "--model-arg", "depths=[1,1,1,1]", "--model-arg",
-                  "embed_dim=16", "--model-arg", "num_heads=[1,2,4,8]", "--images", "coffee"],
+    ("spectrum", ["--model", "litv2_s", "--img-size", "64", *TINY_LITV2, "--images", "coffee"],
      ["spectrum.json", "spectrum-hilo.png", "spectrum-blocks.png"]),
     ("bias", ["--model", "levit_128s", "--img-size", "64", "--model-arg", "depth=[1,1,1]"], ["bias.json", "bias.png"]),
     ("posembed", ["--model", "vit_pico_patch4_32", "--model-arg", "pos_embed=sincos"],
      ["posembed.json", "posembed.png"]),
+    ("timings", ["--model", "vit_pico_patch8_32", "--runs", "2", "--warmup", "0"], ["timings.json", "timings.png"]),
+    ("window-study", ["--img-size", "64", *TINY_LITV2, "--windows", "2", "--no-memory", "--batch-size", "1",
+                      "--runs", "1", "--warmup", "0"], ["window-study.json", "window-study.png"]),
+    ("pooled-queries", ["--img-size", "64", *TINY_LITV2, "--batch-size", "1", "--runs", "1", "--warmup", "0"],
+     ["pooled-queries.json", "pooled-queries.png"]),
 ])
 def test_tools_write_json_and_png(tool, args, files, tmp_path):
     assert main(["analyze", tool, *args, "--out", str(tmp_path)]) == 0
