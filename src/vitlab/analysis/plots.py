@@ -21,6 +21,14 @@ def _normalise(m: torch.Tensor) -> torch.Tensor:
     return (m - lo) / (hi - lo).clamp_min(1e-12)
 
 
+def _photo(ax, img: torch.Tensor) -> None:
+    """An (H, W, C) image in [0, 1]; one channel drawn in grey."""
+    if img.shape[-1] == 1:
+        ax.imshow(img[..., 0].numpy(), cmap="gray", vmin=0, vmax=1)
+    else:
+        ax.imshow(img.numpy())
+
+
 def _off(ax) -> None:
     ax.set_xticks([])
     ax.set_yticks([])
@@ -40,17 +48,17 @@ def attention_png(display: torch.Tensor, maps: torch.Tensor, rollout: torch.Tens
     up = _upsample(maps, size)
     roll = _upsample(rollout, size) if rollout is not None else None
     for i in range(n):
-        axes[i][0].imshow(display[i].numpy())
+        _photo(axes[i][0], display[i])
         axes[i][0].set_ylabel(names[i], fontsize=8)
         for h in range(heads):
             ax = axes[i][1 + h]
-            ax.imshow(display[i].numpy())
+            _photo(ax, display[i])
             ax.imshow(_normalise(up[i, h]).numpy(), cmap="jet", alpha=alpha)
             if i == 0:
                 ax.set_title(f"head {h}", fontsize=8)
         if roll is not None:
             ax = axes[i][-1]
-            ax.imshow(display[i].numpy())
+            _photo(ax, display[i])
             ax.imshow(_normalise(roll[i]).numpy(), cmap="jet", alpha=alpha)
             if i == 0:
                 ax.set_title("rollout", fontsize=8)
