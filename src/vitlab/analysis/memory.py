@@ -68,7 +68,9 @@ def _step(model: nn.Module, x: torch.Tensor, mode: str):
     return train
 
 
-def _check(mode: str, dtype: str) -> None:
+def _check(mode: str, dtype: str, device: str = "cpu") -> None:
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here")
     if mode not in ("infer", "train"):
         raise ValueError(f"mode must be 'infer' or 'train', got {mode!r}")
     if dtype not in ("fp32", "bf16"):
@@ -84,10 +86,8 @@ def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device:
     import vitlab
     from vitlab.profile import count_params, memory_estimate_gb
 
-    _check(mode, dtype)
+    _check(mode, dtype, device)
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device here")
     cfg = vitlab.get_model_config(name)
     size = img_size or cfg.input_size[1]
     if img_size is not None:
@@ -149,7 +149,7 @@ def measure_memory_isolated(name: str, **kwargs) -> dict:
     import subprocess
     import sys
 
-    _check(kwargs.get("mode", "infer"), kwargs.get("dtype", "fp32"))
+    _check(kwargs.get("mode", "infer"), kwargs.get("dtype", "fp32"), kwargs.get("device", "cpu"))
     code = ("import json, sys; from vitlab.analysis.memory import measure_memory; "
             "a = json.loads(sys.argv[1]); print(json.dumps(measure_memory(a.pop('name'), **a)))")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps({"name": name, **kwargs})], capture_output=True,
