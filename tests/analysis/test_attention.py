@@ -178,6 +178,18 @@ def test_every_attention_row_sums_to_one(name, kw):
         assert r["rollout"].flatten(1).amax(1).allclose(torch.ones(2))
 
 
+def test_mobilevit_maps_average_the_pixel_positions():
+    model, x = smoke_model("mobilevit_xxs")
+    seen = []
+    attn = model.stages[4][1].transformer[0].attn
+    attn.register_forward_hook(lambda mod, i, o: seen.append(i[0]))  # (B * P, N, C) unfolded sequences
+    lay = [lay for lay in capture_attention(model, x) if lay.name == "stages.4.1.transformer.0.attn"][0]
+    P = seen[0].shape[0] // 2
+    with torch.no_grad():
+        _, per_position = type(attn).forward(attn, seen[0], return_attn=True)
+    torch.testing.assert_close(lay.attn, per_position.reshape(2, P, *per_position.shape[1:]).mean(1))
+
+
 def test_capture_leaves_the_model_unchanged():
     model, x = smoke_model("deit_tiny_patch16_224")
     model.eval()

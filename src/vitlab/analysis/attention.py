@@ -13,6 +13,8 @@
     window restriction imposes), so the maps and rollout of global attention apply to it unchanged;
   - LeViT / EfficientFormer offset-bias attention (Graham et al., ICCV 2021, Eq. 1): the module's
     ``_attend(q, k, v)`` swapped for the same product with the weights kept;
+  - MobileViT (Mehta & Rastegari, ICLR 2022): its ``msa`` blocks attend across patches once per pixel position
+    inside a patch (those sequences are batched); the weights are averaged over the positions;
   - PVT's spatial-reduction attention (Wang et al., ICCV 2021, Eq. 2-3): q and the reduced k read from the
     module's ``q`` and ``kv`` projections by forward hooks; the keys lie on the reduced grid.
 
@@ -38,7 +40,7 @@ import torch.nn as nn
 from vitlab.analysis._common import eval_forward, pick
 
 _RETURN_ATTN = ("MultiHeadSelfAttention", "NaiveAttention", "HaLViTAttention")
-SUPPORTED_FAMILIES = "vit*, deit*, halvit*, vit_pico*, swin*, levit*, efficientformer*, pvt*"
+SUPPORTED_FAMILIES = "vit*, deit*, halvit*, vit_pico*, swin*, levit*, efficientformer*, pvt*, mobilevit*"
 HEAD_FUSIONS = ("mean", "max", "min")
 
 
@@ -211,6 +213,10 @@ def capture_attention(model: nn.Module, x: torch.Tensor) -> list[AttentionLayer]
                          f"{SUPPORTED_FAMILIES}")
     records: list[AttentionLayer] = []
     eval_forward(model, x, _recording(model, records))
+    B = x.shape[0]
+    for r in records:
+        if r.attn.shape[0] != B:  # MobileViT: one sequence per pixel position in a patch, batched (b, ph, pw)
+            r.attn = r.attn.reshape(B, -1, *r.attn.shape[1:]).mean(1)  # the mean over those positions
     return records
 
 
