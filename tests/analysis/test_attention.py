@@ -75,6 +75,21 @@ def test_swin_windows_equal_timm_stitched(tmp_path):
     assert support.sum() <= 16 and support[0, 0]
 
 
+def test_cait_class_attention_equals_timm(tmp_path):
+    ref, ours = timm_pair("cait_xxs24_224", tmp_path, img_size=64, depth=1)
+    seen = _timm_attention(ref, [b.attn for b in ref.blocks_token_only])
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref(x)
+    layers = capture_attention(ours, x)  # the talking-heads blocks are not read (no distribution after mixing)
+    assert [lay.kind for lay in layers] == ["class_attention"] * 2
+    for lay, t in zip(layers, seen):
+        torch.testing.assert_close(lay.attn, t, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(attention_maps(lay, "cls"), t[:, :, 0, 1:].reshape(2, 4, 4, 4))
+    with pytest.raises(ValueError, match="only query is the class token"):
+        attention_maps(layers[0], (1, 1))
+
+
 def test_pvt_spatial_reduction_weights_are_what_sdpa_applies():
     model, x = smoke_model("pvt_tiny")
     m = model.stages[0].blocks[0].attn  # sr_ratio 8: 16x16 queries, 2x2 reduced keys

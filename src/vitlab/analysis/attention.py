@@ -15,6 +15,9 @@
     ``_attend(q, k, v)`` swapped for the same product with the weights kept;
   - MobileViT (Mehta & Rastegari, ICLR 2022): its ``msa`` blocks attend across patches once per pixel position
     inside a patch (those sequences are batched); the weights are averaged over the positions;
+  - CaiT's class attention (Touvron et al., ICCV 2021, Sec. 3): the class token's query and every token's key
+    read from the module's ``q`` and ``k`` projections by forward hooks (one query row per head). CaiT's
+    talking-heads self-attention mixes heads after the softmax, so its weights are no distribution: not read;
   - PVT's spatial-reduction attention (Wang et al., ICCV 2021, Eq. 2-3): q and the reduced k read from the
     module's ``q`` and ``kv`` projections by forward hooks; the keys lie on the reduced grid.
 
@@ -40,7 +43,8 @@ import torch.nn as nn
 from vitlab.analysis._common import eval_forward, pick
 
 _RETURN_ATTN = ("MultiHeadSelfAttention", "NaiveAttention", "HaLViTAttention")
-SUPPORTED_FAMILIES = "vit*, deit*, halvit*, vit_pico*, swin*, levit*, efficientformer*, pvt*, mobilevit*"
+SUPPORTED_FAMILIES = ("vit*, deit*, halvit*, vit_pico*, swin*, levit*, efficientformer*, pvt*, mobilevit*, "
+                      "cait* (class attention)")
 HEAD_FUSIONS = ("mean", "max", "min")
 
 
@@ -50,9 +54,9 @@ class AttentionLayer:
     own order (``num_prefix`` prefix tokens first, then the patch grid in raster order)."""
 
     name: str  # module path in the model
-    kind: str  # 'global', 'window' (stitched to the grid), 'offset_bias', 'spatial_reduction'
+    kind: str  # 'global', 'window' (stitched to the grid), 'offset_bias', 'spatial_reduction', 'class_attention'
     attn: torch.Tensor
-    q_grid: tuple[int, int]  # (H, W) of the query patch tokens
+    q_grid: tuple[int, int]  # (H, W) of the query patch tokens ((0, 0): the class token is the only query)
     k_grid: tuple[int, int]  # (H, W) of the key patch tokens
     num_prefix: int = 0  # prefix tokens among the queries and keys (class, distillation, registers)
 
@@ -115,6 +119,7 @@ def find_attention_layers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(name, module, kind) of every attention layer :func:`capture_attention` can read, in module order."""
     from vitlab.attention import OffsetBiasAttentionBase, SpatialReductionAttention
     from vitlab.attention.local_window import _WindowAttentionBase
+    from vitlab.models.cait import ClassAttn
 
     out = []
     for name, m in model.named_modules():
@@ -126,6 +131,8 @@ def find_attention_layers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
             out.append((name, m, "offset_bias"))
         elif isinstance(m, SpatialReductionAttention):
             out.append((name, m, "spatial_reduction"))
+        elif isinstance(m, ClassAttn):
+            out.append((name, m, "class_attention"))
     return out
 
 
@@ -166,16 +173,30 @@ def _recording(model: nn.Module, records: list[AttentionLayer]):
             return attn @ v
         return _attend
 
+    def projections(m, names, *args):
+        """Run ``m`` with forward hooks on its projections ``names``; returns (output, {name: output})."""
+        seen = {}
+        hooks = [getattr(m, n).register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n, o)) for n in names]
+        try:
+            return type(m).forward(m, *args), seen
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def class_fwd(name, m):
+        def forward(u):
+            out, seen = projections(m, ("q", "k"), u)
+            B, N, C = u.shape
+            q = seen["q"].reshape(B, 1, m.num_heads, m.head_dim).transpose(1, 2)  # the class token's query
+            k = seen["k"].reshape(B, N, m.num_heads, m.head_dim).transpose(1, 2)
+            attn = ((q * m.head_dim**-0.5) @ k.transpose(-2, -1)).softmax(-1)  # (B, heads, 1, 1 + H*W)
+            records.append(AttentionLayer(name, "class_attention", attn.detach(), (0, 0), _grid_of(N - 1), 1))
+            return out
+        return forward
+
     def reduction_fwd(name, m):
         def forward(x, hw=None):
-            seen = {}
-            hooks = [m.q.register_forward_hook(lambda mod, i, o: seen.__setitem__("q", o)),
-                     m.kv.register_forward_hook(lambda mod, i, o: seen.__setitem__("kv", o))]
-            try:
-                out = type(m).forward(m, x, hw)
-            finally:
-                for h in hooks:
-                    h.remove()
+            out, seen = projections(m, ("q", "kv"), x, hw)
             B, N, C = x.shape
             q = seen["q"].reshape(B, N, m.num_heads, m.head_dim).transpose(1, 2)
             k = seen["kv"][..., :C].reshape(B, -1, m.num_heads, m.head_dim).transpose(1, 2)  # kv packs [k, v]
@@ -190,8 +211,9 @@ def _recording(model: nn.Module, records: list[AttentionLayer]):
 
     try:
         for name, m, kind in find_attention_layers(model):
-            if kind in ("global", "window", "spatial_reduction"):
-                make = {"global": global_fwd, "window": window_fwd, "spatial_reduction": reduction_fwd}[kind]
+            if kind != "offset_bias":
+                make = {"global": global_fwd, "window": window_fwd, "spatial_reduction": reduction_fwd,
+                        "class_attention": class_fwd}[kind]
                 m.forward = make(name, m)
                 patched.append((m, "forward"))
             else:
@@ -235,6 +257,8 @@ def query_index(layer: AttentionLayer, query: str | tuple[int, int]) -> int:
         return need - 1
     r, c = query
     H, W = layer.q_grid
+    if H * W == 0:
+        raise ValueError(f"layer {layer.name} is class attention: its only query is the class token (--query cls)")
     if not (0 <= r < H and 0 <= c < W):
         raise ValueError(f"query patch ({r}, {c}) lies outside layer {layer.name}'s {H}x{W} query grid")
     return layer.num_prefix + r * W + c
