@@ -117,12 +117,13 @@ class HiLoBlock(nn.Module):
     def __init__(self, dim: int, num_heads: int, window_size: int = 2, alpha: float = 0.9,
                  mlp_ratio: float = 4.0, qkv_bias: bool = True, proj_drop: float = 0.0, attn_drop: float = 0.0,
                  drop_path: float = 0.0, act_layer: str | Callable = "gelu",
-                 norm_layer: str | Callable = "layernorm_eps5"):
+                 norm_layer: str | Callable = "layernorm_eps5", pooled_queries: bool = False):
         super().__init__()
         norm = get_norm_layer(norm_layer)
         self.norm1 = norm(dim)
         self.attn = create_attention("hilo", dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop,
-                                     proj_drop=proj_drop, window_size=window_size, alpha=alpha)
+                                     proj_drop=proj_drop, window_size=window_size, alpha=alpha,
+                                     pooled_queries=pooled_queries)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm(dim)
         self.mlp = ConvFFN(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
@@ -198,7 +199,8 @@ class LITv2Stage(nn.Module):
     def __init__(self, dim: int, out_dim: int, depth: int, num_heads: int, downsample: bool,
                  window_size: int = 0, alpha: float = 0.9, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  proj_drop: float = 0.0, attn_drop: float = 0.0, drop_path: list[float] | None = None,
-                 act_layer: str | Callable = "gelu", norm_layer: str | Callable = "layernorm_eps5"):
+                 act_layer: str | Callable = "gelu", norm_layer: str | Callable = "layernorm_eps5",
+                 pooled_queries: bool = False):
         super().__init__()
         if not downsample and dim != out_dim:
             raise ValueError(f"a stage without token merging keeps its width ({dim} != {out_dim})")
@@ -208,7 +210,8 @@ class LITv2Stage(nn.Module):
             check_heads(out_dim, num_heads)
             blocks = [HiLoBlock(out_dim, num_heads, window_size=window_size, alpha=alpha, mlp_ratio=mlp_ratio,
                                 qkv_bias=qkv_bias, proj_drop=proj_drop, attn_drop=attn_drop, drop_path=p,
-                                act_layer=act_layer, norm_layer=norm_layer) for p in drop_path]
+                                act_layer=act_layer, norm_layer=norm_layer, pooled_queries=pooled_queries)
+                      for p in drop_path]
         else:
             blocks = [ConvFFNBlock(out_dim, mlp_ratio=mlp_ratio, proj_drop=proj_drop, drop_path=p,
                                    act_layer=act_layer, norm_layer=norm_layer) for p in drop_path]
@@ -249,6 +252,7 @@ class LITv2(TimmApiMixin, nn.Module):
         norm_layer: str | Callable = "layernorm_eps5",
         act_layer: str | Callable = "gelu",
         dynamic_img_size: bool = True,  # always on: nothing in the model depends on the input size
+        pooled_queries: bool = False,  # seed 002 Table III: Lo-Fi queries from the pooled map (HiLo's option)
     ):
         super().__init__()
         check_pool(global_pool, _POOL_TYPES)
@@ -277,7 +281,7 @@ class LITv2(TimmApiMixin, nn.Module):
                        window_size=local_ws[i], alpha=alpha, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
                        proj_drop=proj_drop_rate, attn_drop=attn_drop_rate,
                        drop_path=dpr[sum(depths[:i]):sum(depths[: i + 1])], act_layer=act_layer,
-                       norm_layer=norm_layer)
+                       norm_layer=norm_layer, pooled_queries=pooled_queries)
             for i in range(n)])
         self.feature_info = [dict(num_chs=d, reduction=patch_size * 2**i, module=f"layers.{i}")
                              for i, d in enumerate(dims)]

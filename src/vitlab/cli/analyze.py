@@ -1,0 +1,386 @@
+"""``vitlab analyze TOOL``: the tools of :mod:`vitlab.analysis`, each writing ``TOOL.json`` and ``TOOL.png``
+into ``--out`` (default ``analysis/``) and printing where.
+
+    vitlab analyze attention --model deit_small_patch16_224 --checkpoint w.pth   maps, rollout, overlays
+    vitlab analyze attention --model swin_tiny_patch4_window7_224 --block 5 --query 7,7
+    vitlab analyze spectrum --model litv2_s                 HiLo Hi-Fi / Lo-Fi spectra (seed 002 Fig. II-III)
+    vitlab analyze spectrum --model deit_tiny_patch16_224   relative log-amplitude of every block's output
+    vitlab analyze bias --model levit_256                   attention biases by offset (seed 003 Fig. 1)
+    vitlab analyze posembed --model vit_base_patch16_224    position-embedding cosine similarity
+    vitlab analyze timings                                  seed 003 Table 1 (DeiT-tiny vs LeViT-256 block)
+    vitlab analyze memory --model vit_base_patch16_224 --batch-size 64   seed 004's estimate vs measured
+    vitlab analyze window-study / pooled-queries            seed 002 Tables II and III
+
+Images default to scikit-image's bundled photos (astronaut, coffee, chelsea); ``--images`` takes files.
+Without ``--checkpoint`` the model has its random initialisation (no download happens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from vitlab._console import console
+
+
+def _model_kwargs(pairs: list[str] | None) -> dict:
+    """``--model-arg KEY=VALUE`` pairs as create_model kwargs; values read as YAML (``depths=[2,2,6,2]``)."""
+    import yaml
+
+    out = {}
+    for pair in pairs or []:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--model-arg takes KEY=VALUE, got {pair!r}")
+        out[key.replace("-", "_")] = yaml.safe_load(value)
+    return out
+
+
+def _model(args):
+    import vitlab
+
+    kw = _model_kwargs(args.model_arg)
+    if args.img_size is not None:
+        kw["img_size"] = args.img_size
+    try:
+        model = vitlab.create_model(args.model, checkpoint_path=args.checkpoint, **kw)
+    except TypeError as e:  # an unknown --model-arg
+        raise ValueError(f"{args.model} does not take {sorted(kw)}: {e}") from None
+    if args.checkpoint is None:
+        console.print("[yellow]note:[/] no --checkpoint: random-init weights (maps show an untrained model)")
+    return model.eval()
+
+
+def _query(text: str):
+    if text in ("cls", "dist"):
+        return text
+    try:
+        r, c = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--query must be cls, dist or ROW,COL (e.g. 7,7), got {text!r}") from None
+    return r, c
+
+
+def _write(out: Path, tool: str, data: dict, pngs: dict[str, bytes] | bytes | None) -> None:
+    """``TOOL.json`` and the PNGs (``TOOL.png``, or ``TOOL-KEY.png`` for a dict of them) into ``out``, atomically."""
+    from vitlab._io import atomic_write
+
+    paths = [atomic_write(out / f"{tool}.json", (json.dumps(data, indent=1) + "\n").encode())]
+    if isinstance(pngs, bytes):
+        pngs = {"": pngs}
+    for key, png in (pngs or {}).items():
+        paths.append(atomic_write(out / (f"{tool}-{key}.png" if key else f"{tool}.png"), png))
+    console.print("wrote " + "  ".join(str(p) for p in paths), highlight=False, soft_wrap=True)
+
+
+def _round(t, nd: int = 5):
+    return None if t is None else [[round(v, nd) for v in row] for row in t.reshape(-1, t.shape[-1]).tolist()]
+
+
+def cmd_attention(args) -> int:
+    import torch
+
+    from vitlab.analysis import analyze_attention, model_images
+    from vitlab.analysis.plots import attention_png
+
+    torch.manual_seed(args.seed)
+    model = _model(args)
+    imgs = model_images(model, args.images, args.img_size)
+    r = analyze_attention(model, imgs.x, block=args.block, query=_query(args.query),
+                          head_fusion=args.head_fusion, discard_ratio=args.discard_ratio)
+    title = (f"{args.model} {r['layer']} ({r['kind']}), query {r['query']}; rollout over "
+             f"{len(r['rollout_layers'])} layers, {args.head_fusion} fusion, discard {args.discard_ratio}")
+    png = attention_png(imgs.display, r["maps"], r["rollout"], imgs.names, title)
+    data = {k: v for k, v in r.items() if k not in ("maps", "rollout")}
+    data.update(model=args.model, checkpoint=args.checkpoint, images=imgs.names,
+                maps={n: [_round(m) for m in r["maps"][i]] for i, n in enumerate(imgs.names)},
+                rollout=None if r["rollout"] is None else {n: _round(r["rollout"][i])
+                                                           for i, n in enumerate(imgs.names)})
+    _write(Path(args.out), "attention", data, png)
+    return 0
+
+
+def cmd_spectrum(args) -> int:
+    import torch
+
+    from vitlab.analysis import model_images
+    from vitlab.analysis.plots import block_spectrum_png, hilo_spectrum_png
+    from vitlab.analysis.spectrum import block_spectra, find_hilo, hilo_spectra
+
+    torch.manual_seed(args.seed)
+    model = _model(args)
+    imgs = model_images(model, args.images, args.img_size)
+    data: dict = {"model": args.model, "checkpoint": args.checkpoint, "images": imgs.names}
+    pngs = {}
+    if find_hilo(model):
+        r = hilo_spectra(model, imgs.x, args.block if args.block is not None else -1)
+        pngs["hilo"] = hilo_spectrum_png(r, f"{args.model} {r['layer']}: frequency magnitude ({r['grid'][0]}x"
+                                            f"{r['grid'][1]}) of 8 Hi-Fi (top) / Lo-Fi (bottom) channels, mean "
+                                            f"over {r['num_images']} images")
+        data["hilo"] = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in r.items()}
+    elif args.block is not None:
+        raise ValueError(f"--block picks a HiLo layer; {args.model} has none (models with one: litv2_s, litv2_m, "
+                         f"litv2_b)")
+    b = block_spectra(model, imgs.x)
+    pngs["blocks"] = block_spectrum_png(b, f"{args.model}: relative log amplitude of block outputs (Park & Kim "
+                                           f"2022), mean over {len(imgs.names)} images")
+    data["blocks"] = b["blocks"]
+    _write(Path(args.out), "spectrum", data, pngs)
+    return 0
+
+
+def cmd_bias(args) -> int:
+    from vitlab.analysis.bias import bias_maps
+    from vitlab.analysis.plots import bias_png
+
+    model = _model(args)
+    r = bias_maps(model)
+    png = bias_png(r, f"{args.model}: attention bias by offset (query: top-left pixel), range "
+                      f"[{r['range'][0]:.2f}, {r['range'][1]:.2f}]")
+    data = {"model": args.model, "checkpoint": args.checkpoint, "range": r["range"],
+            "layers": [{**{k: v for k, v in lay.items() if k != "maps"}, "maps": lay["maps"].tolist()}
+                       for lay in r["layers"]]}
+    _write(Path(args.out), "bias", data, png)
+    return 0
+
+
+def cmd_posembed(args) -> int:
+    from vitlab.analysis.plots import posembed_png
+    from vitlab.analysis.posembed import posembed_similarity
+
+    model = _model(args)
+    r = posembed_similarity(model, args.table)
+    png = posembed_png(r, f"{args.model} {r['name']} ({r['kind']}): cosine similarity, neighbours "
+                          f"{r['neighbour_mean']:.2f}, far {r['far_mean']:.2f}")
+    data = {"model": args.model, "checkpoint": args.checkpoint, **r, "similarity": _round(r["similarity"], 4)}
+    _write(Path(args.out), "posembed", data, png)
+    return 0
+
+
+def _timings_table(r: dict):
+    from rich.table import Table
+
+    from vitlab.analysis.timings import ROWS
+
+    t = Table(title="seed 003 Table 1: microseconds per component, batch 1, 14x14 (median; fastest run)")
+    for col in ("component", "DeiT-tiny ours", "DeiT-tiny paper", "LeViT-256 ours", "LeViT-256 paper"):
+        t.add_column(col, justify="left" if col == "component" else "right")
+
+    def cell(model, row):
+        if row == "Total":
+            return f"{r[model]['total_us']:.0f} ({r[model]['total_min_us']:.0f})"
+        v = r[model]["components_us"].get(row)
+        return "n/a" if v is None else f"{v:.0f} ({r[model]['components_min_us'][row]:.0f})"
+
+    for row in (*ROWS, "Total"):
+        paper = r["paper"]
+        t.add_row(row, cell("deit_tiny", row), str(paper["deit_tiny"][row] or "n/a"), cell("levit_256", row),
+                  str(paper["levit_256"][row] or "n/a"))
+    t.add_row("sum / total", f"{r['deit_tiny']['sum_over_total']:.2f} ({r['deit_tiny']['sum_over_total_min']:.2f})",
+              "", f"{r['levit_256']['sum_over_total']:.2f} ({r['levit_256']['sum_over_total_min']:.2f})", "")
+    return t
+
+
+def cmd_timings(args) -> int:
+    import torch
+
+    from vitlab.analysis import timings
+    from vitlab.analysis.plots import block_timings_png, timings_png
+
+    torch.manual_seed(args.seed)
+    if args.model is None:
+        r = timings.seed003_table1(warmup=args.warmup, runs=args.runs, threads=args.threads, seed=args.seed)
+        console.print(_timings_table(r))
+        png = timings_png(r, f"seed 003 Table 1 here ({args.threads} thread, batch 1, {args.runs} runs) vs the "
+                             f"paper (Xeon E5-2698 core)")
+        _write(Path(args.out), "timings", r, png)
+        return 0
+    model = _model(args)
+    cfg = getattr(model, "pretrained_cfg", None)
+    size = args.img_size or (model.img_size[0] if hasattr(model, "img_size") else cfg.input_size[1] if cfg else 224)
+    x = torch.randn(1, cfg.input_size[0] if cfg else 3, size, size)
+    r = timings.block_timings(model, x, block=args.block, warmup=args.warmup, runs=args.runs, threads=args.threads)
+    for k, v in r["components_us"].items():
+        console.print(f"{k:<24} {v:9.0f} us", highlight=False)
+    console.print(f"{'rest':<24} {r['rest_us']:9.0f} us\n{'total':<24} {r['total_us']:9.0f} us", highlight=False)
+    png = block_timings_png(r, f"{args.model} {r['block']}: {args.threads} thread, batch 1, {size}px, median of "
+                               f"{args.runs}")
+    _write(Path(args.out), "timings", {"model": args.model, **r}, png)
+    return 0
+
+
+def _vit_shape(name: str, extra: dict) -> dict:
+    """embed_dim, num_heads and patch_size of a plain ViT (built on 'meta': no memory); ViT-B/16's (seed 001's
+    example) for any other family."""
+    import torch
+
+    import vitlab
+
+    with torch.device("meta"):
+        m = vitlab.create_model(name, **extra)
+    attn = getattr(getattr(m, "blocks", [None])[0], "attn", None)
+    if getattr(m, "patch_embed", None) is None or not hasattr(attn, "num_heads"):
+        return {}
+    return dict(embed_dim=m.embed_dim, num_heads=attn.num_heads, patch_size=m.patch_embed.patch_size[0])
+
+
+def cmd_memory(args) -> int:
+    from vitlab.analysis.memory import complexity_table, measure_memory_isolated
+    from vitlab.analysis.plots import memory_png
+
+    modes = ["infer", "train"] if args.mode == "both" else [args.mode]
+    extra = _model_kwargs(args.model_arg)
+    rows = []
+    for mode in modes:
+        console.print(f"measuring {args.model} {mode} at batch {args.batch_size} on {args.device} ({args.dtype}) "
+                      f"in a fresh process ...", highlight=False)
+        rows.append(measure_memory_isolated(args.model, batch_size=args.batch_size, mode=mode, device=args.device,
+                                            dtype=args.dtype, img_size=args.img_size, **extra))
+    table = complexity_table(**_vit_shape(args.model, extra))
+    for r in rows:
+        est = "  ".join(f"Q={q}: {v:.3f}" for q, v in r["estimate_gb"].items())
+        console.print(f"{r['mode']:>5}: estimate GB {est} | measured: loaded {r['loaded_gb']:.3f}, peak "
+                      f"{r['measured_peak_gb']:.3f} GB = {r['measured_over_estimate']:.2f} x the estimate at its "
+                      f"dtype", highlight=False)
+    for t in table:
+        console.print(f"{t['img_size']:>5} px: N = {t['tokens']:>5}, {t['scores_per_head_m']:.2f} M scores/head "
+                      f"(seed 001: {t['seed001_printed_m']}), {t['attention_gmacs_per_layer']:.3f} GMACs/layer, "
+                      f"{t['attention_map_mb_per_layer']:.1f} MB maps/layer", highlight=False)
+    png = memory_png(rows, table, f"{args.model}: memory at batch {args.batch_size} ({args.device}, {args.dtype})")
+    _write(Path(args.out), "memory", {"measurements": rows, "complexity": table, "model": args.model}, png)
+    return 0
+
+
+def cmd_window_study(args) -> int:
+    import torch
+
+    from vitlab.analysis.plots import window_study_png
+    from vitlab.analysis.studies import window_study
+
+    torch.manual_seed(args.seed)
+    r = window_study(windows=args.windows, model=args.model, img_size=args.img_size or 224,
+                     batch_size=args.batch_size, warmup=args.warmup, runs=args.runs, memory=not args.no_memory,
+                     epochs=args.epochs, dataset=args.data, train_img_size=args.train_img_size,
+                     train_batch_size=args.train_batch_size, lr=args.lr, output_dir=str(Path(args.out) / "runs"),
+                     model_kwargs=_model_kwargs(args.model_arg),
+                     progress=lambda msg: console.print(msg, highlight=False))
+    for row in r["rows"]:
+        console.print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                      highlight=False)
+    png = window_study_png(r, f"{args.model}, HiLo window s (stage 3): {r['settings']['img_size']}px, batch "
+                              f"{args.batch_size}, {torch.get_num_threads()} threads (paper: dashed)")
+    _write(Path(args.out), "window-study", r, png)
+    return 0
+
+
+def cmd_pooled_queries(args) -> int:
+    import torch
+
+    from vitlab.analysis.plots import pooled_queries_png
+    from vitlab.analysis.studies import pooled_queries_study
+
+    torch.manual_seed(args.seed)
+    r = pooled_queries_study(model=args.model, img_size=args.img_size or 224, batch_size=args.batch_size,
+                             warmup=args.warmup, runs=args.runs, model_kwargs=_model_kwargs(args.model_arg))
+    for row in r["rows"]:
+        console.print(f"{row['variant']:>15}: {row['params_m']:.2f} M params, {row['gmacs']:.3f} GMACs, "
+                      f"{row['img_per_s']:.2f} img/s", highlight=False)
+    console.print(f"pooled / standard throughput: {r['speed_ratio']:.2f} (paper, RTX 3090: {1084 / 1471:.2f})",
+                  highlight=False)
+    png = pooled_queries_png(r, f"{args.model} with and without pooled queries ({r['settings']['img_size']}px, "
+                                f"batch {args.batch_size}, {torch.get_num_threads()} threads)")
+    _write(Path(args.out), "pooled-queries", r, png)
+    return 0
+
+
+def _study_args(p, batch_size: int, runs: int) -> None:
+    p.add_argument("--model", default="litv2_s", help="a LITv2 (default: litv2_s)")
+    p.add_argument("--img-size", type=int, default=None, help="input size (default 224)")
+    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="a create_model argument, repeatable")
+    p.add_argument("--batch-size", type=int, default=batch_size, help="batch of the timing and memory runs")
+    p.add_argument("--runs", type=int, default=runs, help="timed round-robin runs (median)")
+    p.add_argument("--warmup", type=int, default=1)
+
+
+def _common(p, model: str | None = "deit_tiny_patch16_224", images: bool = True) -> None:
+    if model is not None:
+        p.add_argument("--model", default=model, help=f"a registered model name (default: {model})")
+        p.add_argument("--checkpoint", default=None, metavar="PATH", help="weights to load (timm or vitlab format)")
+        p.add_argument("--img-size", type=int, default=None, help="input size (default: the model's own)")
+        p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
+                       help="a create_model argument, repeatable (e.g. pos_embed=sincos)")
+    if images:
+        p.add_argument("--images", nargs="+", default=None, metavar="IMAGE",
+                       help="image files (default: the bundled astronaut, coffee, chelsea)")
+    p.add_argument("--out", default="analysis", metavar="DIR", help="output folder (default: analysis)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
+
+
+def register(sub) -> None:
+    from vitlab.analysis.attention import HEAD_FUSIONS
+
+    an = sub.add_parser("analyze", help="analysis tools: attention maps, spectra, biases, timings, memory")
+    asub = an.add_subparsers(dest="tool", required=True)
+
+    a = asub.add_parser("attention", help="per-head attention maps, rollout and overlays")
+    _common(a)
+    a.add_argument("--block", type=int, default=-1, help="attention layer index (default: -1, the last)")
+    a.add_argument("--query", default="cls", help="cls, dist, or a query patch ROW,COL (default: cls; the centre "
+                                                 "patch for models without a class token)")
+    a.add_argument("--head-fusion", default="mean", choices=HEAD_FUSIONS, help="rollout head fusion")
+    a.add_argument("--discard-ratio", type=float, default=0.9, help="rollout: fraction of weakest weights zeroed")
+    a.set_defaults(func=cmd_attention)
+
+    s = asub.add_parser("spectrum", help="HiLo Hi-Fi / Lo-Fi spectra (LITv2) and every block's relative "
+                                         "log amplitude")
+    _common(s, model="litv2_s")
+    s.add_argument("--block", type=int, default=None, help="HiLo layer with both branches (default: -1, the last)")
+    s.set_defaults(func=cmd_spectrum)
+
+    b = asub.add_parser("bias", help="LeViT / EfficientFormer attention biases as maps over offsets")
+    _common(b, model="levit_256", images=False)
+    b.set_defaults(func=cmd_bias)
+
+    pe = asub.add_parser("posembed", help="cosine similarity of each position embedding with all others")
+    _common(pe, model="vit_base_patch16_224", images=False)
+    pe.add_argument("--table", type=int, default=0, help="which position-embedding table (PVT has one a stage)")
+    pe.set_defaults(func=cmd_posembed)
+
+    t = asub.add_parser("timings", help="seed 003 Table 1 (DeiT-tiny vs LeViT-256 block components), or any "
+                                        "model's block with --model")
+    _common(t, model=None, images=False)
+    t.add_argument("--model", default=None, help="time this model's block instead of Table 1's two blocks")
+    t.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
+    t.add_argument("--img-size", type=int, default=None, help="input size with --model (default: the model's own)")
+    t.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="a create_model argument, repeatable")
+    t.add_argument("--block", type=int, default=0, help="with --model: which blocks.<i> module (default 0)")
+    t.add_argument("--runs", type=int, default=100, help="timed runs, median reported (>= 50 for Table 1)")
+    t.add_argument("--warmup", type=int, default=10)
+    t.add_argument("--threads", type=int, default=1, help="torch threads while timing (Table 1: 1)")
+    t.set_defaults(func=cmd_timings)
+
+    m = asub.add_parser("memory", help="seed 004's memory estimate vs the measured peak; seed 001's complexity table")
+    _common(m, model="vit_base_patch16_224", images=False)
+    m.add_argument("--batch-size", type=int, default=64)
+    m.add_argument("--mode", default="infer", choices=["infer", "train", "both"])
+    m.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="fp32 is Q = 32, bf16 Q = 16")
+    m.set_defaults(func=cmd_memory)
+
+    w = asub.add_parser("window-study", help="seed 002 Table II: LITv2 with HiLo window s = 2..7")
+    _study_args(w, batch_size=8, runs=5)
+    _common(w, model=None, images=False)
+    w.add_argument("--windows", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7], help="window sizes (default 2..7)")
+    w.add_argument("--no-memory", action="store_true", help="skip the train / test memory columns")
+    w.add_argument("--epochs", type=int, default=0, help="train each for this many epochs for top-1 (0: no)")
+    w.add_argument("--data", default="digits", help="dataset of the top-1 column (vitlab train's --data)")
+    w.add_argument("--train-img-size", type=int, default=None, help="training image size (a multiple of 32)")
+    w.add_argument("--train-batch-size", type=int, default=32)
+    w.add_argument("--lr", type=float, default=None, help="learning rate at batch 512 (default: vitlab train's)")
+    w.set_defaults(func=cmd_window_study)
+
+    pq = asub.add_parser("pooled-queries", help="seed 002 Table III: LITv2 with and without pooled queries")
+    _study_args(pq, batch_size=8, runs=10)
+    _common(pq, model=None, images=False)
+    pq.set_defaults(func=cmd_pooled_queries)
