@@ -68,7 +68,7 @@ def rope_frequencies(dim: int, positions: torch.Tensor, base: float = 10000.0) -
     """Seed 004's ``m * theta``: angles (len(positions), dim/2) with ``theta_i = base ** (-2i / dim)``."""
     if dim % 2:
         raise ValueError(f"RoPE needs an even dimension, got {dim}")
-    theta = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    theta = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
     return torch.outer(positions.double(), theta)
 
 
