@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.train.test_distributed import world_of_one  # noqa: F401  (the fixture, shared)
 from vitlab.cli import main
 from vitlab.clip.data import read_captions
 from vitlab.clip.tasks import ClipArgs
@@ -145,3 +146,22 @@ def test_task_args_types():
     assert args.truncate is False and args.context_length == 20
     with pytest.raises(ValueError, match="task_args.tokenizer"):
         ClipArgs.from_dict({"tokenizer": "sentencepiece"})
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_clip_task_under_each_strategy(tmp_path, strategy):
+    """DDP wraps the CLIP model (two inputs), FSDP2 shards its declared units (image and text blocks); the loss
+    gathers through the process group (a world of one here; two processes: tests/clip/test_loss_zeroshot.py)."""
+    import torch.distributed as dist
+
+    from vitlab.train import TrainConfig, fit
+
+    (tmp_path / "d").mkdir()
+    data = _captions(tmp_path / "d", n=6)
+    s = fit(TrainConfig(task="clip", model="clip_vit_pico_patch8", model_kwargs={"image_depth": 1, "text_depth": 1,
+                                                                                   "in_chans": 3},
+                        data={"dataset": f"captions:{data}"}, epochs=1, batch_size=4, strategy=strategy, quiet=True,
+                        output_dir=str(tmp_path / "run")))
+    assert not dist.is_initialized() and s["strategy"] == strategy and s["finished"]
+    assert (s.get("fsdp_units") == 3) == (strategy == "fsdp")  # one image block, one text block, the root

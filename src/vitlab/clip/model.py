@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 from vitlab.attention import Block
 from vitlab.clip.openclip import convert_openclip_state_dict, is_openclip_state_dict, openclip_config
-from vitlab.convert import read_state_dict
+from vitlab.convert import load_state_dict, read_state_dict
 from vitlab.layers import PatchEmbed, RotaryEmbedding1D, check_heads, checkpoint_seq, get_norm_layer
-from vitlab.registry import ModelConfig, create_model, register_model
+from vitlab.registry import ModelConfig, create_model, get_model_config, register_model
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's image normalisation (open_clip's OPENAI_DATASET_*)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -160,7 +160,8 @@ class CLIP(nn.Module):
         self.visual = ImageTower(image_model, embed_dim, pre_norm=image_pre_norm, **(image_kwargs or {}))
         self.text = TextTransformer(embed_dim=embed_dim, **(text_kwargs or {}))
         self.context_length = self.text.context_length
-        self.logit_scale = nn.Parameter(torch.tensor(float(init_logit_scale)))
+        # shape (1,), not a scalar: FSDP2 shards only parameters with a dimension
+        self.logit_scale = nn.Parameter(torch.full((1,), float(init_logit_scale)))
 
     def encode_image(self, image: torch.Tensor, normalize: bool = False) -> torch.Tensor:
         x = self.visual(image)
@@ -172,7 +173,8 @@ class CLIP(nn.Module):
 
     def forward(self, image: torch.Tensor, text: torch.Tensor):
         """Unit-norm image and text features and ``exp(logit_scale)``; logits are ``scale * img @ txt.T``."""
-        return self.encode_image(image, normalize=True), self.encode_text(text, normalize=True), self.logit_scale.exp()
+        return (self.encode_image(image, normalize=True), self.encode_text(text, normalize=True),
+                self.logit_scale.exp().squeeze(0))
 
     def profile_inputs(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What :mod:`vitlab.profile` runs: the image and one full-context text per image (open_clip's convention
@@ -235,8 +237,6 @@ def clip_from_openclip(checkpoint: str | dict, quick_gelu: bool = False) -> CLIP
     cfg = openclip_config(sd)
     model = build_clip(cfg["embed_dim"], "vit_base_patch16_224", {**clip_vit_kwargs(), **cfg["image_kwargs"]},
                        cfg["text_kwargs"], quick_gelu=quick_gelu)
-    from vitlab.convert import load_state_dict
-
     return load_state_dict(model, sd, source=checkpoint if isinstance(checkpoint, str) else "open_clip state dict")
 
 
@@ -245,8 +245,6 @@ def clip_for_task(model_name: str, img_size: int, in_chans: int, vocab_size: int
     """The CLIP a training run builds: a registered ``clip_*`` model, or any other registered image model as the
     image tower (its pooled features, no pre-norm) beside the tiny CLIP text tower and an ``embed_dim``
     projection. ``vocab_size`` / ``context_length`` size the text tower for the run's tokenizer."""
-    from vitlab.registry import get_model_config
-
     text = {k: v for k, v in (("vocab_size", vocab_size), ("context_length", context_length)) if v is not None}
     if get_model_config(model_name).family == "clip":
         text_kw = {f"text_{k}": v for k, v in text.items()}

@@ -16,6 +16,7 @@ open_clip                                              vitlab
 ``token_embedding`` / ``positional_embedding``         ``text.token_embedding`` / ``text.pos_embed``
 ``transformer.resblocks.i``                            ``text.blocks.i``
 ``ln_final`` / ``text_projection`` (W, E)              ``text.norm`` / ``text.proj.weight`` (E, W)
+``logit_scale`` ()                                     ``logit_scale`` (1,) (FSDP2 shards no scalar)
 in a block: ``ln_1``, ``attn.in_proj_{weight,bias}``,  ``norm1``, ``attn.qkv.{weight,bias}``, ``attn.proj``,
 ``attn.out_proj``, ``ln_2``, ``mlp.c_fc``, ``c_proj``  ``norm2``, ``mlp.fc1``, ``mlp.fc2``
 =====================================================  ======================================================
@@ -81,7 +82,9 @@ def convert_openclip_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.
             out["text.norm." + k.split(".")[-1]] = v
         elif k == "text_projection":
             out["text.proj.weight"] = v.t().contiguous()
-        else:  # logit_scale and anything unknown: the strict load names what does not fit
+        elif k == "logit_scale":
+            out[k] = v.reshape(1)
+        else:  # anything unknown: the strict load names what does not fit
             out[k] = v
     return out
 

@@ -24,10 +24,8 @@ from vitlab.clip.data import DIGIT_WORDS, HELD_OUT_TEMPLATES, build_clip_data, d
 from vitlab.clip.loss import clip_loss
 from vitlab.clip.model import clip_for_task
 from vitlab.clip.tokenizer import ClipTokenizer, WordTokenizer
-from vitlab.clip.zeroshot import model_from_description, retrieval_evaluate, zeroshot_classifier, zeroshot_evaluate
-from vitlab.convert import load_state_dict
+from vitlab.clip.zeroshot import load_clip, retrieval_evaluate, zeroshot_classifier, zeroshot_evaluate
 from vitlab.registry import create_model, get_model_config
-from vitlab.train import checkpoint as ck
 from vitlab.train.config import coerce
 from vitlab.train.recipe import param_groups
 from vitlab.train.task import register_task
@@ -149,13 +147,10 @@ class ClipTask:
     def test(self, run_dir, batch_size: int, checkpoint: str = "last") -> dict:
         """Digits: zero-shot top-1 / top-5 on the test split with the held-out templates. Captions with a test
         split: recall@1/5/10 both ways."""
-        run_dir = Path(run_dir)
-        if self.data.test is None or not (run_dir / checkpoint).exists():
+        ckpt = Path(run_dir) / checkpoint
+        if self.data.test is None or not ckpt.exists():
             return {}
-        sd, meta = ck.load_weights(run_dir / checkpoint, weights="auto")
-        model = model_from_description(meta).to(self.device)
-        load_state_dict(model, sd, source=str(run_dir / checkpoint))
-        model.eval()
+        model, _, _ = load_clip(str(ckpt), device=self.device)
         if self.digits:
             classifier = zeroshot_classifier(model, self.tokenizer, DIGIT_WORDS, self.templates, self.device)
             r = zeroshot_evaluate(model, classifier, self.data.loader("test", batch_size=batch_size), self.device)
