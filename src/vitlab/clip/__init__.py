@@ -2,7 +2,7 @@
 
     import vitlab
     model = vitlab.create_model("clip_vit_base_patch16")            # or checkpoint_path=an open_clip state dict
-    tok = vitlab.clip.ClipTokenizer()                                # CLIP's BPE (vocabulary from open_clip or a path)
+    tok = vitlab.clip.ClipTokenizer()                        # CLIP's BPE (vocabulary from open_clip or a path)
     img = model.encode_image(images, normalize=True)
     txt = model.encode_text(tok(["a photo of a cat"]), normalize=True)
     probs = (model.logit_scale.exp() * img @ txt.T).softmax(-1)
@@ -13,5 +13,7 @@ across ranks), ``zeroshot`` (prompt-ensembled classifiers, retrieval), ``tasks``
 """
 
 from vitlab.clip.model import CLIP, ImageTower, TextTransformer, build_clip, clip_from_openclip
+from vitlab.clip.tokenizer import ClipTokenizer, WordTokenizer
 
-__all__ = ["CLIP", "ImageTower", "TextTransformer", "build_clip", "clip_from_openclip"]
+__all__ = ["CLIP", "ClipTokenizer", "ImageTower", "TextTransformer", "WordTokenizer", "build_clip",
+           "clip_from_openclip"]
