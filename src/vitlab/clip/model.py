@@ -174,7 +174,7 @@ class CLIP(nn.Module):
     def forward(self, image: torch.Tensor, text: torch.Tensor):
         """Unit-norm image and text features and ``exp(logit_scale)``; logits are ``scale * img @ txt.T``."""
         return (self.encode_image(image, normalize=True), self.encode_text(text, normalize=True),
-                self.logit_scale.exp().squeeze(0))
+                self.logit_scale[0].exp())  # exp of the element: a new tensor, not a view (FSDP2 hooks outputs)
 
     def profile_inputs(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What :mod:`vitlab.profile` runs: the image and one full-context text per image (open_clip's convention
