@@ -139,9 +139,11 @@ class ClipTask:
         return self._description
 
     def summary(self) -> dict:
-        b = self.data
-        return {"model": self.cfg.model, "dataset": b.name, "params_m": self.num_params / 1e6,
-                "img_size": b.img_size, "train_images": len(b.train), "val_images": len(b.val)}
+        """The start line's fields (``train_images``: image-caption pairs) and the tokenizer's."""
+        tok = self.tokenizer.to_dict()["kind"]
+        return dict(model=self.cfg.model, dataset=self.data.name, params_m=self.num_params / 1e6,
+                    img_size=self.data.img_size, train_images=len(self.data.train), val_images=len(self.data.val),
+                    tokenizer=tok, vocab_size=self.tokenizer.vocab_size, context_length=self.tokenizer.context_length)
 
     @torch.no_grad()
     def test(self, run_dir, batch_size: int, checkpoint: str = "last") -> dict:
