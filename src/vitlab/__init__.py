@@ -8,7 +8,7 @@ Quick start::
     vitlab.profile_model("vit_giant_patch14_224")   # params, GMACs, memory, without allocating weights
 """
 
-from vitlab import attention, layers, models, optimize, profile  # noqa: F401  (registers models and mechanisms)
+from vitlab import attention, clip, layers, models, optimize, profile  # noqa: F401  (registers models, mechanisms)
 from vitlab.convert import CheckpointError, load_checkpoint
 from vitlab.profile import ModelProfile, profile_model
 from vitlab.registry import (

@@ -6,6 +6,9 @@ are counted; element-wise ops, norms and softmax are not (they are < 0.5% of a V
 out). Counting runs on the ``meta`` device by default, so even ViT-G/14 (1.8B parameters) is profiled in
 seconds without allocating its weights.
 
+A model that takes more than an image says what one forward pass is given: ``model.profile_inputs(x)`` returns
+the arguments (CLIP: the image and one full-context text, so both towers are counted).
+
 The memory estimate of seed 004 is given as well: ``M = P * 4 B / (32 / Q) * 1.2`` for weights at Q bits.
 """
 
@@ -61,10 +64,15 @@ def memory_estimate_gb(num_params: int, bits: int = 32, overhead: float = 1.2) -
     return num_params * 4 / (32 / bits) * overhead / 1e9
 
 
+def _run(model, x: torch.Tensor):
+    inputs = getattr(model, "profile_inputs", None)
+    return model(*inputs(x)) if inputs is not None else model(x)
+
+
 def count_macs(model: nn.Module, x: torch.Tensor) -> int:
     """Multiply-accumulates of ``model(x)`` (FLOP counter total / 2)."""
     with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=_extra_formulas()) as counter:
-        model(x)
+        _run(model, x)
     return counter.get_total_flops() // 2
 
 
@@ -83,7 +91,7 @@ def _saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
     model.train()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(x.requires_grad_(False))
+            _run(model, x.requires_grad_(False))
     finally:
         model.train(was_training)
     return sum(seen.values())

@@ -1,6 +1,10 @@
 """The pre-norm transformer block of ViT (seed 001): ``x + DropPath(LS(Attn(Norm(x))))`` then
 ``x + DropPath(LS(MLP(Norm(x))))``. Attention, MLP and norm are pluggable by name, so any mechanism of the
-attention registry (``attn_layer='hilo'``, ...) and any MLP ('mlp', 'swiglu') drops into the same block."""
+attention registry (``attn_layer='hilo'``, ...) and any MLP ('mlp', 'swiglu') drops into the same block.
+
+``post_norm=True`` gives the original Transformer's block (Vaswani et al., 2017, Sec. 3.1; seed 004:
+``LayerNorm(x + Multihead(x))``): ``x = Norm(x + Attn(x))`` then ``x = Norm(x + MLP(x))``. ``attn_mask`` /
+``is_causal`` reach the attention (``msa``) for text: causal and padding masks through SDPA."""
 
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ class Block(nn.Module):
                  qk_norm: bool = False, init_values: float | None = None, proj_drop: float = 0.0,
                  attn_drop: float = 0.0, drop_path: float = 0.0, act_layer: str | Callable = "gelu",
                  norm_layer: str | Callable = "layernorm", mlp_layer: str | Callable = "mlp",
-                 attn_layer: str | Callable = "msa", attn_kwargs: dict | None = None):
+                 attn_layer: str | Callable = "msa", attn_kwargs: dict | None = None, post_norm: bool = False):
         super().__init__()
+        self.post_norm = post_norm
         norm = get_norm_layer(norm_layer)
         kw = dict(qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
         if qk_norm:
@@ -34,8 +39,15 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, rope=None) -> torch.Tensor:
-        y = self.norm1(x)
-        y = self.attn(y, hw) if rope is None else self.attn(y, hw, rope=rope)
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, rope=None,
+                attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        # only mask-aware callers (text towers) pass masks, so every other mechanism keeps forward(x, hw)
+        kw = {} if attn_mask is None and not is_causal else {"attn_mask": attn_mask, "is_causal": is_causal}
+        if rope is not None:
+            kw["rope"] = rope
+        if self.post_norm:
+            x = self.norm1(x + self.drop_path1(self.ls1(self.attn(x, hw, **kw))))
+            return self.norm2(x + self.drop_path2(self.ls2(self.mlp(x))))
+        y = self.attn(self.norm1(x), hw, **kw)
         x = x + self.drop_path1(self.ls1(y))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

@@ -2,8 +2,9 @@
 
 One fused qkv projection, then ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient
 kernels where available). ``forward(..., return_attn=True)`` takes the explicit softmax path and also returns
-the attention weights, for attention maps and analysis. Options: qk-norm (Dehghani et al., 2023) and a RoPE
-hook that rotates queries and keys (seed 004).
+the attention weights, for attention maps and analysis. Options: qk-norm (Dehghani et al., 2023), a RoPE
+hook that rotates queries and keys (seed 004), and masks for text: ``attn_mask`` (boolean, True = attend, or
+additive; :func:`vitlab.layers.attention_mask`) and ``is_causal`` (seed 004's causal mask, SDPA's own flag).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from vitlab.attention._registry import register_attention
 from vitlab.layers.helpers import check_heads
+from vitlab.layers.mask import causal_mask
 from vitlab.layers.pos_embed import apply_rope
 
 
@@ -37,7 +39,8 @@ class MultiHeadSelfAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, rope=None, return_attn: bool = False):
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, rope=None, return_attn: bool = False,
+                attn_mask: torch.Tensor | None = None, is_causal: bool = False):
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, heads, N, head_dim) each
@@ -45,11 +48,19 @@ class MultiHeadSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         drop = self.attn_drop if self.training else 0.0
+        if is_causal and (attn_mask is not None or not (self.fused_attn and not return_attn)):
+            # SDPA takes a mask or the causal flag, not both; the explicit path needs the mask itself
+            causal = causal_mask(N, x.device)
+            attn_mask, is_causal = (causal if attn_mask is None else attn_mask & causal), False
         if self.fused_attn and not return_attn:
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)
+            x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop, is_causal=is_causal)
             attn = None
         else:
-            attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, heads, N, N)
+            attn = (q * self.scale) @ k.transpose(-2, -1)  # (B, heads, N, N)
+            if attn_mask is not None:
+                is_bool = attn_mask.dtype == torch.bool
+                attn = attn.masked_fill(~attn_mask, float("-inf")) if is_bool else attn + attn_mask
+            attn = attn.softmax(dim=-1)
             x = F.dropout(attn, drop) @ v
         x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
         return (x, attn) if return_attn else x

@@ -46,7 +46,8 @@ from vitlab.data import datasets as ds
 from vitlab.data.datasets import DataError
 from vitlab.data.transforms import batch_mixup, channel_stats, eval_transform, train_transform
 
-DATASETS = ("digits", "fake", "imagefolder", "cifar10", "cifar100")
+DATASETS = ("digits", "fake", "imagefolder", "cifar10", "cifar100", "captions")
+PAIRED = ("captions",)  # image-text pairs, read by the task that trains on them (vitlab.clip), not by build()
 
 PRESETS: dict[str, dict] = {
     "imagenet": dict(img_size=224, scale=(0.08, 1.0), hflip=0.5, randaugment=True, color_jitter=0.0,
@@ -95,8 +96,8 @@ class DataConfig:
         name = self.dataset.split(":", 1)[0]
         if name not in DATASETS:
             raise DataError(f"unknown dataset {self.dataset!r}; expected one of: digits, fake, imagefolder:PATH, "
-                            "cifar10:PATH, cifar100:PATH")
-        if name in ("imagefolder", "cifar10", "cifar100") and not self.dataset.partition(":")[2]:
+                            "cifar10:PATH, cifar100:PATH, captions:PATH")
+        if name in ("imagefolder", "cifar10", "cifar100", *PAIRED) and not self.dataset.partition(":")[2]:
             raise DataError(f"dataset {name} needs a path: {name}:PATH")
         if self.preset is not None and self.preset not in PRESETS:
             raise DataError(f"unknown preset {self.preset!r}; expected one of: {', '.join(PRESETS)}")
@@ -214,6 +215,8 @@ def build(cfg: DataConfig, mean: Sequence[float] = (0.5,), std: Sequence[float] 
     """The datasets, transforms and batch mixing for ``cfg``, normalised with the model's ``mean`` / ``std``."""
     if in_chans not in (1, 3):
         raise DataError(f"in_chans must be 1 or 3, got {in_chans}")
+    if cfg.name in PAIRED:
+        raise DataError(f"{cfg.dataset} holds image-text pairs: train on it with --task clip")
     r = cfg.resolved()
     try:
         mean, std = channel_stats(mean, in_chans), channel_stats(std, in_chans)

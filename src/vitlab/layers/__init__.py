@@ -13,11 +13,13 @@ from vitlab.layers.helpers import (
     to_2tuple,
 )
 from vitlab.layers.layer_scale import LayerScale, LayerScale2d
-from vitlab.layers.mlp import Mlp, SwiGLU, create_mlp, get_act_layer, swiglu_hidden_dim
+from vitlab.layers.mask import attention_mask, causal_mask
+from vitlab.layers.mlp import Mlp, QuickGELU, SwiGLU, create_mlp, get_act_layer, swiglu_hidden_dim
 from vitlab.layers.norm import RMSNorm, get_norm_layer
 from vitlab.layers.patch_embed import LinearPatchEmbed, PatchEmbed, conv_to_linear_patch_weight
 from vitlab.layers.pool import AttentionPool, check_pool_type, pool_tokens
 from vitlab.layers.pos_embed import (
+    RotaryEmbedding1D,
     RotaryEmbedding2D,
     apply_rope,
     resample_abs_pos_embed,
@@ -26,11 +28,12 @@ from vitlab.layers.pos_embed import (
 )
 
 __all__ = [
-    "apply_rope", "AttentionPool", "check_heads", "checkpoint_seq", "check_image", "check_pool",
+    "apply_rope", "attention_mask", "AttentionPool", "causal_mask", "check_heads", "checkpoint_seq", "check_image",
+    "check_pool",
     "check_pool_type", "conv_to_linear_patch_weight", "create_classifier", "create_mlp",
     "downsample_size", "drop_path", "drop_path_schedule", "DropPath", "feature_take_indices", "get_act_layer",
     "get_norm_layer", "init_linears_trunc_normal_", "intermediates_plan", "LayerScale", "LayerScale2d",
-    "LinearPatchEmbed", "make_divisible", "Mlp", "PatchEmbed",
+    "LinearPatchEmbed", "make_divisible", "Mlp", "PatchEmbed", "QuickGELU",
     "pool_tokens", "resample_abs_pos_embed", "RMSNorm", "rope_frequencies",
-    "RotaryEmbedding2D", "sincos_2d_pos_embed", "SwiGLU", "swiglu_hidden_dim", "to_2tuple",
+    "RotaryEmbedding1D", "RotaryEmbedding2D", "sincos_2d_pos_embed", "SwiGLU", "swiglu_hidden_dim", "to_2tuple",
 ]

@@ -1,6 +1,8 @@
 """Feed-forward layers of the transformer block.
 
 - :class:`Mlp`: Linear -> GELU (exact, or the tanh approximation of seed 004) -> Linear (ViT, Dosovitskiy 2021).
+- :class:`QuickGELU`: ``x * sigmoid(1.702 x)``, the GELU approximation of OpenAI's CLIP (Radford et al., 2021;
+  Hendrycks & Gimpel, 2016, Sec. 2), activation ``'quick_gelu'``.
 - :class:`SwiGLU`: ``W3(silu(W1 x) * W2 x)`` (Shazeer 2020, "GLU Variants Improve Transformer"; the Llama MLP of
   seed 004), with the hidden size from the Llama rule: 2/3 of ``mlp_ratio * dim``, rounded up to a multiple.
 """
@@ -15,12 +17,19 @@ import torch.nn.functional as F
 
 from vitlab.layers.helpers import make_divisible
 
+
+class QuickGELU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
 _ACTS: dict[str, Callable[[], nn.Module]] = {
     "gelu": nn.GELU,
     "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
     "silu": nn.SiLU,
     "relu": nn.ReLU,
     "hardswish": nn.Hardswish,
+    "quick_gelu": QuickGELU,
 }
 
 

@@ -1,4 +1,4 @@
-"""Position embeddings for 2-D token grids.
+"""Position embeddings for 2-D token grids and 1-D token sequences.
 
 - Learned absolute embeddings (ViT) and :func:`resample_abs_pos_embed`, which resizes them bicubically to
   another grid (non-square included), as fine-tuning at a new resolution and ``dynamic_img_size`` need.
@@ -7,6 +7,7 @@
   ``theta_i = base ** (-2i / d)`` and rotates consecutive pairs ``(x_{2i}, x_{2i+1})`` by ``m * theta_i``;
   here the first half of each head's channels is rotated by the row index and the second half by the column
   index, so q.k depends only on the 2-D offset between two patches.
+- :class:`RotaryEmbedding1D`: seed 004's 1-D RoPE itself, for text (the Llama-style CLIP text tower).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def rope_frequencies(dim: int, positions: torch.Tensor, base: float = 10000.0) -
     """Seed 004's ``m * theta``: angles (len(positions), dim/2) with ``theta_i = base ** (-2i / dim)``."""
     if dim % 2:
         raise ValueError(f"RoPE needs an even dimension, got {dim}")
-    theta = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    theta = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
     return torch.outer(positions.double(), theta)
 
 
@@ -106,3 +107,22 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
     prefix, tokens = x[..., : x.shape[-2] - n, :], x[..., x.shape[-2] - n :, :]
     tokens = tokens * cos.to(x.dtype) + _rotate_pairs(tokens) * sin.to(x.dtype)
     return torch.cat([prefix, tokens], dim=-2) if prefix.shape[-2] else tokens
+
+
+class RotaryEmbedding1D(nn.Module):
+    """1-D RoPE of seed 004 (Su et al., 2021, "RoFormer", Eq. 34) for token sequences: position m rotates each
+    pair ``(x_{2i}, x_{2i+1})`` of a head by ``m * theta_i``, ``theta_i = base ** (-2i / head_dim)``, so the
+    score q_m . k_n depends only on m - n. ``forward(seq_len)`` returns the (cos, sin) tables, each
+    (seq_len, head_dim), that :func:`apply_rope` uses (the Llama-2 attention rotates queries and keys only)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
+        self.head_dim = head_dim
+        self.base = base
+
+    def forward(self, seq_len: int, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = rope_frequencies(self.head_dim, torch.arange(seq_len, device=device), self.base)
+        angles = angles.repeat_interleave(2, dim=1)  # one angle per pair (x_2i, x_2i+1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -1,0 +1,202 @@
+"""Image-text data for CLIP: items ``(image (C, H, W) float, token ids (context_length,), group)``.
+
+- ``captions:PATH``: a folder with ``captions.csv`` or ``captions.jsonl`` (or PATH is that file). Columns /
+  keys: ``image`` (a path relative to the file's folder) and ``caption``; optional ``split`` (train / val /
+  test). Without a split column a fixed 10% of the images (at least one) is held out for validation. An image
+  may have several captions (one row each); ``group`` is the image's index, so retrieval counts any of an
+  image's captions as a hit. Every row is checked when the file is read: a missing image, an empty caption or a
+  malformed line is named (file, line) in one error.
+- ``digits`` (the offline demo): scikit-learn's handwritten digits (:mod:`vitlab.data`), each training image
+  captioned on the fly from one of :data:`DIGIT_TEMPLATES` chosen at random ("a photo of the number seven",
+  "a handwritten 7", ...); ``group`` is the label. Zero-shot evaluation uses :data:`HELD_OUT_TEMPLATES`, which
+  share no template with training.
+
+CLIP's augmentation is a random square crop only (Radford et al., 2021, Sec. 2.5); images are normalised with
+the model's mean / std.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from vitlab.data import DataBundle, DataConfig, DataError, build, load_image
+from vitlab.data.transforms import channel_stats, eval_transform, train_transform
+
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+# {w}: the number word, {d}: the numeral
+DIGIT_TEMPLATES = ("a photo of the number {w}", "a handwritten {d}", "a handwritten {w}", "the digit {d}",
+                   "an image of a {w}", "a {w} written by hand", "a photo of the number {d}",
+                   "a blurry image of the digit {w}", "a small {d}", "the number {w} in white ink")
+HELD_OUT_TEMPLATES = ("a picture of a {}", "a scan of the numeral {}", "this is {}", "a sketch showing {}")
+CAPTION_FILES = ("captions.csv", "captions.jsonl")
+VAL_FRACTION = 0.1
+
+
+def _rows_csv(path: Path) -> list[tuple[int, dict]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if not reader.fieldnames or not {"image", "caption"} <= set(reader.fieldnames):
+            raise DataError(f"{path}: the CSV header must name the columns 'image' and 'caption' "
+                            f"(found {reader.fieldnames})")
+        return [(i + 2, row) for i, row in enumerate(reader)]
+
+
+def _rows_jsonl(path: Path) -> list[tuple[int, dict]]:
+    rows = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {i}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path} line {i}: expected an object with 'image' and 'caption'")
+        rows.append((i, row))
+    return rows
+
+
+def find_captions_file(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if path.is_dir():
+        found = [path / n for n in CAPTION_FILES if (path / n).is_file()]
+        if not found:
+            raise FileNotFoundError(f"no captions file in {path} (expected {' or '.join(CAPTION_FILES)})")
+        return found[0]
+    if not path.is_file():
+        raise FileNotFoundError(f"captions file or folder not found: {path}")
+    if path.suffix not in (".csv", ".jsonl"):
+        raise DataError(f"{path}: a captions file is .csv or .jsonl")
+    return path
+
+
+def read_captions(path: str | Path) -> dict[str, list[tuple[str, str]]]:
+    """``{split: [(image path, caption), ...]}`` of a captions folder or file, every row checked."""
+    file = find_captions_file(path)
+    rows = _rows_csv(file) if file.suffix == ".csv" else _rows_jsonl(file)
+    root = file.parent
+    splits: dict[str, list[tuple[str, str]]] = {}
+    has_split = any("split" in row for _, row in rows)
+    for line, row in rows:
+        image, caption = row.get("image"), row.get("caption")
+        if not isinstance(image, str) or not image.strip():
+            raise DataError(f"{file} line {line}: no image path")
+        if not isinstance(caption, str) or not caption.strip():
+            raise DataError(f"{file} line {line}: empty caption for {image}")
+        img = root / image
+        if not img.is_file():
+            raise DataError(f"{file} line {line}: image not found: {img}")
+        split = row.get("split", "train") if has_split else "train"
+        if split not in ("train", "val", "test"):
+            raise DataError(f"{file} line {line}: split must be train, val or test, got {split!r}")
+        splits.setdefault(split, []).append((str(img), caption.strip()))
+    if not splits.get("train"):
+        raise DataError(f"{file}: no training rows")
+    if "val" not in splits:  # hold out whole images (all their captions), a fixed choice
+        images = sorted({img for img, _ in splits["train"]})
+        held = set(random.Random(0).sample(images, max(1, round(VAL_FRACTION * len(images)))))
+        if len(held) == len(images):
+            raise DataError(f"{file}: one image cannot give both a training and a validation split; add a "
+                            f"'split' column or more images")
+        splits["val"] = [r for r in splits["train"] if r[0] in held]
+        splits["train"] = [r for r in splits["train"] if r[0] not in held]
+    return splits
+
+
+class CaptionPairs(Dataset):
+    """(image, tokens, image index) per caption row; the captions are tokenized once, here."""
+
+    def __init__(self, rows: list[tuple[str, str]], tokenizer, in_chans: int, transform):
+        self.images = sorted({img for img, _ in rows})
+        index = {img: i for i, img in enumerate(self.images)}
+        self.groups = torch.tensor([index[img] for img, _ in rows])
+        self.captions = [c for _, c in rows]
+        self.tokens = tokenizer(self.captions)
+        self.in_chans, self.transform = in_chans, transform
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    def load(self, image_index: int) -> Tensor:
+        return self.transform(load_image(self.images[image_index], self.in_chans))
+
+    def __getitem__(self, i: int):
+        g = int(self.groups[i])
+        return self.load(g), self.tokens[i], g
+
+
+class ImagesOf(Dataset):
+    """Each distinct image of a :class:`CaptionPairs` once (retrieval encodes every image a single time)."""
+
+    def __init__(self, pairs: CaptionPairs):
+        self.pairs = pairs
+
+    def __len__(self) -> int:
+        return len(self.pairs.images)
+
+    def __getitem__(self, i: int):
+        return self.pairs.load(i), i
+
+
+def digit_captions() -> list[str]:
+    return [t.format(w=w, d=d) for d, w in enumerate(DIGIT_WORDS) for t in DIGIT_TEMPLATES]
+
+
+class DigitCaptions(Dataset):
+    """Digits with a caption from the training templates: drawn at random each time an image is read
+    (``random=True``, training) or the ``i % templates``-th (validation: the same captions every time)."""
+
+    def __init__(self, images: Dataset, tokenizer, random: bool = True):
+        self.images, self.random = images, random
+        # (10 classes, templates, context): every caption tokenized once
+        self.table = torch.stack([tokenizer([t.format(w=w, d=d) for t in DIGIT_TEMPLATES])
+                                  for d, w in enumerate(DIGIT_WORDS)])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        x, y = self.images[i]
+        # the trainer seeds torch's stream per rank and restores it on resume
+        t = int(torch.randint(len(DIGIT_TEMPLATES), ())) if self.random else i % len(DIGIT_TEMPLATES)
+        return x, self.table[y, t], y
+
+
+def build_clip_data(data_cfg: DataConfig, tokenizer, mean, std, in_chans: int, img_size: int) -> DataBundle:
+    """The CLIP data bundle of ``data_cfg`` (``digits`` or ``captions:PATH``): train / val / test datasets of
+    (image, tokens, group), the loaders of :class:`vitlab.data.DataBundle`."""
+    scale = data_cfg.scale or (0.9, 1.0)
+    if data_cfg.name == "digits":
+        cfg = replace(data_cfg, img_size=img_size, scale=scale, hflip=0.0, randaugment=False, reprob=0.0,
+                      mixup=0.0, cutmix=0.0)
+        base = build(cfg, mean=mean, std=std, in_chans=in_chans)
+        return replace(base, train=DigitCaptions(base.train, tokenizer),
+                       val=DigitCaptions(base.val, tokenizer, random=False), test=base.test,
+                       class_names=list(DIGIT_WORDS), mixup=None)
+    if data_cfg.name != "captions":
+        raise DataError(f"the clip task reads digits or captions:PATH, not {data_cfg.dataset!r}")
+    try:
+        mean, std = channel_stats(mean, in_chans), channel_stats(std, in_chans)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    t_train = train_transform(img_size, scale=scale, hflip=0.0, randaugment=False, rand_num_ops=0,
+                              rand_magnitude=0, color_jitter=0.0, reprob=0.0, mean=mean, std=std)
+    t_eval = eval_transform(img_size, crop_pct=data_cfg.crop_pct or 1.0, mean=mean, std=std)
+    splits = read_captions(data_cfg.path)
+    train = CaptionPairs(splits["train"], tokenizer, in_chans, t_train)
+    val = CaptionPairs(splits["val"], tokenizer, in_chans, t_eval)
+    test = CaptionPairs(splits["test"], tokenizer, in_chans, t_eval) if splits.get("test") else None
+    resolved = replace(data_cfg, img_size=img_size, scale=scale, hflip=0.0, randaugment=False, reprob=0.0,
+                       mixup=0.0, cutmix=0.0, color_jitter=0.0, crop_pct=data_cfg.crop_pct or 1.0,
+                       preset=data_cfg.preset or "tiny")
+    return DataBundle(train=train, val=val, test=test, num_classes=0, class_names=[], in_chans=in_chans,
+                      img_size=img_size, mixup=None, config=resolved, name=data_cfg.dataset,
+                      train_transform=t_train, eval_transform=t_eval)
