@@ -1,0 +1,1 @@
+"""Self-supervised pre-training (seed 001, section 21.3)."""
