@@ -36,8 +36,13 @@ def test_methods_train_a_plain_vit(method):
         assert all(p.grad is None for p in teacher.parameters())
 
 
-@pytest.mark.parametrize("method", ["simclr", "mocov3", "dino"])
-@pytest.mark.parametrize("name", ["swin_tiny_patch4_window7_224", "pvt_tiny", "litv2_s"])
+HIER = ["swin_tiny_patch4_window7_224", "pvt_tiny", "litv2_s"]
+FAST = {("simclr", "swin_tiny_patch4_window7_224"), ("mocov3", "pvt_tiny"), ("dino", "litv2_s")}
+
+
+@pytest.mark.parametrize("method,name", [
+    pytest.param(m, n, marks=() if (m, n) in FAST else pytest.mark.slow)
+    for m in ("simclr", "mocov3", "dino") for n in HIER])
 def test_hierarchical_backbones_through_pooled_features(method, name):
     kw = dict(vitlab.get_model_config(name).smoke_kwargs)
     kw["depths"] = (1,) * len(kw.get("depths", (1, 1, 1, 1)))

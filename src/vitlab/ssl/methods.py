@@ -35,7 +35,6 @@ from torch import Tensor
 from vitlab.ssl import losses as L
 from vitlab.ssl.mae import check_plain_vit
 
-
 # ---------------------------------------------------------------- schedules
 
 
