@@ -6,7 +6,7 @@ The task's ``model`` is the headless backbone: ``model.safetensors`` holds exact
 with layer-wise lr decay 0.65 by default). Heads, decoder, teacher and centres train beside it and are
 checkpointed in the trainer state (exact resume).
 
-Views (``task_args``, :class:`ViewArgs`): MAE trains on the data's own training transform (one view); SimCLR and
+Views (``task_args``, :class:`ViewArgs`): MAE trains on one RandomResizedCrop(``global_scale``) + flip view; SimCLR and
 MoCo v3 on two views of RandomResizedCrop(``global_scale``) + flip + brightness/contrast jitter (SimCLR section
 3, MoCo v3 appendix); DINO and DINOv2 on 2 global views plus ``local_crops`` views of ``local_crop_size`` pixels at
 ``local_scale`` (DINO's multi-crop, section 3 and appendix).
@@ -132,11 +132,15 @@ class PretrainTask:
                                                  if getattr(self.model, "dynamic_img_size", False) else {})}}
 
     def _set_views(self, b, model_cfg) -> None:
-        if isinstance(self.module, MAE):
-            return  # one view through the data's own training transform
         a = self.views
         mean, std = self._mean_std()
         hflip = b.config.hflip
+        train = b.train
+        if not hasattr(train, "transform"):
+            raise ValueError(f"dataset {b.name} does not expose a transform to make views from")
+        if isinstance(self.module, MAE):  # one view: RandomResizedCrop + flip only (MAE, appendix A.1)
+            train.transform = MultiView(b.img_size, mean, std, replace(a, jitter=0.0, blur_p=0.0), hflip, 1).global_t
+            return
         n_local, local = 0, None
         if isinstance(self.module, DINO) and a.local_crops > 0:
             local = a.local_crop_size or max(1, round(b.img_size * 3 / 7))
@@ -153,9 +157,6 @@ class PretrainTask:
             finally:
                 self.model.train()
             n_local = a.local_crops
-        train = b.train
-        if not hasattr(train, "transform"):
-            raise ValueError(f"dataset {b.name} does not expose a transform to make views from")
         train.transform = MultiView(b.img_size, mean, std, a, hflip, 2, n_local, local)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
