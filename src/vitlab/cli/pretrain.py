@@ -23,21 +23,14 @@ METHODS = ("mae", "simclr", "mocov3", "dino", "dinov2")
 
 
 def cmd_pretrain(args) -> int:
-    from vitlab.cli.train import config_from_args
-    from vitlab.train import fit
+    from vitlab.cli.train import cmd_train, config_from_args
 
     if "task" not in vars(args) and "resume" not in vars(args):
         raise ValueError(f"--method is required: one of {', '.join(METHODS)}")
-    cfg = config_from_args(args)
-    if cfg.task not in METHODS:
-        raise ValueError(f"unknown method {cfg.task!r}; choose from {', '.join(METHODS)}")
-    if args.print_config:
-        print(cfg.to_yaml(), end="")
-        return 0
-    summary = fit(cfg)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    return 0
+    task = config_from_args(args).task
+    if task not in METHODS:
+        raise ValueError(f"unknown method {task!r}; choose from {', '.join(METHODS)}")
+    return cmd_train(args)
 
 
 def cmd_probe(args) -> int:
@@ -59,30 +52,18 @@ def cmd_probe(args) -> int:
 
 
 def register(sub) -> None:
-    from vitlab.cli._dataclass_args import ConfigParser, add_aliases, add_dataclass_arguments
-    from vitlab.cli.train import ALIASES
-    from vitlab.train.config import TrainConfig
+    from vitlab.cli.train import add_config_command
 
-    old = sub._parser_class
-    sub._parser_class = ConfigParser
-    try:
-        t = sub.add_parser("pretrain", help="self-supervised pre-training: MAE, SimCLR, MoCo v3, DINO, DINOv2",
-                           description="Self-supervised pre-training of a backbone (vitlab.ssl). Every TrainConfig "
-                                       "field is a flag, as in vitlab train; the method's options are "
-                                       "--task_args.NAME VALUE (e.g. --task_args.mask_ratio 0.6).",
-                           usage="vitlab pretrain --method {" + ",".join(METHODS) + "} [--model M] [--data D] "
-                                 "[--FIELD VALUE ...] [--task_args.NAME VALUE ...]",
-                           allow_abbrev=False)
-    finally:
-        sub._parser_class = old
+    t = add_config_command(
+        sub, "pretrain", help="self-supervised pre-training: MAE, SimCLR, MoCo v3, DINO, DINOv2",
+        description="Self-supervised pre-training of a backbone (vitlab.ssl). Every TrainConfig field is a flag, as "
+                    "in vitlab train; the method's options are --task_args.NAME VALUE (e.g. --task_args.mask_ratio "
+                    "0.6).",
+        usage="vitlab pretrain --method {" + ",".join(METHODS) + "} [--model M] [--data D] [--FIELD VALUE ...] "
+              "[--task_args.NAME VALUE ...]")
     t.add_argument("--method", dest="task", default=argparse.SUPPRESS, metavar="{" + ",".join(METHODS) + "}",
                    help="the self-supervised method")
-    t.add_argument("--config", default=None, metavar="FILE", help="a YAML TrainConfig; flags apply on top")
-    t.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
-    t.add_argument("--print_config", action="store_true", help="print the resolved config as YAML and exit")
-    keys = add_dataclass_arguments(t, TrainConfig)
-    add_aliases(t, ALIASES, keys)
-    t.set_defaults(func=cmd_pretrain, config_keys=keys)
+    t.set_defaults(func=cmd_pretrain)
 
     p = sub.add_parser("probe", help="linear probe or k-NN on a backbone's frozen features")
     p.add_argument("--checkpoint", required=True,

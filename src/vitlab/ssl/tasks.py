@@ -263,30 +263,14 @@ class PretrainTask:
 
 
 @register_task("mae")
-class _MAE(PretrainTask):
+class MAETask(PretrainTask):
     method = "mae"
     monitor = "loss"
     monitor_mode = "min"  # the masked-patch reconstruction loss on validation images (fixed masks)
 
 
-@register_task("simclr")
-class _SimCLR(PretrainTask):
-    method = "simclr"
-
-
-@register_task("mocov3")
-class _MoCoV3(PretrainTask):
-    method = "mocov3"
-
-
-@register_task("dino")
-class _DINO(PretrainTask):
-    method = "dino"
-
-
-@register_task("dinov2")
-class _DINOv2(PretrainTask):
-    method = "dinov2"
+for _method in ("simclr", "mocov3", "dino", "dinov2"):  # the joint-embedding methods: one task each
+    register_task(_method)(type(f"{_method.upper()}Task", (PretrainTask,), {"method": _method}))
 
 
 __all__ = ["MultiView", "PretrainTask", "ViewArgs", "effective_rank"]
