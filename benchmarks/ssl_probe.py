@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", default="/tmp/vitlab-ssl-runs")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--baselines_from", default=None, help="a previous JSON of the same data: reuse its baselines")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     epochs = {k: int(v) for k, v in (e.split("=") for e in args.epochs)}
@@ -89,9 +90,15 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=2))
 
     t0 = time.perf_counter()
-    result["raw_pixel_logreg_top1"] = raw_pixel_logreg(args.data)
-    result["random_init"] = probes(f"random:{MODEL}", args.data, runs, args.linear_epochs)
-    result["baseline_s"] = time.perf_counter() - t0
+    if args.baselines_from:
+        prev = json.loads(Path(args.baselines_from).read_text())
+        if prev["data"] != args.data:
+            raise SystemExit(f"{args.baselines_from} holds {prev['data']}, not {args.data}")
+        result.update({k: prev[k] for k in ("raw_pixel_logreg_top1", "random_init", "baseline_s")})
+    else:
+        result["raw_pixel_logreg_top1"] = raw_pixel_logreg(args.data)
+        result["random_init"] = probes(f"random:{MODEL}", args.data, runs, args.linear_epochs)
+        result["baseline_s"] = time.perf_counter() - t0
     save()
     for m in args.methods:
         rec = RECIPES[m]

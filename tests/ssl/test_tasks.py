@@ -166,3 +166,34 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
     assert not any((tmp_path / d).exists() for d in "xyz")
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("method", ["dino", "mae"])
+def test_strategies_resume_exactly(tmp_path, world_of_one, strategy, method):
+    """DDP and FSDP2 (a world of one process, gloo): the teacher, centre and schedules come back on resume."""
+    straight = fit(cfg_for(method, tmp_path / "a", strategy=strategy))
+    assert straight["strategy"] == strategy and straight["finished"]
+    fit(cfg_for(method, tmp_path / "b", strategy=strategy, stop_after=1))
+    b = tmp_path / "b" / "run"
+    fit(cfg_for(method, tmp_path / "b", strategy=strategy, resume=str(b), output_dir=str(b)))
+    a = tmp_path / "a" / "run"
+    la = [json.loads(x)["train_loss"] for x in (a / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["train_loss"] for x in (b / "metrics.jsonl").read_text().splitlines()]
+    assert la == lb
+    wa, wb = _weights(a), _weights(b)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)

@@ -125,13 +125,18 @@ class MAE(nn.Module):
             t = (t - t.mean(dim=-1, keepdim=True)) / (t.var(dim=-1, keepdim=True) + 1e-6) ** 0.5
         return t
 
-    def forward(self, batch, noise: Tensor | None = None) -> dict[str, Tensor]:
+    def forward(self, batch, noise: Tensor | None = None, monitor: bool = False) -> dict[str, Tensor]:
+        """The loss, predictions and mask; ``monitor=True`` adds the backbone's pooled features of the unmasked
+        images (what the collapse monitors read)."""
         imgs = images_of(batch)
         latent, mask, ids_restore = self.encode(imgs, noise)
         pred = self.decoder(latent, ids_restore)
         loss = ((pred.float() - self.target(imgs).float()) ** 2).mean(dim=-1)
         loss = (loss * mask).sum() / mask.sum()
-        return {"loss": loss, "pred": pred, "mask": mask}
+        out = {"loss": loss, "pred": pred, "mask": mask}
+        if monitor:
+            out["features"] = self.model.forward_head(self.model.forward_features(imgs), pre_logits=True)
+        return out
 
     @torch.no_grad()
     def reconstruct(self, imgs: Tensor, noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -155,6 +160,7 @@ class MAEDecoder(nn.Module):
     def __init__(self, embed_dim: int, grid: tuple[int, int], out_dim: int, num_prefix_tokens: int = 1,
                  dim: int = 512, depth: int = 8, heads: int = 16, mlp_ratio: float = 4.0):
         super().__init__()
+        self.config = dict(decoder_dim=dim, decoder_depth=depth, decoder_heads=heads, decoder_mlp_ratio=mlp_ratio)
         self.num_prefix_tokens = num_prefix_tokens
         self.embed = nn.Linear(embed_dim, dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))

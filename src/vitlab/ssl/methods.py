@@ -194,6 +194,17 @@ class SSLMethod(nn.Module):
     def features(self, x: Tensor) -> Tensor:
         return pooled_features(self.model, x)
 
+    def forward(self, batch, monitor: bool = False) -> dict[str, Tensor]:
+        """The method's loss (and logs) on a batch of views; ``monitor=True``: what the collapse monitors read from
+        a batch of plain images (through ``forward``, so a sharded module gathers its weights)."""
+        return self.monitor_outputs(batch) if monitor else self.objective(batch)
+
+    def objective(self, batch) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def monitor_outputs(self, x: Tensor) -> dict[str, Tensor]:
+        return {"features": self.features(x)}
+
 
 def frozen_copy(module: nn.Module) -> nn.Module:
     t = copy.deepcopy(module)
@@ -211,7 +222,7 @@ class SimCLR(SSLMethod):
         self.temperature = temperature
         self.projector = SimCLRProjector(self.embed_dim, proj_hidden_dim, proj_dim)
 
-    def forward(self, batch) -> dict[str, Tensor]:
+    def objective(self, batch) -> dict[str, Tensor]:
         v1, v2 = views_of(batch)[:2]
         h = self.features(torch.cat([v1, v2]))  # one pass: BatchNorm sees both views, as SimCLR's big batch
         z1, z2 = self.projector(h).chunk(2)
@@ -245,7 +256,7 @@ class MoCoV3(SSLMethod):
     def ctr(self, q: Tensor, k: Tensor) -> Tensor:
         return L.info_nce(q, k, self.temperature) * 2 * self.temperature
 
-    def forward(self, batch) -> dict[str, Tensor]:
+    def objective(self, batch) -> dict[str, Tensor]:
         v1, v2 = views_of(batch)[:2]
         B = v1.shape[0]
         h = self.features(torch.cat([v1, v2]))
@@ -297,6 +308,14 @@ class DINO(SSLMethod):
         h = self.head(torch.cat(out))
         return list(h.split([v.shape[0] for v in views]))
 
+    def monitor_outputs(self, x: Tensor) -> dict[str, Tensor]:
+        """Features, and the teacher's entropy and KL(teacher || student) on the same images (batch means)."""
+        f = self.features(x)
+        p_t = L.teacher_probs(self.teacher_head(pooled_features(self.teacher, x)), self.teacher_temp(),
+                              self.center.center, self.sinkhorn)
+        log_s = F.log_softmax(self.head(f).float() / self.student_temp, dim=-1)
+        return {"features": f, "teacher_entropy": L.entropy(p_t), "teacher_student_kl": L.kl_div(p_t, log_s)}
+
     def monitors(self, s_out: list[Tensor], t_out: list[Tensor], teacher_temp: float) -> dict[str, Tensor]:
         """Teacher entropy (log K = uniform collapse, 0 = one-hot collapse) and KL(teacher || student)."""
         with torch.no_grad():
@@ -304,7 +323,7 @@ class DINO(SSLMethod):
             log_p_s = F.log_softmax(torch.stack(s_out[: len(t_out)]).float() / self.student_temp, dim=-1)
             return {"teacher_entropy": L.entropy(p_t), "teacher_student_kl": L.kl_div(p_t, log_p_s.flip(0))}
 
-    def forward(self, batch) -> dict[str, Tensor]:
+    def objective(self, batch) -> dict[str, Tensor]:
         views = views_of(batch)
         n_global = 2
         tt = self.teacher_temp()
@@ -391,7 +410,7 @@ class DINOv2(DINO):
         m = self.model
         return tokens[:, 0] if m.num_prefix_tokens else tokens.mean(dim=1)
 
-    def forward(self, batch) -> dict[str, Tensor]:
+    def objective(self, batch) -> dict[str, Tensor]:
         views = views_of(batch)
         g = torch.cat(views[:2])
         P = self.model.num_prefix_tokens

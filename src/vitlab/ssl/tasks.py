@@ -31,7 +31,6 @@ from torchvision.transforms import v2
 
 import vitlab
 from vitlab.ssl import create, create_backbone
-from vitlab.ssl import losses as L
 from vitlab.ssl.mae import MAE, images_of, reconstruction_png
 from vitlab.ssl.methods import DINO, pooled_features
 from vitlab.train import checkpoint as ck
@@ -182,23 +181,18 @@ class PretrainTask:
     # ---- collapse monitors -----------------------------------------------------------------------------
     def validation_step(self, batch, forward) -> dict[str, torch.Tensor]:
         x = images_of(batch).to(self.device)
-        model = self.model
-        f = F.normalize(pooled_features(model, x).float(), dim=-1)
-        sums = {"n": torch.tensor(float(x.shape[0]), dtype=torch.float64), "sum": f.double().sum(0).cpu(),
-                "outer": (f.double().t() @ f.double()).cpu()}
+        n = x.shape[0]
         if isinstance(self.module, MAE):
             g = torch.Generator(device=x.device).manual_seed(0)  # the same masks every validation
-            noise = torch.rand(x.shape[0], self.module.grid[0] * self.module.grid[1], device=x.device, generator=g)
-            sums["loss"] = self.module(x, noise=noise)["loss"].double().cpu() * x.shape[0]
-        elif isinstance(self.module, DINO):
-            m = self.module
-            tt = m.teacher_temp()
-            t = m.teacher_head(pooled_features(m.teacher, x))
-            s = m.head(pooled_features(model, x))
-            p_t = L.teacher_probs(t, tt, m.center.center, m.sinkhorn)
-            log_s = F.log_softmax(s.float() / m.student_temp, dim=-1)
-            sums["teacher_entropy"] = L.entropy(p_t).double().cpu() * x.shape[0]
-            sums["teacher_student_kl"] = L.kl_div(p_t, log_s).double().cpu() * x.shape[0]
+            noise = torch.rand(n, self.module.grid[0] * self.module.grid[1], device=x.device, generator=g)
+            out = forward(x, noise=noise, monitor=True)
+        else:
+            out = forward(x, monitor=True)
+        f = F.normalize(out["features"].double(), dim=-1)
+        sums = {"n": torch.tensor(float(n), dtype=torch.float64), "sum": f.sum(0).cpu(), "outer": (f.t() @ f).cpu()}
+        for k in ("loss", "teacher_entropy", "teacher_student_kl"):  # batch means -> sums
+            if k in out:
+                sums[k] = out[k].detach().double().cpu() * n
         return sums
 
     def validation_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -228,25 +222,31 @@ class PretrainTask:
                 "img_size": b.img_size, "train_images": len(b.train), "val_images": len(b.val)}
 
     def test(self, run_dir, batch_size: int, checkpoint: str = "last") -> dict:
-        """k-NN top-1 (DINO's protocol) of the run's backbone on the test split, and for MAE a reconstruction
-        grid (``reconstructions.png``) of the first validation images."""
-        from vitlab.ssl.probe import extract_features, knn_eval
+        """k-NN top-1 (DINO's protocol) of the checkpoint's backbone on the test split, and for MAE a
+        reconstruction grid (``reconstructions.png``) of the first validation images. Rebuilt from the checkpoint,
+        so a sharded run is scored the same."""
+        from vitlab.ssl.probe import extract_features, knn_eval, load_backbone
 
         run_dir = Path(run_dir)
+        if not (run_dir / checkpoint).exists():
+            return {}
+        model, _ = load_backbone(str(run_dir / checkpoint), self.device)
         out = {}
         if self.data.test is not None:
             train = replace(self.data, train=self._plain(self.data.train))
-            ftr, ytr = extract_features(self.model, train.loader("train", batch_size, shuffle=False,
-                                                                  drop_last=False), self.device)
-            fte, yte = extract_features(self.model, self.data.loader("test", batch_size), self.device)
+            ftr, ytr = extract_features(model, train.loader("train", batch_size, shuffle=False, drop_last=False),
+                                        self.device)
+            fte, yte = extract_features(model, self.data.loader("test", batch_size), self.device)
             out["test_knn_top1"] = knn_eval(ftr, ytr, fte, yte, self.data.num_classes)["top1"]
-        if isinstance(self.module, MAE):
+        state = ck.load_trainer_state((run_dir / checkpoint).resolve())
+        if isinstance(self.module, MAE) and "decoder" in state:  # the decoder trains beside the backbone
+            mae = MAE(model, self.module.mask_ratio, norm_pix_loss=self.module.norm_pix_loss,
+                      **self.module.decoder.config).to(self.device).eval()
+            mae.decoder.load_state_dict(state["decoder"])
             x = images_of(next(iter(self.data.loader("val", 8)))).to(self.device)
-            self.module.eval()
-            rec, mask = self.module.reconstruct(x)
-            self.module.train()
-            ck.atomic_write(run_dir / "reconstructions.png", reconstruction_png(x, rec, mask, self._mean_std()[0],
-                                                                                 self._mean_std()[1]))
+            rec, mask = mae.reconstruct(x)
+            mean, std = self._mean_std()
+            ck.atomic_write(run_dir / "reconstructions.png", reconstruction_png(x, rec, mask, mean, std))
         return out
 
     def _mean_std(self):
