@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.train.test_distributed import world_of_one  # noqa: F401  (the env of a one-process torchrun)
 from vitlab.cli import main
 from vitlab.data import DataConfig
 from vitlab.train import TrainConfig, fit
@@ -168,22 +169,11 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
     assert not any((tmp_path / d).exists() for d in "xyz")
 
 
-@pytest.fixture
-def world_of_one(monkeypatch):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(k, v)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("method", ["dino", "mae"])
-def test_strategies_resume_exactly(tmp_path, world_of_one, strategy, method):
+@pytest.mark.usefixtures("world_of_one")
+def test_strategies_resume_exactly(tmp_path, strategy, method):
     """DDP and FSDP2 (a world of one process, gloo): the teacher, centre and schedules come back on resume."""
     straight = fit(cfg_for(method, tmp_path / "a", strategy=strategy))
     assert straight["strategy"] == strategy and straight["finished"]
