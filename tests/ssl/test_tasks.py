@@ -148,6 +148,22 @@ def test_probe_random_baseline_knn(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["top1"] == r["top1"] and r["top1"] > 20  # chance: 10%
 
 
+def test_random_baseline_is_the_pretraining_initialisation():
+    from vitlab.ssl.probe import load_backbone
+    from vitlab.ssl.tasks import PretrainTask
+    from vitlab.train.trainer import seed_everything
+
+    cfg = TrainConfig(task="simclr", model="vit_pico_patch8_32", seed=3, task_args=dict(ARGS["simclr"]))
+    seed_everything(cfg.seed)
+    task = type("T", (PretrainTask,), {"method": "simclr"})()
+    task.build(cfg, torch.device("cpu"))
+    state = torch.get_rng_state()
+    random, _ = load_backbone("random:vit_pico_patch8_32", torch.device("cpu"), seed=3)
+    assert torch.equal(state, torch.get_rng_state())  # the caller's stream is untouched
+    for k, v in task.model.state_dict().items():
+        torch.testing.assert_close(random.state_dict()[k], v, rtol=0, atol=0)
+
+
 def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
     small = ["--data", "digits", "--img_size", "16", "--epochs", "1", "--quiet"]
     bad = [(["pretrain", "--method", "byol", *COMMON], "unknown method 'byol'"),

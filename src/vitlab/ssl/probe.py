@@ -7,7 +7,8 @@
   features, the k = 20 nearest training images by cosine similarity vote with weight ``exp(sim / 0.07)``.
 
 ``probe(checkpoint, data, protocol)`` writes JSON (top-1, top-5, per-class top-1) and returns it; a checkpoint
-``random:MODEL`` probes a randomly initialised MODEL, the baseline a pre-trained backbone must beat.
+``random:MODEL`` probes MODEL as a pre-training run with the same ``seed`` initialises it, the baseline a
+pre-trained backbone must beat.
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ def linear_probe(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Ten
         return _scores(clf(test_f), test_y, num_classes)
 
 
-def load_backbone(checkpoint: str, device: torch.device) -> tuple[nn.Module, dict]:
-    """(backbone without classifier, description) of a run / checkpoint, or of ``random:MODEL`` (random init)."""
+def load_backbone(checkpoint: str, device: torch.device, seed: int = 0) -> tuple[nn.Module, dict]:
+    """(backbone without classifier, description) of a run / checkpoint, or of ``random:MODEL``: the weights a
+    pre-training run with ``--seed seed`` starts from (drawn under a forked RNG: the caller's stream is kept)."""
     if checkpoint.startswith("random:"):
         name = checkpoint[len("random:"):]
         if not vitlab.is_model(name):
@@ -119,8 +121,10 @@ def load_backbone(checkpoint: str, device: torch.device) -> tuple[nn.Module, dic
         except CheckpointError as e:
             raise CheckpointError(f"{checkpoint} holds no backbone to probe: {e}") from None
     kwargs = {k: v for k, v in meta.get("model_kwargs", {}).items() if k not in ("num_classes", "img_size", "in_chans")}
-    model = vitlab.create_model(meta["model"], num_classes=0, img_size=meta["img_size"], in_chans=meta["in_chans"],
-                                **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = vitlab.create_model(meta["model"], num_classes=0, img_size=meta["img_size"],
+                                    in_chans=meta["in_chans"], **kwargs)
     if not meta.get("random_init"):
         load_state_dict(model, sd, source=str(checkpoint))
     return model.to(device).eval(), meta
@@ -138,7 +142,7 @@ def probe(checkpoint: str, data: str | None = None, protocol: str = "knn", outpu
         raise ValueError("k, epochs must be >= 1 and temperature, lr > 0")
     t0 = time.perf_counter()
     dev = torch.device(device)
-    model, meta = load_backbone(checkpoint, dev)
+    model, meta = load_backbone(checkpoint, dev, seed)
     dataset = data or (meta.get("data") or {}).get("dataset")
     if not dataset:
         raise ValueError("--data is needed: the checkpoint does not record its dataset")
