@@ -116,8 +116,10 @@ def load_backbone(checkpoint: str, device: torch.device, seed: int = 0) -> tuple
     else:
         from vitlab.train import checkpoint as ck
 
-        try:
-            sd, meta = ck.load_weights(checkpoint, weights="raw")
+        try:  # a run directory: its last epoch (a pre-training run's "best" is only its monitor's pick)
+            path = Path(checkpoint)
+            sd, meta = ck.load_weights(ck.resolve_checkpoint_dir(path, prefer="last") if path.is_dir() else path,
+                                       weights="raw")
         except CheckpointError as e:
             raise CheckpointError(f"{checkpoint} holds no backbone to probe: {e}") from None
     kwargs = {k: v for k, v in meta.get("model_kwargs", {}).items() if k not in ("num_classes", "img_size", "in_chans")}
