@@ -67,7 +67,8 @@ def register(sub) -> None:
 
     p = sub.add_parser("probe", help="linear probe or k-NN on a backbone's frozen features")
     p.add_argument("--checkpoint", required=True,
-                   help="a run directory, checkpoint directory or .safetensors; random:MODEL for the baseline")
+                   help="a run directory (its last epoch), checkpoint directory or .safetensors; random:MODEL for "
+                        "the baseline (the initialisation of a run with the same --seed)")
     p.add_argument("--data", default=None, help="default: the data the checkpoint was trained on")
     p.add_argument("--protocol", default="knn", choices=["linear", "knn"])
     p.add_argument("--split", default="test", choices=["val", "test"], help="the split scored")
