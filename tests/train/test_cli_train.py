@@ -120,7 +120,7 @@ def _bad_cases(run, tmp_path) -> dict[str, tuple[list[str], str]]:
         "missing data dir": (["train", "--data", f"imagefolder:{tmp_path / 'nope'}"], "missing directory"),
         "class dir without images": (["train", "--data", f"imagefolder:{empty}"], "cat"),
         "cifar not downloaded": (["train", "--data", f"cifar10:{tmp_path / 'c10'}"], "--download"),
-        "unknown dataset": (["train", "--data", "mnist"], "unknown dataset"),
+        "unknown dataset": (["train", "--data", "svhn"], "unknown dataset"),
         "unknown model": (["train", "--model", "vit_nope"], "unknown model"),
         "unknown key": (["train", "--no_such_key", "1"], "unknown config key"),
         "bad value": (["train", "--data.img_size", "big"], "cannot read"),

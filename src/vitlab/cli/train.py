@@ -91,31 +91,39 @@ def cmd_predict(args) -> int:
     return 0
 
 
-def register(sub) -> None:
+def add_config_command(sub, name: str, metavars: dict | None = None, **parser_kw):
+    """A subcommand whose flags are every TrainConfig field (plus --config, --json, --print_config and the short
+    aliases): ``vitlab train``, and ``vitlab pretrain`` (vitlab.cli.pretrain). Returns the parser."""
     from vitlab.cli._dataclass_args import ConfigParser, add_aliases, add_dataclass_arguments
     from vitlab.train.config import TrainConfig
-    from vitlab.train.task import list_tasks
 
     old = sub._parser_class
     sub._parser_class = ConfigParser
     try:
-        t = sub.add_parser("train", help="train a model (default: the default model on digits, on the CPU)",
-                           description="Train a model. Every TrainConfig field is a flag (dotted for nested "
-                                       "configs: --data.img_size 16, --distill.alpha 0.5; dashes or underscores); "
-                                       "precedence: defaults < --config FILE < flags.",
-                           usage="vitlab train [--config FILE] [--resume RUN] [--FIELD VALUE ...] "
-                                 "[--data.FIELD VALUE ...] [--distill.FIELD VALUE ...]",
-                           allow_abbrev=False)
+        t = sub.add_parser(name, allow_abbrev=False, **parser_kw)
     finally:
         sub._parser_class = old
     t.add_argument("--config", default=None, metavar="FILE",
                    help="a YAML TrainConfig (e.g. a run's config.yaml); flags apply on top")
     t.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     t.add_argument("--print_config", action="store_true", help="print the resolved config as YAML and exit")
-    tasks = "{" + ",".join(list_tasks()) + "}"
-    keys = add_dataclass_arguments(t, TrainConfig, metavars={"task": tasks})
+    keys = add_dataclass_arguments(t, TrainConfig, metavars=metavars)
     add_aliases(t, ALIASES, keys)
-    t.set_defaults(func=cmd_train, config_keys=keys)
+    t.set_defaults(config_keys=keys)
+    return t
+
+
+def register(sub) -> None:
+    from vitlab.train.task import list_tasks
+
+    t = add_config_command(
+        sub, "train", metavars={"task": "{" + ",".join(list_tasks()) + "}"},
+        help="train a model (default: the default model on digits, on the CPU)",
+        description="Train a model. Every TrainConfig field is a flag (dotted for nested configs: --data.img_size 16, "
+                    "--distill.alpha 0.5; dashes or underscores); precedence: defaults < --config FILE < flags.",
+        usage="vitlab train [--config FILE] [--resume RUN] [--FIELD VALUE ...] [--data.FIELD VALUE ...] "
+              "[--distill.FIELD VALUE ...]")
+    t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint: top-1, top-5, per-class accuracy, confusion matrix")
     e.add_argument("--checkpoint", required=True, help="a run directory, checkpoint directory or .safetensors")

@@ -24,7 +24,9 @@ tiny, digits            32            (0.75, 1)          0      off          0  
 - ``cifar10`` / ``cifar100`` default to tiny; ``imagefolder`` to imagenet; ``fake`` to imagenet when
   ``fake_img_size`` >= 64, else tiny, with img_size = ``fake_img_size``.
 
-Splits: digits 1,257 / 270 / 270 (train / val / test, stratified, fixed seed); CIFAR 45,000 / 5,000 / 10,000;
+Splits: digits 1,257 / 270 / 270 (train / val / test, stratified, fixed seed); CIFAR, MNIST and Fashion-MNIST
+(``mnist:PATH`` / ``fashion-mnist:PATH``: the standard IDX files, 28x28 grayscale, tiny preset, no flip for MNIST)
+45,000 / 5,000 / 10,000 and 55,000 / 5,000 / 10,000;
 imagefolder PATH/train, PATH/val, optional PATH/test; fake ``fake_num_samples`` / a quarter of it (at least
 one per class) / none.
 """
@@ -46,8 +48,11 @@ from vitlab.data import datasets as ds
 from vitlab.data.datasets import DataError
 from vitlab.data.transforms import batch_mixup, channel_stats, eval_transform, train_transform
 
-DATASETS = ("digits", "fake", "imagefolder", "cifar10", "cifar100", "captions")
-PAIRED = ("captions",)  # image-text pairs, read by the task that trains on them (vitlab.clip), not by build()
+DATASETS = ("digits", "fake", "imagefolder", "cifar10", "cifar100", "mnist", "fashion-mnist")
+# datasets whose targets are not class labels: read by the task that trains on them, never by build()
+TASK_DATASETS = {"captions": "--task clip", "shapes": "--task segment or --task depth",
+                 "segfolder": "--task segment", "depthfolder": "--task depth"}
+NEEDS_PATH = ("imagefolder", "cifar10", "cifar100", "mnist", "fashion-mnist", "captions", "segfolder", "depthfolder")
 
 PRESETS: dict[str, dict] = {
     "imagenet": dict(img_size=224, scale=(0.08, 1.0), hflip=0.5, randaugment=True, color_jitter=0.0,
@@ -59,6 +64,7 @@ PRESETS: dict[str, dict] = {
 # Per-dataset defaults layered over whichever preset: they say what suits the data (a digit must not be mirrored).
 DATASET_DEFAULTS: dict[str, dict] = {
     "digits": dict(hflip=0.0, randaugment=False, color_jitter=0.0, reprob=0.0, mixup=0.0, cutmix=0.0),
+    "mnist": dict(hflip=0.0),  # a mirrored digit is not that digit (a mirrored shirt is still a shirt)
 }
 
 _KNOBS = ("img_size", "scale", "hflip", "randaugment", "color_jitter", "reprob", "mixup", "cutmix", "crop_pct")
@@ -68,7 +74,7 @@ _KNOBS = ("img_size", "scale", "hflip", "randaugment", "color_jitter", "reprob",
 class DataConfig:
     """Which data and how it is augmented; ``None`` fields are filled from the preset (see module docstring)."""
 
-    dataset: str = "digits"        # 'digits' | 'fake' | 'imagefolder:PATH' | 'cifar10:PATH' | 'cifar100:PATH'
+    dataset: str = "digits"        # digits, fake, or NAME:PATH (imagefolder, cifar10, cifar100, mnist, fashion-mnist)
     img_size: int | None = None    # None -> the preset's size
     preset: Literal["tiny", "imagenet"] | None = None  # augmentation preset; None -> the dataset's default
     batch_size: int = 64           # the loaders' default batch (training uses TrainConfig.batch_size)
@@ -94,10 +100,11 @@ class DataConfig:
         if self.scale is not None:
             self.scale = tuple(float(s) for s in self.scale)  # YAML gives lists
         name = self.dataset.split(":", 1)[0]
-        if name not in DATASETS:
+        if name not in DATASETS and name not in TASK_DATASETS:
             raise DataError(f"unknown dataset {self.dataset!r}; expected one of: digits, fake, imagefolder:PATH, "
-                            "cifar10:PATH, cifar100:PATH, captions:PATH")
-        if name in ("imagefolder", "cifar10", "cifar100", *PAIRED) and not self.dataset.partition(":")[2]:
+                            "cifar10:PATH, cifar100:PATH, mnist:PATH, fashion-mnist:PATH (other tasks: captions:PATH, "
+                            "shapes, segfolder:PATH, depthfolder:PATH)")
+        if name in NEEDS_PATH and not self.dataset.partition(":")[2]:
             raise DataError(f"dataset {name} needs a path: {name}:PATH")
         if self.preset is not None and self.preset not in PRESETS:
             raise DataError(f"unknown preset {self.preset!r}; expected one of: {', '.join(PRESETS)}")
@@ -215,8 +222,9 @@ def build(cfg: DataConfig, mean: Sequence[float] = (0.5,), std: Sequence[float] 
     """The datasets, transforms and batch mixing for ``cfg``, normalised with the model's ``mean`` / ``std``."""
     if in_chans not in (1, 3):
         raise DataError(f"in_chans must be 1 or 3, got {in_chans}")
-    if cfg.name in PAIRED:
-        raise DataError(f"{cfg.dataset} holds image-text pairs: train on it with --task clip")
+    if cfg.name in TASK_DATASETS:
+        raise DataError(f"dataset {cfg.dataset!r} is not a classification dataset: train on it with "
+                        f"{TASK_DATASETS[cfg.name]}")
     r = cfg.resolved()
     try:
         mean, std = channel_stats(mean, in_chans), channel_stats(std, in_chans)
@@ -251,8 +259,11 @@ def build(cfg: DataConfig, mean: Sequence[float] = (0.5,), std: Sequence[float] 
         if (path / "test").exists():
             samples, _ = ds.scan_imagefolder(path / "test", classes, r.skip_bad_images)
             test = ds.ImageFolderSplit(samples, in_chans, t_eval, r.skip_bad_images)
-    else:  # cifar10 / cifar100
-        xtr, ytr, xte, yte, classes = ds.load_cifar(name, path, r.download, in_chans)
+    else:  # cifar10 / cifar100 / mnist / fashion-mnist: a stratified validation hold-out of the training set
+        if name in ds.IDX_CLASSES:
+            xtr, ytr, xte, yte, classes = ds.load_idx(name, path, in_chans)
+        else:
+            xtr, ytr, xte, yte, classes = ds.load_cifar(name, path, r.download, in_chans)
         keep, hold = _stratified_holdout(ytr, ds.CIFAR_VAL_SIZE, seed=0)
         train = ds.TensorImages(xtr[keep], ytr[keep], t_train)
         val = ds.TensorImages(xtr[hold], ytr[hold], t_eval)

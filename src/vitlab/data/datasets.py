@@ -195,6 +195,56 @@ def load_cifar(kind: str, root: Path, download: bool, in_chans: int):
             list(tr.classes))
 
 
+IDX_CLASSES = {
+    "mnist": [str(i) for i in range(10)],
+    "fashion-mnist": ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                      "Ankle boot"],
+}
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (LeCun's MNIST format, gzipped or not) of unsigned bytes as an array of its shape."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
+        raise DataError(f"{path} is not an IDX file of unsigned bytes (magic {data[:4].hex()})")
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(dims)):
+        raise DataError(f"{path} is truncated: {body.size} bytes for shape {tuple(dims)}")
+    return body.reshape(dims)
+
+
+def load_idx(kind: str, root: Path, in_chans: int):
+    """MNIST / Fashion-MNIST from the four standard IDX files under ``root`` (``train-images-idx3-ubyte`` ...,
+    ``.gz`` or not): (train images, train labels, test images, test labels, class names), uint8 (N, C, 28, 28)."""
+    if not root.is_dir():
+        raise DataError(f"missing directory {root} ({kind}: the four IDX files, e.g. from Debian's "
+                        f"dataset-fashion-mnist in /usr/share/datasets/fashion-mnist)")
+
+    def find(stem: str) -> Path:
+        for name in (stem, stem + ".gz"):
+            if (root / name).is_file():
+                return root / name
+        raise DataError(f"{kind}: missing {root / stem}[.gz]")
+
+    out = []
+    for split in ("train", "t10k"):
+        x = torch.from_numpy(read_idx(find(f"{split}-images-idx3-ubyte")).copy()).unsqueeze(1)
+        y = torch.from_numpy(read_idx(find(f"{split}-labels-idx1-ubyte")).astype(np.int64))
+        if x.ndim != 4 or len(x) != len(y):
+            raise DataError(f"{kind}: {split} images {tuple(x.shape)} and labels {tuple(y.shape)} do not match")
+        out += [x.repeat(1, 3, 1, 1) if in_chans == 3 else x, y]
+    return (*out, list(IDX_CLASSES[kind]))
+
+
 class FakeImages(Dataset):
     """Synthetic uint8 images: uniform noise around a class-dependent grey level, so a model can learn a little."""
 

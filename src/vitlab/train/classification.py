@@ -20,7 +20,7 @@ import vitlab
 from vitlab.convert import CheckpointError, load_state_dict
 from vitlab.data import build, check_num_classes
 from vitlab.train import checkpoint as ck
-from vitlab.train.recipe import FeatureProjector, deit_loss, param_groups
+from vitlab.train.recipe import FeatureProjector, deit_loss, layer_decay_groups, param_groups
 from vitlab.train.task import register_task
 
 
@@ -191,6 +191,11 @@ class ClassificationTask:
         model = vitlab.create_model(cfg.model, num_classes=bundle.num_classes, img_size=bundle.img_size,
                                     in_chans=bundle.in_chans, drop_path_rate=cfg.drop_path, **kwargs)
         self.num_params = sum(p.numel() for p in model.parameters())
+        self.init_method = None
+        if cfg.init:  # a pre-trained backbone (vitlab pretrain): every weight but the classifier must match
+            sd, meta = ck.load_weights(cfg.init, weights="raw")
+            load_state_dict(model, sd, source=cfg.init)
+            self.init_method = meta.get("ssl_method")
         if cfg.grad_checkpointing:
             model.set_grad_checkpointing(True)
         model.to(device)
@@ -211,6 +216,12 @@ class ClassificationTask:
                 self.module = FeatureDistillStudent(model, self.projector, d.student_layers)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
+        decay = self.cfg.layer_decay
+        if decay is None and self.init_method == "mae":
+            decay = 0.65  # MAE's fine-tuning recipe (He et al., 2022, appendix A.1)
+        if decay is not None and decay < 1.0:
+            extra = param_groups(self.projector, weight_decay) if self.projector is not None else []
+            return layer_decay_groups(self.model, weight_decay, decay) + extra
         return param_groups(self.model, weight_decay, extra=[self.projector] if self.projector is not None else None)
 
     def _batch(self, batch, train: bool):

@@ -80,6 +80,8 @@ class TrainConfig:
     strategy: StrategyName = "none"    # ddp / fsdp (FSDP2) under torchrun
     output_dir: str | None = None      # None -> runs/<model>-<dataset>-<timestamp>
     resume: str | None = None          # a run directory to continue (its model, data and recipe)
+    init: str | None = None            # start from this run's / checkpoint's backbone (e.g. vitlab pretrain)
+    layer_decay: float | None = None   # layer-wise lr decay (None: off; 0.65 when --init is an MAE run)
     stop_after: int | None = None      # end this invocation after this epoch (the schedule still spans `epochs`)
     eval_every: int = 1                # validate every N epochs (and after the last)
     test_weights: TestWeights = "last"  # scored on the test split: the last epoch's, or the best on validation
@@ -113,6 +115,8 @@ class TrainConfig:
             (self.distill.kind == "none" or self.distill.teacher,
              f"distill.kind={self.distill.kind!r} needs a teacher (--teacher MODEL|CHECKPOINT)"),
             (self.stop_after is None or self.stop_after >= 1, f"stop_after must be >= 1, got {self.stop_after}"),
+            (self.layer_decay is None or 0.0 < self.layer_decay <= 1.0,
+             f"layer_decay must be in (0, 1], got {self.layer_decay}"),
         ]
         for ok, msg in checks:
             if not ok:

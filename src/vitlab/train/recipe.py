@@ -37,6 +37,34 @@ def param_groups(model: nn.Module, weight_decay: float, skip: set[str] | None = 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def layer_id(name: str, num_blocks: int) -> int:
+    """BEiT / MAE layer index of a parameter: embeddings and tokens 0, ``blocks.i`` i + 1, the rest (final norm,
+    head) ``num_blocks + 1``."""
+    if name.startswith(("cls_token", "dist_token", "reg_token", "pos_embed", "patch_embed", "mask_token")):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return num_blocks + 1
+
+
+def layer_decay_groups(model: nn.Module, weight_decay: float, layer_decay: float) -> list[dict]:
+    """Layer-wise lr decay (Bao et al., 2022, BEiT; MAE fine-tuning, He et al., 2022, appendix A.1): parameter
+    ``p`` of layer ``i`` trains at ``lr * layer_decay ** (num_blocks + 1 - i)``, weight decay as
+    :func:`param_groups`. Groups carry ``lr_scale``, which :class:`WarmupCosine` applies."""
+    n = len(getattr(model, "blocks", []))
+    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    groups: dict[tuple[int, bool], dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        no_wd = p.ndim <= 1 or name.endswith(".bias") or name in skip or name.split(".")[-1] in skip
+        lid = layer_id(name, n)
+        g = groups.setdefault((lid, no_wd), {"params": [], "weight_decay": 0.0 if no_wd else weight_decay,
+                                             "lr_scale": layer_decay ** (n + 1 - lid)})
+        g["params"].append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
 def scaled_lr(lr: float, global_batch: int) -> float:
     """The linear scaling rule of DeiT: ``lr`` is quoted for a global batch of 512."""
     return lr * global_batch / 512.0
@@ -74,7 +102,7 @@ class WarmupCosine:
 
     def _apply(self) -> None:
         for g in self.optimizer.param_groups:
-            g["lr"] = self.lr()
+            g["lr"] = self.lr() * g.get("lr_scale", 1.0)  # lr_scale: layer-wise decay (layer_decay_groups)
 
     def step(self) -> None:
         self.step_count += 1

@@ -72,6 +72,9 @@ class Task(Protocol):
         """The final evaluation of the run's ``checkpoint`` (``last`` or ``best``; rank 0 only), merged into the
         summary."""
 
+    # optional ``after_step(step, total_steps, steps_per_epoch)``: called after each optimiser step (0-based
+    # ``step``), for schedules that move with the step (a self-supervised task's EMA teacher)
+
 
 TASKS: dict[str, type] = {}
 

@@ -69,7 +69,9 @@ def resume_config(cfg: TrainConfig) -> TrainConfig:
 
 
 def _batch_size(batch) -> int:
-    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    first = batch
+    while isinstance(first, (tuple, list)):  # (images, labels), or ([view1, view2, ...], labels)
+        first = first[0]
     return int(first.shape[0])
 
 
@@ -226,6 +228,8 @@ class Trainer:
                 self.step += 1
                 if self.ema is not None:
                     self.ema.update(task.model)
+                if hasattr(task, "after_step"):  # per-step schedules of a task (EMA teachers, temperatures)
+                    task.after_step(self.step - 1, self.steps_per_epoch * cfg.epochs, self.steps_per_epoch)
                 progress.update(loss.item(), seen * st.world_size / (time.perf_counter() - t0))
         progress.stop()
         epoch_time = time.perf_counter() - t0

@@ -1,0 +1,121 @@
+"""Self-supervised pre-training then frozen-feature probes (issue 13's table): for each method, ``vitlab.train.fit``
+of the pre-training task for a fixed wall-clock budget (``--epochs`` per method), then the linear probe (seed
+001's recipe, plain and MAE's BatchNorm variant) and DINO's k-NN on the test split; the same probes of the
+randomly initialised backbone; and the raw-pixel logistic regression (scikit-learn, the floor).
+
+    python benchmarks/ssl_probe.py --data digits --out docs/bench/ssl_digits.json
+    python benchmarks/ssl_probe.py --data fashion-mnist:/usr/share/datasets/fashion-mnist --methods mae dino \\
+        --epochs mae=20 dino=10 --out docs/bench/ssl_fashion_mnist.json
+
+Every method runs with the options in ``RECIPES`` (``--set method.key=value`` changes one). Writes the JSON
+after every method, so a cut-short run keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from vitlab.data import DataConfig, build
+from vitlab.ssl.probe import probe
+from vitlab.train import TrainConfig, fit
+
+MODEL = "vit_pico_patch8_32"
+# Small heads for a 64-wide backbone; the rest are the papers' defaults (temperatures, momenta, mask ratio).
+RECIPES = {
+    "mae": dict(lr=1.5e-3, task_args=dict(decoder_dim=64, decoder_depth=2, decoder_heads=4)),
+    "simclr": dict(lr=4e-3, task_args=dict(proj_hidden_dim=256, proj_dim=64)),
+    "mocov3": dict(lr=4e-3, task_args=dict(dim=64, mlp_dim=256)),
+    "dino": dict(lr=4e-3, task_args=dict(out_dim=1024, hidden_dim=256, bottleneck_dim=64, local_crops=2,
+                                         local_crop_size=16, warmup_teacher_temp_epochs=2)),
+    "dinov2": dict(lr=4e-3, task_args=dict(out_dim=1024, hidden_dim=256, bottleneck_dim=64, local_crops=2,
+                                           local_crop_size=16, warmup_teacher_temp_epochs=2)),
+}
+
+
+def raw_pixel_logreg(dataset: str) -> float:
+    """Top-1 (%) of a multinomial logistic regression on the raw (normalised) test pixels."""
+    from sklearn.linear_model import LogisticRegression
+
+    b = build(DataConfig(dataset=dataset, img_size=32), in_chans=1)
+    def arrays(ds):
+        x = torch.stack([ds[i][0] for i in range(len(ds))]).flatten(1).numpy()
+        y = [ds[i][1] for i in range(len(ds))]
+        return x, y
+
+    b.train.transform = b.eval_transform
+    xtr, ytr = arrays(b.train)
+    xte, yte = arrays(b.test)
+    clf = LogisticRegression(max_iter=1000).fit(xtr, ytr)
+    return 100.0 * clf.score(xte, yte)
+
+
+def probes(ckpt: str, data: str, out_dir: Path, linear_epochs: int) -> dict:
+    tag = ckpt.replace(":", "-").replace("/", "_")
+    r = {}
+    for name, kw in (("linear", dict(protocol="linear", epochs=linear_epochs)),
+                     ("linear_bn", dict(protocol="linear", epochs=linear_epochs, bn=True)),
+                     ("knn", dict(protocol="knn"))):
+        res = probe(ckpt, data, output=out_dir / f"probe-{tag}-{name}.json", **kw)
+        r[name] = {"top1": res["top1"], "top5": res["top5"]}
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", default="digits")
+    ap.add_argument("--methods", nargs="+", default=list(RECIPES))
+    ap.add_argument("--epochs", nargs="*", default=[], help="method=N (default 10)")
+    ap.add_argument("--batch_size", type=int, default=128)
+    ap.add_argument("--linear_epochs", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", default="/tmp/vitlab-ssl-runs")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--baselines_from", default=None, help="a previous JSON of the same data: reuse its baselines")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    epochs = {k: int(v) for k, v in (e.split("=") for e in args.epochs)}
+    out = Path(args.out)
+    runs = Path(args.runs)
+    runs.mkdir(parents=True, exist_ok=True)
+    result = {"data": args.data, "model": MODEL, "batch_size": args.batch_size, "threads": args.threads,
+              "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "methods": {}}
+
+    def save():
+        out.write_text(json.dumps(result, indent=2))
+
+    t0 = time.perf_counter()
+    if args.baselines_from:
+        prev = json.loads(Path(args.baselines_from).read_text())
+        if prev["data"] != args.data:
+            raise SystemExit(f"{args.baselines_from} holds {prev['data']}, not {args.data}")
+        result.update({k: prev[k] for k in ("raw_pixel_logreg_top1", "random_init", "baseline_s")})
+    else:
+        result["raw_pixel_logreg_top1"] = raw_pixel_logreg(args.data)
+        result["random_init"] = probes(f"random:{MODEL}", args.data, runs, args.linear_epochs)
+        result["baseline_s"] = time.perf_counter() - t0
+    save()
+    for m in args.methods:
+        rec = RECIPES[m]
+        run = runs / f"{m}-{args.data.split(':')[0]}"
+        cfg = TrainConfig(task=m, task_args=dict(rec["task_args"]), model=MODEL, data=DataConfig(dataset=args.data),
+                          epochs=epochs.get(m, 10), batch_size=args.batch_size, lr=rec["lr"], warmup_epochs=1,
+                          drop_path=0.0, threads=args.threads, quiet=True, output_dir=str(run))
+        s = fit(cfg)
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        monitors = {k: rows[-1][k] for k in rows[-1] if k.startswith("val_")}
+        result["methods"][m] = {"epochs": cfg.epochs, "lr": cfg.lr, "task_args": rec["task_args"],
+                                "pretrain_wall_s": s["wall_time_s"], "final_train_loss": rows[-1]["train_loss"],
+                                "monitors_last_epoch": monitors, **probes(str(run), args.data, runs,
+                                                                          args.linear_epochs)}
+        save()
+        print(m, json.dumps(result["methods"][m]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

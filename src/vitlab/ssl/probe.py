@@ -1,0 +1,183 @@
+"""Frozen-feature evaluation of a backbone (seed 001, section 21.3, ``linear_probe``):
+
+- ``linear``: a linear classifier on the frozen pre-logit features, SGD (lr 0.1, momentum 0.9, no weight decay)
+  with a cosine schedule (the seed's recipe); ``bn=True`` puts MAE's BatchNorm without affine parameters in front
+  of it (He et al., 2022, appendix A.2). Features are computed once (eval transform, no augmentation).
+- ``knn``: DINO's weighted k-NN (Caron et al., 2021, section 4.1 and appendix; ``eval_knn.py``): L2-normalised
+  features, the k = 20 nearest training images by cosine similarity vote with weight ``exp(sim / 0.07)``.
+
+``probe(checkpoint, data, protocol)`` writes JSON (top-1, top-5, per-class top-1) and returns it; a checkpoint
+``random:MODEL`` probes MODEL as a pre-training run with the same ``seed`` initialises it, the baseline a
+pre-trained backbone must beat.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import vitlab
+from vitlab._io import atomic_write
+from vitlab.convert import CheckpointError, load_state_dict
+from vitlab.data import DataConfig, build
+from vitlab.ssl.methods import pooled_features
+
+PROTOCOLS = ("linear", "knn")
+
+
+@torch.no_grad()
+def extract_features(model: nn.Module, loader, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features (N, D) float32 on CPU, labels (N,)) of ``model``'s pre-logits over ``loader``."""
+    was = model.training
+    model.eval()
+    feats, labels = [], []
+    for x, y in loader:
+        feats.append(pooled_features(model, x.to(device)).float().cpu())
+        labels.append(y)
+    model.train(was)
+    return torch.cat(feats), torch.cat(labels)
+
+
+def _scores(scores: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict:
+    k = min(5, num_classes)
+    top = scores.topk(k, dim=1).indices
+    hit1 = top[:, 0] == y
+    per_class = {}
+    for c in range(num_classes):
+        sel = y == c
+        per_class[c] = 100.0 * hit1[sel].float().mean().item() if sel.any() else None
+    top5 = (top == y[:, None]).any(1).float().mean().item()
+    return {"top1": 100.0 * hit1.float().mean().item(), "top5": 100.0 * top5, "per_class_top1": per_class}
+
+
+@torch.no_grad()
+def knn_eval(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor, test_y: torch.Tensor,
+             num_classes: int, k: int = 20, temperature: float = 0.07, chunk: int = 1024) -> dict:
+    """DINO's weighted k-NN classifier: top-1 / top-5 / per-class top-1 (%) of the test features."""
+    tr = F.normalize(train_f, dim=1)
+    te = F.normalize(test_f, dim=1)
+    k = min(k, tr.shape[0])
+    scores = []
+    for i in range(0, te.shape[0], chunk):
+        sim, idx = (te[i: i + chunk] @ tr.t()).topk(k, dim=1)
+        w = (sim / temperature).exp()
+        votes = torch.zeros(sim.shape[0], num_classes).scatter_add_(1, train_y[idx], w)
+        scores.append(votes)
+    return _scores(torch.cat(scores), test_y, num_classes)
+
+
+def linear_probe(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor, test_y: torch.Tensor,
+                 num_classes: int, epochs: int = 100, lr: float = 0.1, batch_size: int = 256, bn: bool = False,
+                 seed: int = 0) -> dict:
+    """A linear classifier (optionally after BatchNorm without affine) on frozen features: SGD lr ``lr`` at
+    ``batch_size`` 256, momentum 0.9, cosine over ``epochs``; top-1 / top-5 / per-class top-1 (%) on the test."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    d = train_f.shape[1]
+    clf = nn.Sequential(nn.BatchNorm1d(d, affine=False, eps=1e-6) if bn else nn.Identity(), nn.Linear(d, num_classes))
+    nn.init.trunc_normal_(clf[1].weight, std=0.01)  # MAE's linear-probe head initialisation
+    nn.init.zeros_(clf[1].bias)
+    opt = torch.optim.SGD(clf.parameters(), lr=lr * batch_size / 256, momentum=0.9, weight_decay=0.0)
+    steps = epochs * math.ceil(train_f.shape[0] / batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    clf.train()
+    for _ in range(epochs):
+        perm = torch.randperm(train_f.shape[0], generator=g)
+        for i in range(0, len(perm), batch_size):
+            b = perm[i: i + batch_size]
+            if len(b) < 2 and bn:
+                continue  # BatchNorm needs two samples
+            loss = F.cross_entropy(clf(train_f[b]), train_y[b])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    clf.eval()
+    with torch.no_grad():
+        return _scores(clf(test_f), test_y, num_classes)
+
+
+def load_backbone(checkpoint: str, device: torch.device, seed: int = 0) -> tuple[nn.Module, dict]:
+    """(backbone without classifier, description) of a run / checkpoint, or of ``random:MODEL``: the weights a
+    pre-training run with ``--seed seed`` starts from (drawn under a forked RNG: the caller's stream is kept)."""
+    if checkpoint.startswith("random:"):
+        name = checkpoint[len("random:"):]
+        if not vitlab.is_model(name):
+            raise ValueError(f"random:{name}: {name!r} is not a registered model (vitlab models)")
+        cfg = vitlab.get_model_config(name)
+        meta = {"model": name, "model_kwargs": {}, "in_chans": cfg.input_size[0], "img_size": cfg.input_size[-1],
+                "mean": list(cfg.mean), "std": list(cfg.std), "data": None, "random_init": True}
+    else:
+        from vitlab.train import checkpoint as ck
+
+        try:  # a run directory: its last epoch (a pre-training run's "best" is only its monitor's pick)
+            path = Path(checkpoint)
+            sd, meta = ck.load_weights(ck.resolve_checkpoint_dir(path, prefer="last") if path.is_dir() else path,
+                                       weights="raw")
+        except CheckpointError as e:
+            raise CheckpointError(f"{checkpoint} holds no backbone to probe: {e}") from None
+    kwargs = {k: v for k, v in meta.get("model_kwargs", {}).items() if k not in ("num_classes", "img_size", "in_chans")}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = vitlab.create_model(meta["model"], num_classes=0, img_size=meta["img_size"],
+                                    in_chans=meta["in_chans"], **kwargs)
+    if not meta.get("random_init"):
+        load_state_dict(model, sd, source=str(checkpoint))
+    return model.to(device).eval(), meta
+
+
+def probe(checkpoint: str, data: str | None = None, protocol: str = "knn", output: str | Path | None = None,
+          epochs: int = 100, lr: float = 0.1, bn: bool = False, k: int = 20, temperature: float = 0.07,
+          batch_size: int = 256, device: str = "cpu", seed: int = 0, split: str = "test") -> dict:
+    """Probe ``checkpoint``'s frozen backbone on ``data`` (default: the data it was trained on) with ``protocol``
+    ('linear' or 'knn'): train on the train split, score ``split``; writes the JSON to ``output`` (default
+    RUN/probe-<protocol>.json, or ./probe-random-MODEL-<protocol>.json for a random backbone)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
+    if k < 1 or temperature <= 0 or epochs < 1 or lr <= 0:
+        raise ValueError("k, epochs must be >= 1 and temperature, lr > 0")
+    t0 = time.perf_counter()
+    dev = torch.device(device)
+    model, meta = load_backbone(checkpoint, dev, seed)
+    dataset = data or (meta.get("data") or {}).get("dataset")
+    if not dataset:
+        raise ValueError("--data is needed: the checkpoint does not record its dataset")
+    bundle = build(DataConfig(dataset=dataset, img_size=meta["img_size"]), mean=meta["mean"], std=meta["std"],
+                   in_chans=meta["in_chans"])
+    if getattr(bundle, split) is None:
+        raise ValueError(f"dataset {dataset} has no {split} split")
+    train_loader = bundle.loader("train", batch_size, shuffle=False, drop_last=False)
+    train_loader.dataset.transform = bundle.eval_transform  # frozen features: no augmentation
+    ftr, ytr = extract_features(model, train_loader, dev)
+    fte, yte = extract_features(model, bundle.loader(split, batch_size), dev)
+    if protocol == "knn":
+        r = knn_eval(ftr, ytr, fte, yte, bundle.num_classes, k=k, temperature=temperature)
+        settings = {"k": k, "temperature": temperature}
+    else:
+        r = linear_probe(ftr, ytr, fte, yte, bundle.num_classes, epochs=epochs, lr=lr, bn=bn, seed=seed)
+        settings = {"epochs": epochs, "lr": lr, "momentum": 0.9, "schedule": "cosine", "bn": bn}
+    names = bundle.class_names
+    result = {"checkpoint": str(checkpoint), "model": meta["model"], "ssl_method": meta.get("ssl_method"),
+              "dataset": bundle.name, "split": split, "protocol": protocol, **settings,
+              "top1": r["top1"], "top5": r["top5"],
+              "per_class_top1": {names[c]: v for c, v in r["per_class_top1"].items()},
+              "train_images": int(ftr.shape[0]), "test_images": int(fte.shape[0]), "feature_dim": int(ftr.shape[1]),
+              "wall_time_s": time.perf_counter() - t0}
+    if output is None:
+        if checkpoint.startswith("random:"):
+            output = Path(f"probe-random-{meta['model']}-{protocol}.json")
+        else:
+            run = Path(checkpoint)
+            output = (run if run.is_dir() else run.parent) / f"probe-{protocol}.json"
+    result["json_path"] = str(output)
+    atomic_write(output, json.dumps(result, indent=2).encode())
+    return result
+
+
+__all__ = ["PROTOCOLS", "extract_features", "knn_eval", "linear_probe", "load_backbone", "probe"]
