@@ -95,7 +95,8 @@ def accuracy(args) -> None:
         model, kw = "deit_tiny_patch16_224", dict(MODEL_KW, in_chans=1)
     else:
         data = DataConfig("digits", img_size=28)
-        model, kw = "vit_pico_patch8_32", dict(MODEL_KW, depth=6, global_pool="token")
+        model, kw = "vit_pico_patch8_32", dict(MODEL_KW, depth=args.depth, embed_dim=args.embed_dim,
+                                               num_heads=args.heads, global_pool="token")
     amp = "bf16" if args.device == "cuda" else "none"
     common = dict(model=model, model_kwargs=kw, data=data, batch_size=args.batch_size, amp=amp,
                   device=args.device, quiet=True, drop_path=0.1, warmup_epochs=2, label_smoothing=0.1,
@@ -145,6 +146,9 @@ def main() -> None:
     a = sub.add_parser("accuracy")
     a.add_argument("--fmnist", help="folder with the four Fashion-MNIST *-ubyte.gz files (default: digits)")
     a.add_argument("--device", default="cuda")
+    a.add_argument("--depth", type=int, default=6, help="digits: the pico ViT's depth")
+    a.add_argument("--embed-dim", type=int, default=64, help="digits: its width")
+    a.add_argument("--heads", type=int, default=4, help="digits: its heads")
     a.add_argument("--threads", type=int, default=None)
     a.add_argument("--batch-size", type=int, default=256)
     a.add_argument("--runs", type=int, default=10)
