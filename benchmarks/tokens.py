@@ -96,7 +96,7 @@ def accuracy(args) -> None:
     else:
         data = DataConfig("digits", img_size=28)
         model, kw = "vit_pico_patch8_32", dict(MODEL_KW, depth=args.depth, embed_dim=args.embed_dim,
-                                               num_heads=args.heads, global_pool="token")
+                                               num_heads=args.heads, global_pool=args.pool)
     amp = "bf16" if args.device == "cuda" else "none"
     common = dict(model=model, model_kwargs=kw, data=data, batch_size=args.batch_size, amp=amp,
                   device=args.device, quiet=True, drop_path=0.1, warmup_epochs=2, label_smoothing=0.1,
@@ -149,6 +149,7 @@ def main() -> None:
     a.add_argument("--depth", type=int, default=6, help="digits: the pico ViT's depth")
     a.add_argument("--embed-dim", type=int, default=64, help="digits: its width")
     a.add_argument("--heads", type=int, default=4, help="digits: its heads")
+    a.add_argument("--pool", default="token", help="digits: its global_pool (token, avg)")
     a.add_argument("--threads", type=int, default=None)
     a.add_argument("--batch-size", type=int, default=256)
     a.add_argument("--runs", type=int, default=10)

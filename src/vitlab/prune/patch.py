@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from vitlab.models.vision_transformer import VisionTransformer
 from vitlab.tome.blocks import add_attention, add_mlp, attention_input, attn_dropout, attn_scale, output, project, sdpa
-from vitlab.tome.patch import merging_stage, restore_classes, swap_class
+from vitlab.tome.patch import install, merging_stage, uninstall
 
 METHODS = ("evit", "dynamicvit", "topk", "adaptive")
 
@@ -251,19 +251,13 @@ def apply(model: nn.Module, method: str = "evit", keep_rate: float = 0.7, locati
         device = next(model.parameters()).device
         with torch.device(device):
             model.prune_predictors = nn.ModuleList([make(model.embed_dim) for _ in locs])
-    swap_class(model, PrunedVisionTransformer, "_prune_class")
-    for blk in blocks:
-        swap_class(blk, PrunedBlock, "_prune_class")
-    for m in [model, *blocks]:
-        m._prune = info
+    install(model, blocks, PrunedVisionTransformer, PrunedBlock, "_prune", info)
     return model
 
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply` (prediction modules included). Returns the model."""
-    if getattr(model, "_prune", None) is None:
-        raise ValueError("the model is not patched for token pruning")
-    restore_classes(model, "_prune_class", ("_prune",))
+    uninstall(model, "_prune", "token pruning")
     if "prune_predictors" in model._modules:
         del model.prune_predictors
     return model

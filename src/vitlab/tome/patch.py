@@ -198,13 +198,25 @@ def swap_class(module: nn.Module, mixin: type, tag: str) -> None:
     module.__class__ = patched_class(mixin, type(module))
 
 
-def restore_classes(model: nn.Module, tag: str, attrs: tuple[str, ...]) -> None:
-    """Undo :func:`swap_class` on every module of ``model`` and drop the patch's attributes ``attrs``."""
+def install(model: nn.Module, blocks: list[nn.Module], model_mixin: type, block_mixin: type, attr: str,
+            info) -> None:
+    """Swap the classes of ``model`` and its ``blocks`` for the patch's (once) and share ``info`` as ``attr``."""
+    if getattr(model, attr, None) is None:
+        swap_class(model, model_mixin, f"{attr}_class")
+        for blk in blocks:
+            swap_class(blk, block_mixin, f"{attr}_class")
+    for m in [model, *blocks]:
+        setattr(m, attr, info)
+
+
+def uninstall(model: nn.Module, attr: str, what: str) -> None:
+    """Undo :func:`install` (and every other :func:`swap_class` of the patch) on every module of ``model``."""
+    if getattr(model, attr, None) is None:
+        raise ValueError(f"the model is not patched with {what}")
     for m in model.modules():
-        if tag in m.__dict__:
-            m.__class__ = m.__dict__.pop(tag)
-            for a in attrs:
-                m.__dict__.pop(a, None)
+        if f"{attr}_class" in m.__dict__:
+            m.__class__ = m.__dict__.pop(f"{attr}_class")
+            m.__dict__.pop(attr, None)
 
 
 def merging_stage(model: nn.Module, what: str) -> tuple[list[nn.Module], int]:
@@ -242,20 +254,14 @@ def apply(model: nn.Module, r: int | list[int] | tuple[int, float] = 8, prop_att
     check_budget(rs, _grid_tokens(model, protected), protected)
     info = ToMeInfo(r=rs, prop_attn=bool(prop_attn), trace_source=bool(trace_source), protected=protected)
     if getattr(model, "_tome", None) is None:
-        swap_class(model, ToMeCait if isinstance(model, Cait) else ToMeVisionTransformer, "_tome_class")
-        for blk in blocks:
-            swap_class(blk, ToMeBlock, "_tome_class")
         for blk in getattr(model, "blocks_token_only", ()):
             if isinstance(blk, LayerScaleBlockClassAttn):
                 swap_class(blk, ToMeClassAttnBlock, "_tome_class")
-    for m in [model, *blocks]:
-        m._tome = info
+    install(model, blocks, ToMeCait if isinstance(model, Cait) else ToMeVisionTransformer, ToMeBlock, "_tome", info)
     return model
 
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: the original classes, no patch attributes. Returns the model."""
-    if getattr(model, "_tome", None) is None:
-        raise ValueError("the model is not patched with ToMe")
-    restore_classes(model, "_tome_class", ("_tome",))
+    uninstall(model, "_tome", "ToMe")
     return model
