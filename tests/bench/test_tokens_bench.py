@@ -66,5 +66,5 @@ def test_top1_from_a_checkpoint(tmp_path):
     summary = fit(cfg)
     rows = bench_tokens(None, [0, 1], prune=["topk:0.5"], checkpoint=summary["run_dir"], batch_size=4, warmup=0,
                         runs=1, progress=False)
-    assert rows[0]["top1"] == pytest.approx(summary["test_top1"])
+    assert rows[0]["top1"] == pytest.approx(summary["test_top1"], abs=1e-3)  # rounded to 3 decimals
     assert all(r["top1"] is not None for r in rows)
