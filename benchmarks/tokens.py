@@ -99,10 +99,13 @@ def accuracy(args) -> None:
                                                num_heads=args.heads, global_pool=args.pool)
     amp = "bf16" if args.device == "cuda" else "none"
     common = dict(model=model, model_kwargs=kw, data=data, batch_size=args.batch_size, amp=amp,
-                  device=args.device, quiet=True, drop_path=0.1, warmup_epochs=2, label_smoothing=0.1,
-                  threads=args.threads)
+                  device=args.device, quiet=True, drop_path=0.1, label_smoothing=0.1, threads=args.threads)
     t0 = time.time()
-    base = fit(TrainConfig(**common, epochs=args.epochs, lr=args.lr, output_dir=str(Path(args.work) / "base")))
+    if args.base:  # a base run trained before with the same settings
+        base = json.loads((Path(args.base) / "summary.json").read_text())
+    else:
+        base = fit(TrainConfig(**common, epochs=args.epochs, lr=args.lr, warmup_epochs=2,
+                               output_dir=str(Path(args.work) / "base")))
     print(f"base: test top1 {base['test_top1']:.2f} ({time.time() - t0:.0f}s)", flush=True)
     ckpt = str(Path(base["run_dir"]) / "last" / "model.safetensors")
     ft_kw = dict(common, model_kwargs=dict(kw, checkpoint_path=ckpt))
@@ -154,6 +157,7 @@ def main() -> None:
     a.add_argument("--batch-size", type=int, default=256)
     a.add_argument("--runs", type=int, default=10)
     a.add_argument("--work", default="/tmp/tokens_acc")
+    a.add_argument("--base", help="reuse this trained base run (same settings) instead of training one")
     a.add_argument("--out", default="docs/bench")
     a.add_argument("--epochs", type=int, default=30)
     a.add_argument("--ft-epochs", type=int, default=5)
