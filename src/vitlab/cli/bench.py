@@ -1,4 +1,4 @@
-"""``vitlab bench attention | models | ladder``: the benchmarks of vitlab.bench, printed as tables and
+"""``vitlab bench attention | models | ladder | tokens``: the benchmarks of vitlab.bench, printed as tables and
 optionally written as JSON (atomically) and PNG plots."""
 
 from __future__ import annotations
@@ -61,6 +61,25 @@ def cmd_ladder(args) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--r takes comma-separated integers, e.g. 0,4,8,13,16; got {text!r}") from None
+
+
+def cmd_tokens(args) -> int:
+    from vitlab.bench import tokens
+
+    rows = tokens.bench_tokens(args.model, _int_list(args.r), prune=args.prune, checkpoint=args.checkpoint,
+                               data=args.data, split=args.split, device=args.device, dtype=args.dtype,
+                               batch_size=args.batch_size, warmup=args.warmup, runs=args.runs,
+                               progress=not args.quiet)
+    console.print(tokens.format_table(rows))
+    _save(tokens, rows, args)
+    return 0
+
+
 def _common(p, batch_size: int, runs: int) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--batch-size", type=int, default=batch_size)
@@ -101,6 +120,18 @@ def register(sub) -> None:
     m.add_argument("--fuse", action="store_true",
                    help="with --no-optimize: fold our BatchNorms first (LeViT's fuse())")
     m.set_defaults(func=cmd_models)
+
+    tok = bsub.add_parser("tokens", help="token merging (ToMe) and pruning: speed, GMACs, memory, top-1 per setting")
+    tok.add_argument("model", nargs="?", help="a registered model (optional with --checkpoint)")
+    _common(tok, 32, 10)
+    tok.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    tok.add_argument("--r", default="0,4,8,13,16", help="ToMe merges per block, comma-separated (0 = plain)")
+    tok.add_argument("--prune", action="append", metavar="METHOD:KEEP[,KEEP]",
+                     help="pruning settings, e.g. evit:0.7,0.5 (repeatable; evit, dynamicvit, topk, adaptive)")
+    tok.add_argument("--checkpoint", metavar="RUN", help="a vitlab train run (its weights; top-1 on --data)")
+    tok.add_argument("--data", help="data for top-1 (default: the run's own)")
+    tok.add_argument("--split", default="test", choices=["train", "val", "test"])
+    tok.set_defaults(func=cmd_tokens)
 
     lad = bsub.add_parser("ladder", help="seed 004's optimization ladder for training one model")
     lad.add_argument("model")

@@ -21,7 +21,7 @@ from vitlab.convert import CheckpointError, load_state_dict
 from vitlab.data import build, check_num_classes
 from vitlab.train import checkpoint as ck
 from vitlab.train.recipe import FeatureProjector, deit_loss, layer_decay_groups, param_groups
-from vitlab.train.task import register_task
+from vitlab.train.task import model_transform, register_task
 
 
 def autocast(device: torch.device, amp: str):
@@ -57,8 +57,21 @@ def model_description(cfg, bundle, model_cfg, num_params: int) -> dict:
 
 
 def create_from_description(meta: dict, **overrides) -> nn.Module:
-    return vitlab.create_model(meta["model"], num_classes=meta["num_classes"], img_size=meta["img_size"],
-                               in_chans=meta["in_chans"], **{**meta.get("model_kwargs", {}), **overrides})
+    model = vitlab.create_model(meta["model"], num_classes=meta["num_classes"], img_size=meta["img_size"],
+                                in_chans=meta["in_chans"], **{**meta.get("model_kwargs", {}), **overrides})
+    reduce_tokens(model, meta.get("token_reduction") or {}, training=False)
+    return model
+
+
+def reduce_tokens(model: nn.Module, spec: dict, training: bool) -> nn.Module:
+    """Token merging / pruning of a run (``{"tome_r": r, "prune": "evit:0.7"}``) applied to ``model`` through
+    the registered model transforms; returns the module to train (the model, or a wrapper that adds a loss)."""
+    module = model
+    if spec.get("tome_r"):
+        module = model_transform("tome")(model, spec["tome_r"], training)
+    if spec.get("prune"):
+        module = model_transform("prune")(model, spec["prune"], training)
+    return module
 
 
 # ---------------------------------------------------------------- evaluation
@@ -201,14 +214,21 @@ class ClassificationTask:
         model.to(device)
         if cfg.channels_last:
             model.to(memory_format=torch.channels_last)
-        self.model = self.module = model
+        self.model = model
+        reduction = {k: v for k, v in (("tome_r", cfg.tome_r), ("prune", cfg.prune)) if v}
+        self.module = reduce_tokens(model, reduction, training=True)
         self._description = model_description(cfg, bundle, model_cfg, self.num_params)
+        if reduction:
+            self._description["token_reduction"] = reduction
 
         self.teacher = self.projector = None
         d = cfg.distill
         if d.kind != "none":
             self.teacher = build_teacher(d, bundle, device)
             if d.kind == "feature":
+                if reduction:
+                    raise ValueError("feature distillation reads dense maps; it does not combine with --tome_r / "
+                                     "--prune")
                 if not hasattr(model, "forward_intermediates") or not hasattr(self.teacher, "forward_intermediates"):
                     raise ValueError("feature distillation needs forward_intermediates on student and teacher")
                 self.projector = FeatureProjector([model.num_features] * len(d.student_layers),
@@ -246,6 +266,9 @@ class ClassificationTask:
             with torch.no_grad():
                 t_logits = self.teacher(x)
                 t_logits = t_logits[0] if isinstance(t_logits, tuple) else t_logits
+        if getattr(self.module, "adds_loss", False):  # token pruning's own losses (DynamicViT, adaptive)
+            out, extra = forward(x, with_loss=True)
+            return deit_loss(out, y, smoothing, d.kind, t_logits, d.alpha, d.tau) + extra, {}
         return deit_loss(forward(x), y, smoothing, d.kind, t_logits, d.alpha, d.tau), {}
 
     def validation_step(self, batch, forward) -> dict[str, torch.Tensor]:

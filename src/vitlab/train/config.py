@@ -77,6 +77,8 @@ class TrainConfig:
     threads: int | None = None         # torch.set_num_threads on CPU (None = torch's default)
     seed: int = 0                      # model initialisation, augmentation and drop-path streams
     distill: DistillConfig = field(default_factory=DistillConfig)
+    tome_r: int = 0                    # ToMe: tokens merged per block (vitlab.tome; 0 = off)
+    prune: str | None = None           # token pruning METHOD:KEEP_RATE (evit, dynamicvit, topk, adaptive): evit:0.7
     strategy: StrategyName = "none"    # ddp / fsdp (FSDP2) under torchrun
     output_dir: str | None = None      # None -> runs/<model>-<dataset>-<timestamp>
     resume: str | None = None          # a run directory to continue (its model, data and recipe)
@@ -114,6 +116,7 @@ class TrainConfig:
             (self.distill.tau > 0, f"distill.tau must be > 0, got {self.distill.tau}"),
             (self.distill.kind == "none" or self.distill.teacher,
              f"distill.kind={self.distill.kind!r} needs a teacher (--teacher MODEL|CHECKPOINT)"),
+            (self.tome_r >= 0, f"tome_r must be >= 0, got {self.tome_r}"),
             (self.stop_after is None or self.stop_after >= 1, f"stop_after must be >= 1, got {self.stop_after}"),
             (self.layer_decay is None or 0.0 < self.layer_decay <= 1.0,
              f"layer_decay must be in (0, 1], got {self.layer_decay}"),

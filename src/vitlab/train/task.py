@@ -113,3 +113,29 @@ def create_task(name: str) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(list_tasks()) or 'none'}")
     return TASKS[name]()
+
+
+# ---------------------------------------------------------------- model transforms
+
+MODEL_TRANSFORMS: dict[str, Any] = {}
+
+
+def register_model_transform(name: str):
+    """Decorator: a capability's transform of a freshly built model, ``fn(model, spec, training) -> module``,
+    applied by the classification task when the config asks (``tome`` for ``tome_r``, ``prune`` for ``prune``).
+    It patches ``model`` in place and returns the module to train: the model, or a module holding it as
+    ``model`` whose ``forward(x, with_loss=True)`` returns ``(output, extra_loss)`` (flagged ``adds_loss``)."""
+
+    def deco(fn):
+        MODEL_TRANSFORMS[name] = fn
+        return fn
+
+    return deco
+
+
+def model_transform(name: str):
+    if name not in MODEL_TRANSFORMS:
+        _discover()
+    if name not in MODEL_TRANSFORMS:
+        raise ValueError(f"no model transform {name!r} is registered")
+    return MODEL_TRANSFORMS[name]
