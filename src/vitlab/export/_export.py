@@ -213,9 +213,10 @@ def _ort_runner(sess) -> Callable[[torch.Tensor], list]:
 
 
 def onnx(model: nn.Module | str | os.PathLike, path: str | os.PathLike, *, img_size=None, dynamic_batch: bool = True,
-         dynamic_img_size: bool = False, opset: int = 18, meta: ExportMeta | None = None, validate: bool = True,
+         dynamic_img_size: bool = False, opset: int = 20, meta: ExportMeta | None = None, validate: bool = True,
          atol: float = FP32_ATOL, **model_kwargs) -> ExportReport:
-    """Export to ONNX and validate with ONNX Runtime.
+    """Export to ONNX and validate with ONNX Runtime. ``opset`` 20 by default: LITv2's deformable convolution
+    needs ONNX's DeformConv (opset 19+).
 
     ``model``: an ``nn.Module`` (give ``img_size`` or ``meta``), a registered model name (random weights; extra
     ``model_kwargs`` go to ``create_model``) or a run / checkpoint of ``vitlab train``. The dynamo exporter runs

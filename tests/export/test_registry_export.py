@@ -1,0 +1,63 @@
+"""Every registered model exports to ONNX (validated with ONNX Runtime) and to an ExportedProgram (validated through
+torch.export.load) with a dynamic batch: each family's smallest config, built small (its smoke_kwargs, 10 classes),
+in the default suite; every model at its default size under ``-m slow``."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+import vitlab
+import vitlab.export as ex
+from vitlab.profile import count_params
+
+
+def _families() -> dict[str, list[str]]:
+    fams: dict[str, list[str]] = {}
+    for name in vitlab.list_models():
+        fams.setdefault(vitlab.get_model_config(name).family, []).append(name)
+    return fams
+
+
+def _params(name: str) -> int:
+    with torch.device("meta"):  # shapes only, no memory
+        return count_params(vitlab.create_model(name))[0]
+
+
+def _smallest(names: list[str]) -> str:
+    return min(names, key=_params)
+
+
+SMALLEST = sorted(_smallest(v) for v in _families().values())
+# exporting is slow (6-30 s a family on the 2-core CI): the default suite keeps the three cheapest families, the
+# other families' smallest configs run under -m slow
+QUICK = {"vit", "deit", "halvit"}
+FAMILY_CASES = [pytest.param(n, marks=() if vitlab.get_model_config(n).family in QUICK else pytest.mark.slow)
+                for n in SMALLEST]
+
+
+def _check(report: ex.ExportReport, batch_dynamic: bool = True) -> None:
+    assert report.ok, "\n".join(report.lines())
+    assert any(k.startswith("real photos") for k in report.diffs)
+    if batch_dynamic:  # validated at other batch sizes than the traced one
+        assert {k.split()[1].split("x")[0] for k in report.diffs if k.startswith("random")} >= {"1", "2", "3"}
+
+
+@pytest.mark.parametrize("name", FAMILY_CASES)
+def test_family_smallest_exports(name, tmp_path):
+    kw = {**vitlab.get_model_config(name).smoke_kwargs, "num_classes": 10}
+    r = ex.onnx(name, tmp_path / "m.onnx", **kw)
+    _check(r)
+    assert r.exporter.startswith("dynamo"), r.notes  # no family needs the fall-back
+    m = onnx.load(str(tmp_path / "m.onnx"))
+    assert m.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # symbolic batch
+    assert ex.read_onnx_meta(tmp_path / "m.onnx").model == name
+    _check(ex.exported_program(name, tmp_path / "m.pt2", **kw))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", vitlab.list_models())
+def test_every_model_exports_at_default_size(name, tmp_path):
+    _check(ex.onnx(name, tmp_path / "m.onnx"))
+    _check(ex.exported_program(name, tmp_path / "m.pt2"))
