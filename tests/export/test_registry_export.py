@@ -6,30 +6,11 @@ from __future__ import annotations
 
 import onnx
 import pytest
-import torch
 
 import vitlab
 import vitlab.export as ex
-from vitlab.profile import count_params
 
-
-def _families() -> dict[str, list[str]]:
-    fams: dict[str, list[str]] = {}
-    for name in vitlab.list_models():
-        fams.setdefault(vitlab.get_model_config(name).family, []).append(name)
-    return fams
-
-
-def _params(name: str) -> int:
-    with torch.device("meta"):  # shapes only, no memory
-        return count_params(vitlab.create_model(name))[0]
-
-
-def _smallest(names: list[str]) -> str:
-    return min(names, key=_params)
-
-
-SMALLEST = sorted(_smallest(v) for v in _families().values())
+SMALLEST = ex.smallest_per_family()
 # exporting is slow (6-30 s a family on the 2-core CI): the default suite keeps the three cheapest families, the
 # other families' smallest configs run under -m slow
 QUICK = {"vit", "deit", "halvit"}

@@ -111,6 +111,21 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
     return model.eval(), meta
 
 
+def smallest_per_family() -> list[str]:
+    """The registered model with the fewest parameters of each family (counted on the meta device), sorted."""
+    from vitlab.profile import count_params
+
+    fams: dict[str, list[str]] = {}
+    for name in vitlab.list_models():
+        fams.setdefault(vitlab.get_model_config(name).family, []).append(name)
+
+    def params(name: str) -> int:
+        with torch.device("meta"):  # shapes only, no memory
+            return count_params(vitlab.create_model(name))[0]
+
+    return sorted(min(names, key=params) for names in fams.values())
+
+
 def _model_img_size(model: nn.Module, default) -> tuple[int, int]:
     pe = getattr(model, "patch_embed", None)
     size = getattr(pe, "img_size", None) or getattr(model, "img_size", None) or default
