@@ -6,9 +6,15 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
+import onnx
 import pytest
+import skimage.data
+from PIL import Image
 
+import vitlab.export as ex
 from vitlab.cli import main
+from vitlab.train import predict
 
 
 def test_export_onnx_int8_and_predict(digits_run, tmp_path, capsys):
@@ -16,15 +22,21 @@ def test_export_onnx_int8_and_predict(digits_run, tmp_path, capsys):
     assert main(["export", str(digits_run), "--format", "onnx", "--int8", "--data", "digits", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "validation ok" in text and "real photos" in text
-    assert "int8: wrote" in text and "int8 accuracy on digits test" in text and "points" in text
-    assert (tmp_path / "m-int8.onnx").is_file()
-    from PIL import Image
+    assert "int8: wrote" in text and "int8 accuracy on digits test (270 images)" in text and "points" in text
+    q = tmp_path / "m-int8.onnx"
+    assert q.stat().st_size < out.stat().st_size
+    ops = {n.op_type for n in onnx.load(str(q)).graph.node}
+    assert "DynamicQuantizeLinear" in ops and "MatMulInteger" in ops  # the linears run in int8
+    assert ex.read_onnx_meta(q) == ex.read_onnx_meta(out)
 
-    img = tmp_path / "x.png"
-    Image.new("L", (20, 20), 128).save(img)
-    assert main(["predict", "--onnx", str(out), str(img), "--topk", "2", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert rows[0]["image"] == str(img) and len(rows[0]["top"]) == 2
+    img = tmp_path / "cat.png"
+    Image.fromarray(skimage.data.chelsea()).save(img)
+    assert main(["predict", "--onnx", str(out), str(img), str(img), "--topk", "3", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = predict(digits_run, [img, img], topk=3, optimize=False)
+    for g, w in zip(got, want):  # ONNX Runtime with the file's preprocessing == eager with the checkpoint's
+        assert g["image"] == str(img) and [lbl for lbl, _ in g["top"]] == [lbl for lbl, _ in w["top"]]
+        np.testing.assert_allclose([p for _, p in g["top"]], [p for _, p in w["top"]], atol=1e-5)
 
 
 def test_export_torchscript_json(digits_run, tmp_path, capsys):

@@ -37,6 +37,9 @@ def cmd_export(args) -> int:
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; give a file name ending in {SUFFIX[args.format]}")
     kw = dict(img_size=args.img_size, dynamic_batch=args.dynamic_batch)
+    if not args.json:  # exporting a large model takes minutes: say what is happening
+        print(f"exporting {args.model} as {args.format} to {out}, then validating against eager PyTorch ...",
+              flush=True)
     if args.format == "onnx":
         report = ex.onnx(args.model, out, dynamic_img_size=args.dynamic_img_size,
                          **({"opset": args.opset} if args.opset is not None else {}), **kw)
@@ -49,6 +52,8 @@ def cmd_export(args) -> int:
     if not args.json:
         print("\n".join(report.lines()))
     if args.int8 and report.ok:
+        if not args.json:
+            print(f"quantizing to int8 and measuring{' on ' + args.data if args.data else ''} ...", flush=True)
         q = ex.quantize_onnx(out, int8_path(out), data=args.data)
         result["int8"] = q
         if not args.json:

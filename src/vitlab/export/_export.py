@@ -9,6 +9,7 @@ import io
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,7 +51,7 @@ def _prepare(model: nn.Module | str | os.PathLike, meta: ExportMeta | None, img_
     else:
         module, loaded = load_source(model, img_size=img_size, dynamic_img_size=dynamic_img_size, **model_kwargs)
         meta = meta or loaded
-    meta.dynamic_batch, meta.dynamic_img_size = dynamic_batch, dynamic_img_size
+    meta = replace(meta, dynamic_batch=dynamic_batch, dynamic_img_size=dynamic_img_size)  # the caller's stays
     if dynamic_img_size:
         _check_dynamic_size(module, meta)
     return module, meta

@@ -81,7 +81,7 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
         try:
             model = vitlab.create_model(str(source), **kw)
         except TypeError as e:  # a family without the keyword (e.g. dynamic_img_size)
-            raise ValueError(f"{source} cannot be built with {sorted(kw)}: {e}") from None
+            raise _build_error(str(source), e) from None
         grid = size or _model_img_size(model, cfg.input_size[1:])
         meta = ExportMeta(model=str(source), img_size=grid, in_chans=cfg.input_size[0], mean=tuple(cfg.mean),
                           std=tuple(cfg.std), crop_pct=cfg.crop_pct, num_classes=_num_classes(model, cfg.num_classes),
@@ -102,13 +102,19 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
     try:
         model = create_from_description(desc)
     except TypeError as e:
-        raise ValueError(f"{ck['model']} cannot be built with {sorted(extra) or 'img_size'}: {e}") from None
+        raise _build_error(ck["model"], e) from None
     load_state_dict(model, sd, source=str(path))  # resamples position embeddings to the new grid
     meta = ExportMeta(model=ck["model"], img_size=size or (trained, trained), in_chans=int(ck["in_chans"]),
                       mean=tuple(ck["mean"]), std=tuple(ck["std"]), crop_pct=ck.get("crop_pct") or 1.0,
                       num_classes=int(ck["num_classes"]), class_names=list(ck.get("class_names") or []),
                       dynamic_img_size=dynamic_img_size)
     return model.eval(), meta
+
+
+def _build_error(name: str, e: TypeError) -> ValueError:
+    if "dynamic_img_size" in str(e):
+        return ValueError(f"{name} has no dynamic image size: export it at a fixed --img-size H W")
+    return ValueError(f"{name} cannot be built with these arguments: {e}")
 
 
 def smallest_per_family() -> list[str]:
