@@ -73,10 +73,10 @@ def main() -> None:
             if not vitlab.is_model(name):
                 raise SystemExit(f"unknown model {name}")
             rows.append(bench_model(name, args.batch, args.threads, args.warmup, args.runs, Path(tmp)))
-    out = {"machine": machine(), "batch": args.batch, "threads": args.threads, "warmup": args.warmup,
-           "runs": args.runs, "torch": torch.__version__, "onnxruntime": __import__("onnxruntime").__version__,
-           "note": "shared machine, busy with other jobs during the run", "rows": rows}
-    atomic_write(args.out, json.dumps(out, indent=2).encode())
+            out = {"machine": machine(), "batch": args.batch, "threads": args.threads, "warmup": args.warmup,
+                   "runs": args.runs, "torch": torch.__version__, "onnxruntime": __import__("onnxruntime").__version__,
+                   "note": "shared machine, busy with other jobs during the run", "rows": rows}
+            atomic_write(args.out, json.dumps(out, indent=2).encode())  # after every model: partial results survive
     print(f"written {args.out}")
 
 

@@ -59,7 +59,7 @@ def _prepare(model: nn.Module | str | os.PathLike, meta: ExportMeta | None, img_
 
 def _check_dynamic_size(model: nn.Module, meta: ExportMeta) -> None:
     """Refuse a dynamic image size where the graph would not compute the model exactly."""
-    if not getattr(model, "dynamic_img_size", False):
+    if getattr(model, "dynamic_img_size", None) is False:  # families that are size-agnostic keep no flag
         raise ValueError(f"{meta.model} has no dynamic image size: export it at a fixed --img-size H W")
     if isinstance(getattr(model, "pos_embed", None), nn.Parameter) and getattr(model, "pos_embed_type", "") != "sincos":
         # F.interpolate(mode='bicubic', antialias=True) on the (1, C, h, w) position grid has no exact ONNX
