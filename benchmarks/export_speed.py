@@ -31,7 +31,8 @@ from vitlab.optimize import optimize
 MODELS = ["deit_tiny_patch16_224", "vit_base_patch16_224", "swin_tiny_patch4_window7_224", "levit_256"]
 
 
-def bench_model(name: str, batch: int, threads: int, warmup: int, runs: int, folder: Path) -> dict:
+def bench_model(name: str, batch: int, threads: int, warmup: int, runs: int, folder: Path,
+                backend: str = "auto") -> dict:
     report = ex.onnx(name, folder / f"{name}.onnx")
     print("\n".join(report.lines()), flush=True)
     model, meta = ex.load_source(name)
@@ -39,7 +40,7 @@ def bench_model(name: str, batch: int, threads: int, warmup: int, runs: int, fol
     sess = ex.onnx_session(report.path, threads=threads)
     feed = {sess.get_inputs()[0].name: x.numpy()}
     with torch.inference_mode():
-        fast = optimize(model, example_inputs=(x,), backend="auto")
+        fast = optimize(model, example_inputs=(x,), backend=backend)
         chosen = getattr(fast, "vitlab_backend", None) or type(fast).__name__
         fns = {"eager": lambda: model(x), "optimize": lambda: fast(x), "onnxruntime": lambda: sess.run(None, feed)}
         times = round_robin_times(fns, torch.device("cpu"), warmup=warmup, runs=runs)
@@ -64,6 +65,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--optimize-backend", default="auto", help="vitlab.optimize's backend (default: auto)")
     p.add_argument("--out", default="docs/bench/export_speed_cpu_fp32_b32.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,7 +74,8 @@ def main() -> None:
         for name in args.models:
             if not vitlab.is_model(name):
                 raise SystemExit(f"unknown model {name}")
-            rows.append(bench_model(name, args.batch, args.threads, args.warmup, args.runs, Path(tmp)))
+            rows.append(bench_model(name, args.batch, args.threads, args.warmup, args.runs, Path(tmp),
+                                    args.optimize_backend))
             out = {"machine": machine(), "batch": args.batch, "threads": args.threads, "warmup": args.warmup,
                    "runs": args.runs, "torch": torch.__version__, "onnxruntime": __import__("onnxruntime").__version__,
                    "note": "shared machine, busy with other jobs during the run", "rows": rows}

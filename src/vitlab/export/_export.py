@@ -63,8 +63,8 @@ def _check_dynamic_size(model: nn.Module, meta: ExportMeta) -> None:
         raise ValueError(f"{meta.model} has no dynamic image size: export it at a fixed --img-size H W")
     if isinstance(getattr(model, "pos_embed", None), nn.Parameter) and getattr(model, "pos_embed_type", "") != "sincos":
         # F.interpolate(mode='bicubic', antialias=True) on the (1, C, h, w) position grid has no exact ONNX
-        # Runtime counterpart (its antialiased cubic Resize weights differ), so a dynamic-size graph would be
-        # silently approximate; a fixed size resamples once in eager PyTorch instead.
+        # Runtime counterpart for 4-D inputs, so a dynamic-size graph could be silently approximate; a fixed size
+        # resamples once in eager PyTorch instead.
         raise ValueError(f"{meta.model} resamples its learned position embedding bicubically, which has no exact "
                          f"ONNX Runtime equivalent: export a fixed size with --img-size H W (resampled at export "
                          f"time) instead of --dynamic-img-size")
@@ -233,7 +233,7 @@ def onnx(model: nn.Module | str | os.PathLike, path: str | os.PathLike, *, img_s
     report = ExportReport(str(path), "onnx", exporter, size, meta, notes=notes, atol=atol)
     if validate:
         run = _ort_runner(onnx_session(path))
-        report.diffs = compare(module, lambda t: run(t), check_inputs(meta, x.shape[0], others))
+        report.diffs = compare(module, run, check_inputs(meta, x.shape[0], others), report.notes)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -257,7 +257,8 @@ def exported_program(model: nn.Module | str | os.PathLike, path: str | os.PathLi
     report = ExportReport(str(path), "exported", "torch.export", Path(path).stat().st_size, meta, atol=atol)
     if validate:
         loaded = load_exported(path)[0]
-        report.diffs = compare(module, lambda t: outputs(loaded(t)), check_inputs(meta, x.shape[0], others))
+        report.diffs = compare(module, lambda t: outputs(loaded(t)), check_inputs(meta, x.shape[0], others),
+                               report.notes)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -290,6 +291,6 @@ def torchscript(model: nn.Module | str | os.PathLike, path: str | os.PathLike, *
     if validate:
         with _quiet():
             loaded = torch.jit.load(str(path))
-        report.diffs = compare(module, lambda t: outputs(loaded(t)), check_inputs(meta, x.shape[0], []))
+        report.diffs = compare(module, lambda t: outputs(loaded(t)), check_inputs(meta, x.shape[0], []), report.notes)
     report.seconds = time.perf_counter() - t0
     return report
