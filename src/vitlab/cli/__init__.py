@@ -7,6 +7,7 @@ Each module of this package adds its subcommands through ``register(subparsers)`
     vitlab bench attention|models|ladder     benchmarks                                            (bench.py)
 
     vitlab train|eval|predict                training and evaluation                               (train.py)
+    vitlab export MODEL|RUN --format F       ONNX / .pt2 / TorchScript, validated against eager    (export.py)
 
 User errors (bad flags, names, paths, data) print one line ``vitlab: error: ...`` and exit with code 2: the
 parsers raise instead of printing argparse's usage block (``_dataclass_args.Parser``).

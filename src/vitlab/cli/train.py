@@ -8,6 +8,7 @@
     torchrun --nproc-per-node 2 -m vitlab train --strategy ddp ...
     vitlab eval --checkpoint runs/RUN --data digits
     vitlab predict --checkpoint runs/RUN img1.png img2.png --topk 3
+    vitlab predict --onnx model.onnx img1.png                (ONNX Runtime; file from vitlab export)
 """
 
 from __future__ import annotations
@@ -78,10 +79,17 @@ def cmd_eval(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    from vitlab.train import predict
+    if (args.checkpoint is None) == (args.onnx is None):
+        raise ValueError("predict needs exactly one of --checkpoint RUN and --onnx FILE")
+    if args.onnx is not None:  # ONNX Runtime, preprocessing from the file's metadata (vitlab.export)
+        from vitlab.export import predict_onnx
 
-    rows = predict(args.checkpoint, args.images, topk=args.topk, weights=args.weights, device=args.device,
-                   optimize=not args.no_optimize)
+        rows = predict_onnx(args.onnx, args.images, topk=args.topk)
+    else:
+        from vitlab.train import predict
+
+        rows = predict(args.checkpoint, args.images, topk=args.topk, weights=args.weights, device=args.device,
+                       optimize=not args.no_optimize)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -139,7 +147,9 @@ def register(sub) -> None:
     e.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("predict", help="top-k labels with probabilities for images")
-    p.add_argument("--checkpoint", required=True, help="a run directory, checkpoint directory or .safetensors")
+    p.add_argument("--checkpoint", default=None, help="a run directory, checkpoint directory or .safetensors")
+    p.add_argument("--onnx", default=None, metavar="FILE",
+                   help="instead of --checkpoint: an ONNX file from vitlab export, run with ONNX Runtime")
     p.add_argument("images", nargs="+", metavar="IMAGE")
     p.add_argument("--topk", type=int, default=5)
     p.add_argument("--weights", default="auto", choices=["auto", "raw", "ema"])

@@ -1,0 +1,59 @@
+"""Every family's smallest registered model at its default size, exported with a dynamic batch to ONNX (validated
+with ONNX Runtime) and to an ExportedProgram (validated through ``torch.export.load``): ok, max abs diff vs eager
+on random and real images, file size, export time.
+
+    python benchmarks/export_families.py                  # writes docs/bench/export_families.json
+    python benchmarks/export_families.py --models levit_128s swin_tiny_patch4_window7_224
+    python benchmarks/export_families.py --smoke --out docs/bench/export_families_smoke.json   # reduced depth
+                                                                     # and size (the config's smoke_kwargs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+import vitlab
+import vitlab.export as ex
+from vitlab._io import atomic_write
+from vitlab.bench.attention import machine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--smoke", action="store_true", help="each model's smoke_kwargs (fewer blocks, smaller image)")
+    p.add_argument("--out", default="docs/bench/export_families.json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models or ex.smallest_per_family():
+            cfg = vitlab.get_model_config(name)
+            kw = cfg.smoke_kwargs if args.smoke else {}
+            row = {"model": name, "family": cfg.family, "kwargs": kw}
+            for fmt, fn, suffix in (("onnx", ex.onnx, ".onnx"), ("exported", ex.exported_program, ".pt2")):
+                try:
+                    r = fn(name, Path(tmp) / f"{name}{suffix}", **kw)
+                    row["img_size"] = r.meta.img_size
+                    row[fmt] = {"ok": r.ok, "max_abs_diff": r.max_abs_diff, "diffs": r.diffs, "exporter": r.exporter,
+                                "notes": r.notes, "size_mib": r.size_bytes / 2**20, "seconds": r.seconds}
+                    print("\n".join(r.lines()), flush=True)
+                except Exception as e:  # noqa: BLE001  recorded in the table as a failure
+                    row[fmt] = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+                    print(f"{name} {fmt}: FAILED {row[fmt]['error']}", flush=True)
+                (Path(tmp) / f"{name}{suffix}").unlink(missing_ok=True)
+            rows.append(row)
+            out = {"machine": machine(), "torch": torch.__version__,
+                   "onnxruntime": __import__("onnxruntime").__version__, "rows": rows}
+            atomic_write(args.out, json.dumps(out, indent=2).encode())  # after every model: a partial table survives
+    print(f"written {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""The three exporters (ONNX, ExportedProgram ``.pt2``, TorchScript): trace with a dynamic batch (and, where the
+model computes it exactly, a dynamic image size), write the file atomically with the preprocessing embedded, load
+it back with its own runtime and compare with eager PyTorch."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.export import Dim
+
+from vitlab._io import atomic_write, make_temp_dir
+from vitlab.export._source import META_KEY, ExportMeta, load_source
+from vitlab.export._validate import FP32_ATOL, ExportReport, check_inputs, compare, outputs
+
+EXTRA = "vitlab[export]"
+TRACE_BATCH = 2  # > 1, so torch.export keeps the batch symbolic instead of specialising a size-1 dimension
+MAX_BATCH = 4096
+_PROTOBUF_LIMIT = 2**31 - 2**24  # a single ONNX protobuf must stay under 2 GiB; bigger models use external data
+
+
+def require_onnx() -> None:
+    """ValueError naming the extra to install unless onnx, onnxscript and onnxruntime import."""
+    missing = []
+    for mod in ("onnx", "onnxscript", "onnxruntime"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod)
+    if missing:
+        raise ValueError(f"ONNX export and inference need {', '.join(missing)}: pip install {EXTRA}")
+
+
+def _prepare(model: nn.Module | str | os.PathLike, meta: ExportMeta | None, img_size, dynamic_batch: bool,
+             dynamic_img_size: bool, model_kwargs: dict) -> tuple[nn.Module, ExportMeta]:
+    if isinstance(model, nn.Module):
+        if meta is None:
+            if img_size is None:
+                raise ValueError("exporting an nn.Module needs img_size=(H, W) or meta=ExportMeta(...)")
+            h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
+            meta = ExportMeta(model=type(model).__name__, img_size=(int(h), int(w)),
+                              num_classes=int(getattr(model, "num_classes", 0)))
+        module = model.eval()
+    else:
+        module, loaded = load_source(model, img_size=img_size, dynamic_img_size=dynamic_img_size, **model_kwargs)
+        meta = meta or loaded
+    meta = replace(meta, dynamic_batch=dynamic_batch, dynamic_img_size=dynamic_img_size)  # the caller's stays
+    if dynamic_img_size:
+        _check_dynamic_size(module, meta)
+    return module, meta
+
+
+def _check_dynamic_size(model: nn.Module, meta: ExportMeta) -> None:
+    """Refuse a dynamic image size where the graph would not compute the model exactly."""
+    if getattr(model, "dynamic_img_size", None) is False:  # families that are size-agnostic keep no flag
+        raise ValueError(f"{meta.model} has no dynamic image size: export it at a fixed --img-size H W")
+    if isinstance(getattr(model, "pos_embed", None), nn.Parameter) and getattr(model, "pos_embed_type", "") != "sincos":
+        # F.interpolate(mode='bicubic', antialias=True) on the (1, C, h, w) position grid has no exact ONNX
+        # Runtime counterpart for 4-D inputs, so a dynamic-size graph could be silently approximate; a fixed size
+        # resamples once in eager PyTorch instead.
+        raise ValueError(f"{meta.model} resamples its learned position embedding bicubically, which has no exact "
+                         f"ONNX Runtime equivalent: export a fixed size with --img-size H W (resampled at export "
+                         f"time) instead of --dynamic-img-size")
+
+
+def size_multiple(model: nn.Module, meta: ExportMeta) -> int:
+    """The smallest step in pixels by which the model accepts a larger input (patch size times downsampling)."""
+    h, w = meta.img_size
+    for m in (4, 8, 14, 16, 28, 32, 56, 64, 112, 128):
+        if h % m or w % m:
+            continue
+        try:
+            with torch.no_grad():
+                model(torch.zeros(1, meta.in_chans, h + m, w + m))
+            return m
+        except (ValueError, RuntimeError):
+            continue
+    raise ValueError(f"{meta.model} takes no input larger than {h}x{w} by a patch multiple: no dynamic image size")
+
+
+def _trace_plan(model: nn.Module, meta: ExportMeta) -> tuple[torch.Tensor, dict, list[tuple[int, int]]]:
+    """(example input, dynamic_shapes, other sizes to validate at)."""
+    h, w = meta.img_size
+    dims: dict[int, object] = {}
+    if meta.dynamic_batch:
+        dims[0] = Dim("batch", min=1, max=MAX_BATCH)
+    others: list[tuple[int, int]] = []
+    if meta.dynamic_img_size:
+        m = size_multiple(model, meta)
+        dims[2], dims[3] = m * Dim("h_steps", min=1, max=4096 // m), m * Dim("w_steps", min=1, max=4096 // m)
+        # trace at a size other than the model's own grid, so size-dependent code (position resampling) is in the
+        # graph rather than skipped as it is at the default size
+        h, w = h + m, w + 2 * m
+        others = [(h, w), (meta.img_size[0] + 3 * m, meta.img_size[1])]
+    x = torch.randn(TRACE_BATCH if meta.dynamic_batch else 1, meta.in_chans, h, w,
+                    generator=torch.Generator().manual_seed(1))
+    return x, dims, others
+
+
+def _dynamic_shapes(dims: dict) -> tuple | None:
+    return (dims,) if dims else None
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The exporters print progress lines and warnings on stdout/stderr; keep them for an error message only."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield buf
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+# ---------------------------------------------------------------------------------------------------- ONNX
+
+
+def _onnx_bytes(model: nn.Module, x: torch.Tensor, dims: dict, opset: int, notes: list[str]):
+    """(onnx ModelProto, exporter name): the dynamo exporter, else the TorchScript-based one (said in notes)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    shapes = _dynamic_shapes(dims)
+    try:
+        # math SDPA while tracing: the fused CPU kernel's output strides differ from those of the decomposition
+        # the exporter runs later, and window attention's reshapes then meet an impossible view (Swin)
+        with _quiet(), sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+            prog = torch.onnx.export(model, (x,), dynamo=True, opset_version=opset, dynamic_shapes=shapes,
+                                     input_names=["image"], output_names=["logits"], verbose=False)
+        return prog.model_proto, "dynamo (torch.export + onnxscript)"
+    except Exception as e:  # noqa: BLE001  any exporter failure: try the other exporter, and say so
+        notes.append(f"the dynamo exporter failed ({_first_line(e)}); fell back to the TorchScript-based exporter")
+    import onnx
+
+    axes = {}
+    if 0 in dims:
+        axes[0] = "batch"
+    if 2 in dims:
+        axes[2], axes[3] = "height", "width"
+    buf = io.BytesIO()
+    with _quiet(), torch.no_grad():
+        torch.onnx.export(model, (x,), buf, dynamo=False, opset_version=opset, input_names=["image"],
+                          output_names=["logits"], dynamic_axes={"image": axes} if axes else None)
+    return onnx.load_from_string(buf.getvalue()), "TorchScript-based torch.onnx exporter (fall-back)"
+
+
+def write_onnx(proto, path: Path, meta: ExportMeta | None = None) -> int:
+    """Write an ONNX ModelProto atomically with ``meta`` in its metadata; returns the bytes written. Models over
+    the 2 GiB protobuf limit keep their weights in ``path.data`` (replaced first, the ``.onnx`` last)."""
+    import onnx
+
+    if meta is not None:
+        onnx.helper.set_model_props(proto, {META_KEY: meta.to_json()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if proto.ByteSize() < _PROTOBUF_LIMIT:
+        atomic_write(path, proto.SerializeToString())
+        return path.stat().st_size
+    tmp = make_temp_dir(path.parent)
+    try:
+        data = path.name + ".data"
+        onnx.save_model(proto, str(tmp / path.name), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data)
+        os.replace(tmp / data, path.parent / data)
+        os.replace(tmp / path.name, path)
+    finally:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    return path.stat().st_size + (path.parent / data).stat().st_size
+
+
+def onnx_session(path: str | os.PathLike, threads: int | None = None):
+    """An ONNX Runtime CPU session on ``path`` (all graph optimisations)."""
+    require_onnx()
+    import onnxruntime as ort
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"ONNX file not found: {path}")
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def read_onnx_meta(path: str | os.PathLike) -> ExportMeta:
+    """The :class:`ExportMeta` embedded in an ONNX file by :func:`onnx`."""
+    require_onnx()
+    import onnx
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"ONNX file not found: {path}")
+    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    if META_KEY not in props:
+        raise ValueError(f"{path} carries no vitlab metadata (it was not written by vitlab export)")
+    return ExportMeta.from_json(props[META_KEY])
+
+
+def _ort_runner(sess) -> Callable[[torch.Tensor], list]:
+    name = sess.get_inputs()[0].name
+    return lambda x: sess.run(None, {name: x.numpy()})
+
+
+def onnx(model: nn.Module | str | os.PathLike, path: str | os.PathLike, *, img_size=None, dynamic_batch: bool = True,
+         dynamic_img_size: bool = False, opset: int = 20, meta: ExportMeta | None = None, validate: bool = True,
+         atol: float = FP32_ATOL, **model_kwargs) -> ExportReport:
+    """Export to ONNX and validate with ONNX Runtime. ``opset`` 20 by default: LITv2's deformable convolution
+    needs ONNX's DeformConv (opset 19+).
+
+    ``model``: an ``nn.Module`` (give ``img_size`` or ``meta``), a registered model name (random weights; extra
+    ``model_kwargs`` go to ``create_model``) or a run / checkpoint of ``vitlab train``. The dynamo exporter runs
+    first; where it fails the TorchScript-based exporter is used and the report's notes say so. The preprocessing
+    (mean, std, size, class names) is embedded as JSON under the metadata key ``'vitlab'``."""
+    require_onnx()
+    t0 = time.perf_counter()
+    module, meta = _prepare(model, meta, img_size, dynamic_batch, dynamic_img_size, model_kwargs)
+    x, dims, others = _trace_plan(module, meta)
+    notes: list[str] = []
+    proto, exporter = _onnx_bytes(module, x, dims, opset, notes)
+    size = write_onnx(proto, Path(path), meta)
+    report = ExportReport(str(path), "onnx", exporter, size, meta, notes=notes, atol=atol)
+    if validate:
+        run = _ort_runner(onnx_session(path))
+        report.diffs = compare(module, run, check_inputs(meta, x.shape[0], others), report.notes)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+# ------------------------------------------------------------------------------------ ExportedProgram, TorchScript
+
+
+def exported_program(model: nn.Module | str | os.PathLike, path: str | os.PathLike, *, img_size=None,
+                     dynamic_batch: bool = True, dynamic_img_size: bool = False, meta: ExportMeta | None = None,
+                     validate: bool = True, atol: float = FP32_ATOL, **model_kwargs) -> ExportReport:
+    """``torch.export`` the model to a ``.pt2`` (``torch.export.save``, the preprocessing in the extra file
+    ``vitlab.json``) and validate it through ``torch.export.load``. Arguments as for :func:`onnx`."""
+    t0 = time.perf_counter()
+    module, meta = _prepare(model, meta, img_size, dynamic_batch, dynamic_img_size, model_kwargs)
+    x, dims, others = _trace_plan(module, meta)
+    with _quiet(), torch.no_grad():
+        ep = torch.export.export(module, (x,), dynamic_shapes=_dynamic_shapes(dims))
+    buf = io.BytesIO()
+    torch.export.save(ep, buf, extra_files={f"{META_KEY}.json": meta.to_json()})
+    atomic_write(path, buf.getvalue())
+    report = ExportReport(str(path), "exported", "torch.export", Path(path).stat().st_size, meta, atol=atol)
+    if validate:
+        loaded = load_exported(path)[0]
+        report.diffs = compare(module, lambda t: outputs(loaded(t)), check_inputs(meta, x.shape[0], others),
+                               report.notes)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def load_exported(path: str | os.PathLike) -> tuple[nn.Module, ExportMeta]:
+    """(callable module, ExportMeta) of a ``.pt2`` written by :func:`exported_program`."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"exported program not found: {path}")
+    extra = {f"{META_KEY}.json": ""}
+    ep = torch.export.load(path, extra_files=extra)
+    return ep.module(), ExportMeta.from_json(extra[f"{META_KEY}.json"])
+
+
+def torchscript(model: nn.Module | str | os.PathLike, path: str | os.PathLike, *, img_size=None,
+                dynamic_batch: bool = True, meta: ExportMeta | None = None, validate: bool = True,
+                atol: float = FP32_ATOL, **model_kwargs) -> ExportReport:
+    """``torch.jit.trace`` the model to a TorchScript file (the preprocessing in the extra file ``vitlab.json``) and
+    validate it through ``torch.jit.load``, at other batch sizes too (a trace can bake a size in: the check
+    catches it). No dynamic image size: a trace fixes the size-dependent branches."""
+    t0 = time.perf_counter()
+    module, meta = _prepare(model, meta, img_size, dynamic_batch, False, model_kwargs)
+    x, _, _ = _trace_plan(module, meta)
+    with _quiet(), torch.no_grad():
+        traced = torch.jit.trace(module, x, check_trace=False)
+    buf = io.BytesIO()
+    with _quiet():  # torch.jit's deprecation warnings: TorchScript is the format asked for
+        torch.jit.save(traced, buf, _extra_files={f"{META_KEY}.json": meta.to_json()})
+    atomic_write(path, buf.getvalue())
+    report = ExportReport(str(path), "torchscript", "torch.jit.trace", Path(path).stat().st_size, meta, atol=atol)
+    if validate:
+        with _quiet():
+            loaded = torch.jit.load(str(path))
+        report.diffs = compare(module, lambda t: outputs(loaded(t)), check_inputs(meta, x.shape[0], []), report.notes)
+    report.seconds = time.perf_counter() - t0
+    return report

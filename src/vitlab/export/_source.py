@@ -1,0 +1,154 @@
+"""What is exported: a model in eval mode and its :class:`ExportMeta` (the preprocessing a deployed file needs),
+built from a registered model name or from a checkpoint written by ``vitlab train``; and the real photos the
+exported files are validated on."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torchvision.transforms import v2
+
+import vitlab
+from vitlab.data.transforms import channel_stats, eval_transform
+
+META_KEY = "vitlab"  # the key of the JSON description in an ONNX file's metadata_props / a .pt2's extra files
+
+
+@dataclass
+class ExportMeta:
+    """The preprocessing and labels of an exported model, embedded in the file (JSON)."""
+
+    model: str = ""
+    img_size: tuple[int, int] = (224, 224)
+    in_chans: int = 3
+    mean: tuple[float, ...] = vitlab.registry.IMAGENET_MEAN
+    std: tuple[float, ...] = vitlab.registry.IMAGENET_STD
+    crop_pct: float = 0.9
+    num_classes: int = 1000
+    class_names: list[str] = field(default_factory=list)  # empty: labels are the class indices
+    dynamic_batch: bool = True
+    dynamic_img_size: bool = False
+    vitlab_version: str = vitlab.__version__
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ExportMeta:
+        d = json.loads(text)
+        d["img_size"] = tuple(d["img_size"])
+        d["mean"], d["std"] = tuple(d["mean"]), tuple(d["std"])
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def labels(self) -> list[str]:
+        return self.class_names or [str(i) for i in range(self.num_classes)]
+
+    def transform(self):
+        """vitlab's eval preprocessing for this model (uint8 image in): resize, center-crop, normalise; a
+        non-square size is reached by resizing the square crop of its short side."""
+        h, w = self.img_size
+        tf = eval_transform(min(h, w), crop_pct=self.crop_pct or 1.0, mean=channel_stats(self.mean, self.in_chans),
+                            std=channel_stats(self.std, self.in_chans))
+        return tf if h == w else v2.Compose([tf, v2.Resize((h, w), antialias=True)])
+
+
+def _size2(img_size) -> tuple[int, int] | None:
+    if img_size is None:
+        return None
+    h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+    if h <= 0 or w <= 0:
+        raise ValueError(f"image size must be positive, got {h}x{w}")
+    return int(h), int(w)
+
+
+def load_source(source: str | Path, img_size: int | tuple[int, int] | None = None, dynamic_img_size: bool = False,
+                **model_kwargs) -> tuple[nn.Module, ExportMeta]:
+    """(model in eval mode, its ExportMeta) from a registered model name (random initial weights) or a run
+    directory / checkpoint written by ``vitlab train``. ``img_size``: another fixed input size; a learned position
+    embedding is resampled once, here, in eager PyTorch (by the family's checkpoint filter), so the exported graph
+    holds it as a constant. ``model_kwargs`` go to :func:`vitlab.create_model` for a model name."""
+    size = _size2(img_size)
+    extra = {"dynamic_img_size": True} if dynamic_img_size else {}
+    if vitlab.is_model(str(source)):
+        cfg = vitlab.get_model_config(str(source))
+        kw = {**model_kwargs, **extra}
+        if size is not None:
+            kw["img_size"] = size
+        try:
+            model = vitlab.create_model(str(source), **kw)
+        except TypeError as e:  # a family without the keyword (e.g. dynamic_img_size)
+            raise _build_error(str(source), e) from None
+        grid = size or _model_img_size(model, cfg.input_size[1:])
+        meta = ExportMeta(model=str(source), img_size=grid, in_chans=cfg.input_size[0], mean=tuple(cfg.mean),
+                          std=tuple(cfg.std), crop_pct=cfg.crop_pct, num_classes=_num_classes(model, cfg.num_classes),
+                          dynamic_img_size=dynamic_img_size)
+        return model.eval(), meta
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"{source} is neither a registered model (see `vitlab models`) nor a path")
+    from vitlab.convert import load_state_dict
+    from vitlab.train.checkpoint import load_weights
+    from vitlab.train.classification import create_from_description
+
+    sd, ck = load_weights(path)
+    trained = int(ck["img_size"])
+    desc = {**ck, "model_kwargs": {**ck.get("model_kwargs", {}), **extra}}
+    if size is not None:
+        desc["img_size"] = size
+    try:
+        model = create_from_description(desc)
+    except TypeError as e:
+        raise _build_error(ck["model"], e) from None
+    load_state_dict(model, sd, source=str(path))  # resamples position embeddings to the new grid
+    meta = ExportMeta(model=ck["model"], img_size=size or (trained, trained), in_chans=int(ck["in_chans"]),
+                      mean=tuple(ck["mean"]), std=tuple(ck["std"]), crop_pct=ck.get("crop_pct") or 1.0,
+                      num_classes=int(ck["num_classes"]), class_names=list(ck.get("class_names") or []),
+                      dynamic_img_size=dynamic_img_size)
+    return model.eval(), meta
+
+
+def _build_error(name: str, e: TypeError) -> ValueError:
+    if "dynamic_img_size" in str(e):
+        return ValueError(f"{name} has no dynamic image size: export it at a fixed --img-size H W")
+    return ValueError(f"{name} cannot be built with these arguments: {e}")
+
+
+def smallest_per_family() -> list[str]:
+    """The registered model with the fewest parameters of each family (counted on the meta device), sorted."""
+    from vitlab.profile import count_params
+
+    fams: dict[str, list[str]] = {}
+    for name in vitlab.list_models():
+        fams.setdefault(vitlab.get_model_config(name).family, []).append(name)
+
+    def params(name: str) -> int:
+        with torch.device("meta"):  # shapes only, no memory
+            return count_params(vitlab.create_model(name))[0]
+
+    return sorted(min(names, key=params) for names in fams.values())
+
+
+def _model_img_size(model: nn.Module, default) -> tuple[int, int]:
+    pe = getattr(model, "patch_embed", None)
+    size = getattr(pe, "img_size", None) or getattr(model, "img_size", None) or default
+    return _size2(size)
+
+
+def _num_classes(model: nn.Module, default: int) -> int:
+    return int(getattr(model, "num_classes", default))
+
+
+def real_images(meta: ExportMeta, n: int = 3) -> torch.Tensor:
+    """(n, C, H, W) of scikit-image's bundled photos (astronaut, cat, coffee), through ``meta``'s preprocessing."""
+    import skimage.data
+    from PIL import Image
+
+    from vitlab.data.datasets import to_chans
+
+    photos = [skimage.data.astronaut, skimage.data.chelsea, skimage.data.coffee]
+    tf = meta.transform()
+    return torch.stack([tf(to_chans(Image.fromarray(photos[i % len(photos)]()), meta.in_chans)) for i in range(n)])

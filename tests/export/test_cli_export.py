@@ -1,0 +1,76 @@
+"""``vitlab export`` and ``vitlab predict --onnx``: files written and validated, int8 with the accuracy change, one
+line and exit 2 on bad input or without the export extra."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import skimage.data
+from PIL import Image
+
+import vitlab.export as ex
+from vitlab.cli import main
+from vitlab.train import predict
+
+
+def test_export_onnx_int8_and_predict(digits_run, tmp_path, capsys):
+    out = tmp_path / "m.onnx"
+    assert main(["export", str(digits_run), "--format", "onnx", "--int8", "--data", "digits", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "validation ok" in text and "real photos" in text
+    assert "int8: wrote" in text and "int8 accuracy on digits test (270 images)" in text and "points" in text
+    q = tmp_path / "m-int8.onnx"
+    assert q.stat().st_size < out.stat().st_size
+    ops = {n.op_type for n in onnx.load(str(q)).graph.node}
+    assert "DynamicQuantizeLinear" in ops and "MatMulInteger" in ops  # the linears run in int8
+    assert ex.read_onnx_meta(q) == ex.read_onnx_meta(out)
+
+    img = tmp_path / "cat.png"
+    Image.fromarray(skimage.data.chelsea()).save(img)
+    assert main(["predict", "--onnx", str(out), str(img), str(img), "--topk", "3", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = predict(digits_run, [img, img], topk=3, optimize=False)
+    for g, w in zip(got, want):  # ONNX Runtime with the file's preprocessing == eager with the checkpoint's
+        assert g["image"] == str(img) and [lbl for lbl, _ in g["top"]] == [lbl for lbl, _ in w["top"]]
+        np.testing.assert_allclose([p for _, p in g["top"]], [p for _, p in w["top"]], atol=1e-5)
+
+
+def test_export_torchscript_json(digits_run, tmp_path, capsys):
+    out = tmp_path / "m.pt"
+    assert main(["export", str(digits_run), "--format", "torchscript", "--static-batch", "--out", str(out),
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["ok"] and r["exporter"] == "torch.jit.trace" and list(r["max_abs_diff"]) == [
+        "random 1x1x16x16", "real photos 1x1x16x16"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["nope_model", "--format", "onnx"], "neither a registered model"),
+    (["vit_pico_patch8_32", "--format", "exported", "--int8"], "--int8 needs --format onnx"),
+    (["vit_pico_patch8_32", "--format", "torchscript", "--dynamic-img-size"], "--dynamic-img-size needs"),
+    (["vit_pico_patch8_32", "--format", "onnx", "--dynamic-img-size"], "bicubic"),
+    (["vit_pico_patch8_32", "--format", "onnx", "--img-size", "0", "32"], "must be positive"),
+    (["vit_pico_patch8_32", "--format", "exported", "--opset", "17"], "--opset applies"),
+])
+def test_bad_input_one_line_exit_2(argv, words, tmp_path, capsys):
+    assert main(["export", *argv, "--out", str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitlab: error:") and words in err and err.count("\n") == 1
+    assert not (tmp_path / "f").exists()
+
+
+def test_missing_extra_names_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime now raises ImportError
+    assert main(["export", "vit_pico_patch8_32", "--format", "onnx", "--out", str(tmp_path / "m.onnx")]) == 2
+    assert main(["predict", "--onnx", str(tmp_path / "m.onnx"), "x.png"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("pip install vitlab[export]") == 2 and "onnxruntime" in err
+
+
+def test_predict_needs_one_source(capsys):
+    assert main(["predict", "x.png"]) == 2
+    assert "exactly one of --checkpoint" in capsys.readouterr().err
