@@ -47,6 +47,8 @@ from vitlab.data.datasets import DataError
 from vitlab.data.transforms import batch_mixup, channel_stats, eval_transform, train_transform
 
 DATASETS = ("digits", "fake", "imagefolder", "cifar10", "cifar100")
+# built by vitlab.dense (``vitlab train --task segment|depth``), not by build()
+DENSE_DATASETS = ("shapes", "segfolder", "depthfolder")
 
 PRESETS: dict[str, dict] = {
     "imagenet": dict(img_size=224, scale=(0.08, 1.0), hflip=0.5, randaugment=True, color_jitter=0.0,
@@ -93,10 +95,10 @@ class DataConfig:
         if self.scale is not None:
             self.scale = tuple(float(s) for s in self.scale)  # YAML gives lists
         name = self.dataset.split(":", 1)[0]
-        if name not in DATASETS:
+        if name not in DATASETS + DENSE_DATASETS:
             raise DataError(f"unknown dataset {self.dataset!r}; expected one of: digits, fake, imagefolder:PATH, "
-                            "cifar10:PATH, cifar100:PATH")
-        if name in ("imagefolder", "cifar10", "cifar100") and not self.dataset.partition(":")[2]:
+                            "cifar10:PATH, cifar100:PATH (dense tasks: shapes, segfolder:PATH, depthfolder:PATH)")
+        if name in ("imagefolder", "cifar10", "cifar100", *DENSE_DATASETS[1:]) and not self.dataset.partition(":")[2]:
             raise DataError(f"dataset {name} needs a path: {name}:PATH")
         if self.preset is not None and self.preset not in PRESETS:
             raise DataError(f"unknown preset {self.preset!r}; expected one of: {', '.join(PRESETS)}")
@@ -214,6 +216,8 @@ def build(cfg: DataConfig, mean: Sequence[float] = (0.5,), std: Sequence[float] 
     """The datasets, transforms and batch mixing for ``cfg``, normalised with the model's ``mean`` / ``std``."""
     if in_chans not in (1, 3):
         raise DataError(f"in_chans must be 1 or 3, got {in_chans}")
+    if cfg.name in DENSE_DATASETS:
+        raise DataError(f"dataset {cfg.dataset!r} holds dense targets: train on it with --task segment or --task depth")
     r = cfg.resolved()
     try:
         mean, std = channel_stats(mean, in_chans), channel_stats(std, in_chans)
