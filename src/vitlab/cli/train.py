@@ -8,6 +8,8 @@
     torchrun --nproc-per-node 2 -m vitlab train --strategy ddp ...
     vitlab eval --checkpoint runs/RUN --data digits
     vitlab predict --checkpoint runs/RUN img1.png img2.png --topk 3
+    vitlab train --task segment --data shapes --model vit_pico_patch4_32 --task_args.head dpt
+    vitlab eval --task segment --checkpoint runs/RUN          vitlab predict --task depth --checkpoint RUN a.png
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.task != "classify":
+        return _dense_eval(args)
     from vitlab.train import evaluate
 
     r = evaluate(args.checkpoint, args.data, split=args.split, output_dir=args.output_dir, weights=args.weights,
@@ -77,7 +81,42 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _dense_eval(args) -> int:
+    from vitlab.dense.infer import evaluate
+
+    r = evaluate(args.checkpoint, args.data, split=args.split, output_dir=args.output_dir, weights=args.weights,
+                 device=args.device)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    head = f"{r['model']} on {r['dataset']} ({r['split']}, {r['num_images']} images): "
+    if r["task"] == "segment":
+        console.print(head + f"mIoU {r['miou']:.4f}  pixel acc {r['pixel_acc']:.4f}", highlight=False)
+        for name, iou in r["per_class_iou"].items():
+            console.print(f"  {name:<20} IoU {'-' if iou is None else f'{iou:.4f}'}", highlight=False)
+    else:
+        console.print(head + "  ".join(f"{k} {r[k]:.4f}" for k in ("abs_rel", "rmse", "log10", "delta1", "delta2",
+                                                                   "delta3")), highlight=False)
+    console.print(f"written: {r['json_path']}", highlight=False, soft_wrap=True)
+    return 0
+
+
+def _dense_predict(args) -> int:
+    from vitlab.dense.infer import predict
+
+    rows = predict(args.checkpoint, args.images, output_dir=args.output_dir or "predictions", weights=args.weights,
+                   device=args.device)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        print(f"{r['image']}: " + "  ".join(v for k, v in r.items() if k in ("overlay", "mask", "depth", "depth16")))
+    return 0
+
+
 def cmd_predict(args) -> int:
+    if args.task != "classify":
+        return _dense_predict(args)
     from vitlab.train import predict
 
     rows = predict(args.checkpoint, args.images, topk=args.topk, weights=args.weights, device=args.device,
@@ -127,6 +166,8 @@ def register(sub) -> None:
     e.add_argument("--device", default="cpu")
     e.add_argument("--no-optimize", action="store_true",
                    help="run the model as built (eager) instead of through vitlab.optimize")
+    e.add_argument("--task", default="classify", choices=["classify", "segment", "depth"],
+                   help="segment / depth: a vitlab.dense checkpoint (sliding windows, mIoU or depth errors)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 
@@ -138,5 +179,8 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-optimize", action="store_true",
                    help="run the model as built (eager) instead of through vitlab.optimize")
+    p.add_argument("--task", default="classify", choices=["classify", "segment", "depth"],
+                   help="segment: colour overlays + index masks; depth: depth maps (PNG, under --output-dir)")
+    p.add_argument("--output-dir", default=None, help="segment / depth: where the PNGs go (default predictions/)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_predict)

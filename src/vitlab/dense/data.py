@@ -330,9 +330,12 @@ SHAPES_SPLITS = {"train": 800, "val": 100, "test": 100}
 
 
 def build_dense(data_cfg, task: str, mean, std, num_classes: int | None = None, depth_scale: float = 1000.0,
-                shapes_size: int = 96, shapes_train: int | None = None) -> DenseBundle:
+                shapes_size: int = 96, shapes_train: int | None = None, shapes_eval: int | None = None,
+                native_eval: bool = False) -> DenseBundle:
     """The bundle of ``data_cfg.dataset`` (``shapes`` | ``segfolder:PATH`` | ``depthfolder:PATH``) for ``task``
-    ('segment' or 'depth'); ``data_cfg.img_size`` is the training crop (default 64 for shapes, else 512)."""
+    ('segment' or 'depth'); ``data_cfg.img_size`` is the training crop (default 64 for shapes, else 512).
+    ``native_eval``: folder val images at their own size (for sliding-window evaluation one at a time) instead of
+    resized to the crop (what batched validation during training needs)."""
     name = data_cfg.dataset.split(":", 1)[0]
     path = data_cfg.path
     want = {"segment": ("shapes", "segfolder"), "depth": ("shapes", "depthfolder")}[task]
@@ -343,12 +346,15 @@ def build_dense(data_cfg, task: str, mean, std, num_classes: int | None = None, 
     hflip = 0.5 if data_cfg.hflip is None else data_cfg.hflip
     t_train = joint_transform(size, True, mean, std, scale, hflip, depth=task == "depth")
     t_eval = joint_transform(size, False, mean, std)
+    # batched validation needs one size: folder images resized to the crop (vitlab eval scores the native size)
+    t_val = t_eval if native_eval else joint_transform(size, False, mean, std, resize=True)
     test = None
     extra = {}
     if name == "shapes":
         assets = ShapeAssets()
         seed, depth = data_cfg.seed, task == "depth"
-        counts = dict(SHAPES_SPLITS, train=shapes_train or SHAPES_SPLITS["train"])
+        counts = {"train": shapes_train or SHAPES_SPLITS["train"], "val": shapes_eval or SHAPES_SPLITS["val"],
+                  "test": shapes_eval or SHAPES_SPLITS["test"]}
         base = {"train": 0, "val": 10_000_000, "test": 20_000_000}
         # each scene is drawn once and kept: the transform, not the drawing, changes between epochs
         cache = {s: [shapes_scene(seed * 100_000_007 + base[s] + i, shapes_size, assets, depth)
@@ -368,10 +374,7 @@ def build_dense(data_cfg, task: str, mean, std, num_classes: int | None = None, 
             return lambda i: (load_image(pairs[i][0], 3), torch.from_numpy(read_mask(pairs[i][1])))
 
         train = PairDataset(len(splits["train"]), loader(splits["train"]), t_train)
-        # validation batches need one size: resized to the crop (vitlab eval scores the native size)
-        val = PairDataset(len(splits["val"]), loader(splits["val"]), joint_transform(size, False, mean, std,
-                                                                                    resize=True))
-        extra["val_pairs"] = [(str(a), str(b)) for a, b in splits["val"]]
+        val = PairDataset(len(splits["val"]), loader(splits["val"]), t_val)
     else:  # depthfolder
         splits = scan_depthfolder(path, depth_scale)
         classes = ["depth"]
@@ -380,8 +383,7 @@ def build_dense(data_cfg, task: str, mean, std, num_classes: int | None = None, 
             return lambda i: (load_image(pairs[i][0], 3), torch.from_numpy(read_depth(pairs[i][1], depth_scale)))
 
         train = PairDataset(len(splits["train"]), loader(splits["train"]), t_train)
-        val = PairDataset(len(splits["val"]), loader(splits["val"]), joint_transform(size, False, mean, std,
-                                                                                    resize=True))
+        val = PairDataset(len(splits["val"]), loader(splits["val"]), t_val)
     n = len(classes) if task == "segment" else 1
     return DenseBundle(train=train, val=val, test=test, num_classes=n, class_names=list(classes), img_size=size,
                        name=data_cfg.dataset, config=data_cfg, mean=tuple(mean), std=tuple(std), extra=extra)

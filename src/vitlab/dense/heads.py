@@ -63,10 +63,13 @@ class SETRNaive(nn.Module):
 
 
 class SETRPUP(nn.Module):
-    """SETR-PUP: ``num_up`` stages of conv 3x3 + BN + ReLU + 2x bilinear, then a 1x1 classifier."""
+    """SETR-PUP: ``num_up`` stages of conv 3x3 + BN + ReLU + 2x bilinear, then a 1x1 classifier; ``num_up``
+    defaults to log2 of the map's stride (4 for patch 16: back to full resolution)."""
 
-    def __init__(self, in_channels: list[int], num_classes: int, channels: int = 256, num_up: int = 4):
+    def __init__(self, in_channels: list[int], num_classes: int, channels: int = 256, num_up: int | None = None,
+                 stride: int = 16):
         super().__init__()
+        num_up = max(1, stride.bit_length() - 1) if num_up is None else num_up
         self.stages = nn.ModuleList(conv_bn_relu(in_channels[-1] if i == 0 else channels, channels)
                                     for i in range(num_up))
         self.cls = nn.Conv2d(channels, num_classes, 1)
@@ -82,8 +85,10 @@ class SETRMLA(nn.Module):
     """SETR-MLA: 1x1 reduce each level, top-down addition, two 3x3 convs and 4x upsampling per stream, concat,
     1x1 classifier (a coarser level of a hierarchical backbone is resized to the finer one before the sum)."""
 
-    def __init__(self, in_channels: list[int], num_classes: int, channels: int = 256, mla_channels: int = 128):
+    def __init__(self, in_channels: list[int], num_classes: int, channels: int = 256, mla_channels: int = 128,
+                 up: int = 4):
         super().__init__()
+        self.up = up  # 4x per stream (stride 16 -> 4); less for a finer map
         self.reduce = nn.ModuleList(conv_bn_relu(c, channels, 1) for c in in_channels)
         self.streams = nn.ModuleList(
             nn.Sequential(conv_bn_relu(channels, channels), conv_bn_relu(channels, mla_channels)) for _ in in_channels)
@@ -96,8 +101,8 @@ class SETRMLA(nn.Module):
             acc = x if acc is None else x + _up(acc, x.shape[-2:])
             agg.append(acc)
         agg = agg[::-1]
-        size = (agg[0].shape[-2] * 4, agg[0].shape[-1] * 4)
-        outs = [_up(F.interpolate(s(a), scale_factor=4, mode="bilinear", align_corners=False), size)
+        size = (agg[0].shape[-2] * self.up, agg[0].shape[-1] * self.up)
+        outs = [_up(F.interpolate(s(a), scale_factor=self.up, mode="bilinear", align_corners=False), size)
                 for s, a in zip(self.streams, agg, strict=True)]
         return self.cls(torch.cat(outs, dim=1))
 

@@ -161,9 +161,9 @@ def create(head: str, backbone: str = "vit_base_patch16_224", num_classes: int |
     if head == "setr_naive":
         dec = SETRNaive(chans, K, **hk)
     elif head == "setr_pup":
-        dec = SETRPUP(chans, K, **hk)
+        dec = SETRPUP(chans, K, stride=strides[-1], **hk)
     elif head == "setr_mla":
-        dec = SETRMLA(chans, K, **hk)
+        dec = SETRMLA(chans, K, up=max(1, min(4, strides[0] // 4)), **hk)
     elif head == "segmenter_linear":
         dec = SegmenterLinear(chans, K)
     elif head == "segmenter_mask":
@@ -174,9 +174,10 @@ def create(head: str, backbone: str = "vit_base_patch16_224", num_classes: int |
             hk.setdefault("readout", "ignore")
         dec = DPT(chans, strides, K, task, **hk)
     elif head == "vitdet_sfp":
-        sfp = SimpleFeaturePyramid(chans, hk.pop("out_channels", 256))
+        out_ch = hk.pop("out_channels", 256)
+        sfp = SimpleFeaturePyramid(chans, out_ch)
         out_strides = [int(strides[-1] / s) for s in sfp.scales]
-        dec = PyramidSegHead(sfp, SemanticFPNHead([256] * 4, out_strides, K, **hk))
+        dec = PyramidSegHead(sfp, SemanticFPNHead([out_ch] * 4, out_strides, K, **hk))
     elif head == "vit_adapter":
         if not plain:
             raise ValueError("ViT-Adapter needs a plain ViT backbone")
@@ -208,8 +209,10 @@ def register(name: str, config: ModelConfig, **spec) -> None:
     _BUILDERS[name] = spec
 
 
-def list_models(pattern: str = "*") -> list[str]:
-    return sorted(n for n in _CONFIGS if fnmatch.fnmatch(n, pattern))
+def list_models(pattern: str | list[str] = "*") -> list[str]:
+    """Registered dense configurations matching an fnmatch ``pattern`` (or any of a list), sorted."""
+    pats = [pattern] if isinstance(pattern, str) else list(pattern)
+    return sorted(n for n in _CONFIGS if any(fnmatch.fnmatch(n, p) for p in pats))
 
 
 def get_config(name: str) -> ModelConfig:
@@ -237,7 +240,7 @@ def create_registered(name: str, num_classes: int | None = None, task: str | Non
     return model
 
 
-def model_rows(pattern: str = "*") -> list[dict]:
+def model_rows(pattern: str | list[str] = "*") -> list[dict]:
     """Rows like :func:`vitlab.profile.model_rows` (params, GMACs at the default input) for ``vitlab models``."""
     from vitlab.profile import profile_model
 
