@@ -47,8 +47,9 @@ def _compare(hf, ours, size: int, tol: float):
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kind,readout", [("depth", "project"), ("segment", "project"), ("depth", "add"),
-                                          ("segment", "ignore")])
+@pytest.mark.parametrize("kind,readout", [("depth", "project"), ("segment", "ignore"),
+                                          pytest.param("segment", "project", marks=pytest.mark.slow),
+                                          pytest.param("depth", "add", marks=pytest.mark.slow)])
 def test_dpt_small_equals_transformers(kind, readout, tmp_path):
     hf = _hf(kind, readout, small=True)
     path = tmp_path / "hf.safetensors"

@@ -13,7 +13,7 @@ from vitlab.dense.adapter import MSDeformAttn, ms_deform_attn
 from vitlab.dense.backbone import WindowedAttention, default_global_blocks, vitdet_backbone
 
 SEG_HEADS = [h for h in HEADS if h != "linear_depth"]
-TINY = dict(backbone="vit_tiny_patch16_224", img_size=64, backbone_kwargs={"depth": 4})
+TINY = dict(backbone="vit_tiny_patch16_224", img_size=64, backbone_kwargs={"depth": 4, "embed_dim": 96})
 
 
 @pytest.mark.parametrize("head", SEG_HEADS)
@@ -36,7 +36,9 @@ def test_depth_heads_predict_non_negative_depth(head):
     assert d.shape == (2, 1, 64, 64) and (d >= 0).all()
 
 
-@pytest.mark.parametrize("head", ["setr_mla", "dpt", "segmenter_linear", "setr_pup"])
+@pytest.mark.parametrize("head", ["setr_mla", pytest.param("dpt", marks=pytest.mark.slow),
+                                  pytest.param("segmenter_linear", marks=pytest.mark.slow),
+                                  pytest.param("setr_pup", marks=pytest.mark.slow)])
 def test_heads_over_a_hierarchical_backbone(head):
     model = create(head, backbone="swin_tiny_patch4_window7_224", num_classes=3,
                    backbone_kwargs={"depths": (1, 1, 1, 1)}).eval()

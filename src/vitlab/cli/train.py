@@ -57,8 +57,18 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _task_of(args) -> str:
+    """The checkpoint's task (its metadata: dense runs record 'segment' / 'depth'); --task must agree."""
+    from vitlab.train.checkpoint import load_weights
+
+    task = load_weights(args.checkpoint, weights=args.weights)[1].get("task", "classify")
+    if args.task is not None and args.task != task:
+        raise ValueError(f"{args.checkpoint} is a {task} checkpoint; --task {args.task} does not apply")
+    return task
+
+
 def cmd_eval(args) -> int:
-    if args.task != "classify":
+    if _task_of(args) != "classify":
         return _dense_eval(args)
     from vitlab.train import evaluate
 
@@ -115,7 +125,7 @@ def _dense_predict(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    if args.task != "classify":
+    if _task_of(args) != "classify":
         return _dense_predict(args)
     from vitlab.train import predict
 
@@ -166,8 +176,8 @@ def register(sub) -> None:
     e.add_argument("--device", default="cpu")
     e.add_argument("--no-optimize", action="store_true",
                    help="run the model as built (eager) instead of through vitlab.optimize")
-    e.add_argument("--task", default="classify", choices=["classify", "segment", "depth"],
-                   help="segment / depth: a vitlab.dense checkpoint (sliding windows, mIoU or depth errors)")
+    e.add_argument("--task", default=None, choices=["classify", "segment", "depth"],
+                   help="default: the checkpoint's; segment / depth: sliding windows, mIoU or depth errors")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 
@@ -179,8 +189,9 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-optimize", action="store_true",
                    help="run the model as built (eager) instead of through vitlab.optimize")
-    p.add_argument("--task", default="classify", choices=["classify", "segment", "depth"],
-                   help="segment: colour overlays + index masks; depth: depth maps (PNG, under --output-dir)")
+    p.add_argument("--task", default=None, choices=["classify", "segment", "depth"],
+                   help="default: the checkpoint's; segment: colour overlays + index masks; depth: depth maps "
+                        "(PNG, under --output-dir)")
     p.add_argument("--output-dir", default=None, help="segment / depth: where the PNGs go (default predictions/)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_predict)

@@ -25,6 +25,7 @@ when the folder is scanned (before training starts).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -230,7 +231,7 @@ def _gray(a: np.ndarray) -> np.ndarray:
 
 
 class ShapeAssets:
-    """The real pictures the synthetic scenes are cut from (loaded once per dataset)."""
+    """The real pictures the synthetic scenes are cut from (:func:`shape_assets` loads them once a process)."""
 
     def __init__(self):
         import skimage.data as sk
@@ -257,6 +258,11 @@ def coin_masks(coins: np.ndarray) -> list[np.ndarray]:
         if m.sum() > 600:
             out.append(m)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def shape_assets() -> ShapeAssets:
+    return ShapeAssets()
 
 
 def _crop(rng, a: np.ndarray, h: int, w: int) -> np.ndarray:
@@ -351,7 +357,7 @@ def build_dense(data_cfg, task: str, mean, std, num_classes: int | None = None, 
     test = None
     extra = {}
     if name == "shapes":
-        assets = ShapeAssets()
+        assets = shape_assets()
         seed, depth = data_cfg.seed, task == "depth"
         counts = {"train": shapes_train or SHAPES_SPLITS["train"], "val": shapes_eval or SHAPES_SPLITS["val"],
                   "test": shapes_eval or SHAPES_SPLITS["test"]}

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from torchvision import tv_tensors
 
 from vitlab._io import atomic_write
 from vitlab.dense import metrics as M
@@ -147,7 +148,7 @@ def predict(checkpoint, images: list, output_dir="predictions", weights: str = "
     rows = []
     for p in images:
         raw = load_image(p, 3)
-        x = tf(raw)
+        x = tf(tv_tensors.Image(raw)).as_subclass(torch.Tensor)
         out = slide(model, x[None].to(device), meta["img_size"], model.num_classes, stride)[0].cpu()
         rgb = raw.permute(1, 2, 0).numpy()
         stem = Path(p).stem
