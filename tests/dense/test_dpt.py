@@ -85,3 +85,20 @@ def test_hf_state_dict_for_the_other_task_is_refused(tmp_path):
                indices=[0, 1, 2, 3], checkpoint_path=str(path),
                backbone_kwargs=dict(embed_dim=96, depth=4, num_heads=4),
                head_kwargs=dict(hidden=(16, 32, 64, 96), fusion=32))
+
+
+@pytest.mark.slow
+def test_dpt_base_param_count_equals_transformers_less_what_dpt_never_runs():
+    """``vitlab models`` counts what transformers holds, less the final LayerNorm and the first fusion layer's
+    residual unit (both built by transformers, never run by DPT); GMACs are counted too."""
+    from transformers import DPTConfig, DPTForDepthEstimation
+
+    from vitlab.dense import model_rows
+
+    with torch.device("meta"):
+        hf = DPTForDepthEstimation(DPTConfig())
+    unused = sum(p.numel() for n, p in hf.named_parameters()
+                 if n.startswith(("dpt.layernorm.", "neck.fusion_stage.layers.0.residual_layer1.")))
+    row, = model_rows("dpt_vit_base_patch16_384_depth")
+    assert row["params_m"] == pytest.approx((sum(p.numel() for p in hf.parameters()) - unused) / 1e6, abs=0.006)
+    assert row["input_size"] == [3, 384, 384] and 100 < row["gmacs"] < 130

@@ -242,18 +242,13 @@ def create_registered(name: str, num_classes: int | None = None, task: str | Non
 
 def model_rows(pattern: str | list[str] = "*") -> list[dict]:
     """Rows like :func:`vitlab.profile.model_rows` (params, GMACs at the default input) for ``vitlab models``."""
-    from vitlab.profile import profile_model
+    from vitlab.profile import profile_model, profile_row
 
     rows = []
     for name in list_models(pattern):
-        cfg = get_config(name)
         with torch.device("meta"):
             model = create_registered(name)
-        prof = profile_model(model, activations=False)
-        rows.append({"name": name, "family": cfg.family, "params_m": round(prof.params_m, 2),
-                     "gmacs": round(prof.gmacs, 3), "input_size": list(cfg.input_size),
-                     "published_params_m": cfg.published_params_m, "published_gmacs": cfg.published_gmacs,
-                     "published_top1": cfg.published_top1})
+        rows.append(profile_row(get_config(name), profile_model(model, activations=False)))
     return rows
 
 

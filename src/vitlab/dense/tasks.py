@@ -29,6 +29,7 @@ from vitlab.dense import metrics as M
 from vitlab.dense.data import build_dense
 from vitlab.dense.infer import slide
 from vitlab.dense.model import create, get_config, list_models
+from vitlab.train.classification import prepare_model
 from vitlab.train.config import coerce
 from vitlab.train.recipe import WarmupCosine, param_groups
 from vitlab.train.task import register_task
@@ -120,12 +121,7 @@ class _DenseTask:
         self.spec = spec
         model = create(drop_path_rate=cfg.drop_path, **spec)
         self.num_params = sum(p.numel() for p in model.parameters())
-        if cfg.grad_checkpointing:
-            model.set_grad_checkpointing(True)
-        model.to(device)
-        if cfg.channels_last:
-            model.to(memory_format=torch.channels_last)
-        self.model = self.module = model
+        self.model = self.module = prepare_model(model, cfg, device)
         self.scheduler_class = WarmupPoly if a.schedule == "poly" else WarmupCosine
 
     def param_groups(self, weight_decay: float) -> list[dict]:

@@ -56,6 +56,16 @@ def model_description(cfg, bundle, model_cfg, num_params: int) -> dict:
             "data": bundle.config.to_dict(), "params": num_params}
 
 
+def prepare_model(model: nn.Module, cfg, device: torch.device) -> nn.Module:
+    """``model`` on ``device`` as the config asks: activation checkpointing, channels-last memory format."""
+    if cfg.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    model.to(device)
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    return model
+
+
 def create_from_description(meta: dict, **overrides) -> nn.Module:
     return vitlab.create_model(meta["model"], num_classes=meta["num_classes"], img_size=meta["img_size"],
                                in_chans=meta["in_chans"], **{**meta.get("model_kwargs", {}), **overrides})
@@ -191,12 +201,7 @@ class ClassificationTask:
         model = vitlab.create_model(cfg.model, num_classes=bundle.num_classes, img_size=bundle.img_size,
                                     in_chans=bundle.in_chans, drop_path_rate=cfg.drop_path, **kwargs)
         self.num_params = sum(p.numel() for p in model.parameters())
-        if cfg.grad_checkpointing:
-            model.set_grad_checkpointing(True)
-        model.to(device)
-        if cfg.channels_last:
-            model.to(memory_format=torch.channels_last)
-        self.model = self.module = model
+        self.model = self.module = prepare_model(model, cfg, device)
         self._description = model_description(cfg, bundle, model_cfg, self.num_params)
 
         self.teacher = self.projector = None
