@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.train.test_distributed import world_of_one  # noqa: F401  (fixture)
 from vitlab.cli import main
 from vitlab.dense.infer import slide
 from vitlab.dense.tasks import SegmentArgs, WarmupPoly, parse_args
@@ -83,3 +84,15 @@ def test_sliding_window_equals_direct_application_of_a_pointwise_model():
     torch.testing.assert_close(slide(conv, x, 32, 5), conv(x).detach(), rtol=1e-5, atol=1e-5)
     small = torch.randn(1, 3, 20, 24)  # smaller than the window: padded, then cropped
     torch.testing.assert_close(slide(conv, small, 32, 5), conv(small).detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_segment_under_each_strategy(tmp_path, strategy):
+    s = fit(_cfg(tmp_path, head="dpt", epochs=1, strategy=strategy,
+                 task_args={"head": "dpt", "shapes_train": 16, "shapes_eval": 2,
+                            "head_kwargs": {"hidden": [8, 16, 32, 64], "fusion": 16}}))
+    assert s["finished"] and s["strategy"] == strategy and s["test_miou"] is not None
+    if strategy == "fsdp":
+        assert s["fsdp_units"] == 4 + 1 + 1  # the backbone's blocks, the decoder, the root
