@@ -120,3 +120,20 @@ def test_vit_adapter_pyramid_and_zero_initialised_injection():
     assert all((inj.gamma == 0).all() for inj in model.adapter.injectors)  # the ViT starts unchanged
     feats = model.adapter(torch.randn(1, 3, 64, 64))
     assert [64 // f.shape[-1] for f in feats] == [4, 8, 16, 32]
+
+
+def test_registered_configs_in_vitlab_models(capsys):
+    import json
+
+    from vitlab.cli import main
+    from vitlab.dense import list_models
+
+    assert {"dpt_vit_base_patch16_384", "dpt_vit_base_patch16_384_depth", "vitdet_sfp_vit_base_patch16_1024",
+            "vit_adapter_vit_small_patch16_512"} <= set(list_models())
+    assert main(["models", "segmenter_linear_*", "--json"]) == 0
+    row, = json.loads(capsys.readouterr().out)
+    assert row["family"] == "dense" and row["input_size"] == [3, 512, 512]
+    # ViT-S/16 (timm: 22.05M, its 1000-class head 0.385M) with a 32 x 32 (+1) position table instead of 14 x 14,
+    # plus a 384 x 150 linear decoder
+    expect = 22.05 - 0.385 + (1025 - 197) * 384 / 1e6 + (384 * 150 + 150) / 1e6
+    assert row["params_m"] == pytest.approx(expect, abs=0.01)
