@@ -49,7 +49,7 @@ def _compare(hf, ours, size: int, tol: float):
 
 @pytest.mark.parametrize("kind,readout", [("depth", "project"), ("segment", "ignore"),
                                           pytest.param("segment", "project", marks=pytest.mark.slow),
-                                          pytest.param("depth", "add", marks=pytest.mark.slow)])
+                                          ("depth", "add")])
 def test_dpt_small_equals_transformers(kind, readout, tmp_path):
     hf = _hf(kind, readout, small=True)
     path = tmp_path / "hf.safetensors"

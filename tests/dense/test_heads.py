@@ -37,8 +37,7 @@ def test_depth_heads_predict_non_negative_depth(head):
 
 
 @pytest.mark.parametrize("head", ["setr_mla", pytest.param("dpt", marks=pytest.mark.slow),
-                                  pytest.param("segmenter_linear", marks=pytest.mark.slow),
-                                  pytest.param("setr_pup", marks=pytest.mark.slow)])
+                                  "segmenter_linear", "setr_pup"])
 def test_heads_over_a_hierarchical_backbone(head):
     model = create(head, backbone="swin_tiny_patch4_window7_224", num_classes=3,
                    backbone_kwargs={"depths": (1, 1, 1, 1)}).eval()
