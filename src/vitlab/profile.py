@@ -145,10 +145,13 @@ def model_rows(pattern: str | list[str] = "*") -> list[dict]:
 
     rows = []
     for name in list_models(pattern):
-        cfg = get_model_config(name)
-        prof = profile_model(name, activations=False)
-        rows.append({"name": name, "family": cfg.family, "params_m": round(prof.params_m, 2),
-                     "gmacs": round(prof.gmacs, 3), "input_size": list(cfg.input_size),
-                     "published_params_m": cfg.published_params_m, "published_gmacs": cfg.published_gmacs,
-                     "published_top1": cfg.published_top1})
+        rows.append(profile_row(get_model_config(name), profile_model(name, activations=False)))
     return rows
+
+
+def profile_row(cfg, prof: ModelProfile) -> dict:
+    """One row of ``vitlab models``: a model's ModelConfig record beside its measured profile."""
+    return {"name": cfg.name, "family": cfg.family, "params_m": round(prof.params_m, 2),
+            "gmacs": round(prof.gmacs, 3), "input_size": list(cfg.input_size),
+            "published_params_m": cfg.published_params_m, "published_gmacs": cfg.published_gmacs,
+            "published_top1": cfg.published_top1}

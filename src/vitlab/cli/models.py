@@ -15,7 +15,11 @@ def _fmt(v, spec: str) -> str:
 
 
 def cmd_models(args) -> int:
-    rows = vitlab.profile.model_rows(args.pattern or "*")
+    from vitlab.dense import model_rows as dense_rows
+
+    pats = args.pattern or "*"
+    rows = vitlab.profile.model_rows(pats)
+    rows += dense_rows(pats)  # the end-to-end configurations of vitlab.dense
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

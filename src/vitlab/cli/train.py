@@ -9,6 +9,8 @@
     vitlab eval --checkpoint runs/RUN --data digits
     vitlab predict --checkpoint runs/RUN img1.png img2.png --topk 3
     vitlab predict --onnx model.onnx img1.png                (ONNX Runtime; file from vitlab export)
+    vitlab train --task segment --data shapes --model vit_pico_patch4_32 --task_args.head dpt
+    vitlab eval --task segment --checkpoint runs/RUN          vitlab predict --task depth --checkpoint RUN a.png
 """
 
 from __future__ import annotations
@@ -56,7 +58,19 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _task_of(args) -> str:
+    """The checkpoint's task (its metadata: dense runs record 'segment' / 'depth'); --task must agree."""
+    from vitlab.train.checkpoint import load_weights
+
+    task = load_weights(args.checkpoint, weights=args.weights)[1].get("task", "classify")
+    if args.task is not None and args.task != task:
+        raise ValueError(f"{args.checkpoint} is a {task} checkpoint; --task {args.task} does not apply")
+    return task
+
+
 def cmd_eval(args) -> int:
+    if _task_of(args) != "classify":
+        return _dense_eval(args)
     from vitlab.train import evaluate
 
     r = evaluate(args.checkpoint, args.data, split=args.split, output_dir=args.output_dir, weights=args.weights,
@@ -78,6 +92,39 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _dense_eval(args) -> int:
+    from vitlab.dense.infer import evaluate
+
+    r = evaluate(args.checkpoint, args.data, split=args.split, output_dir=args.output_dir, weights=args.weights,
+                 device=args.device)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    head = f"{r['model']} on {r['dataset']} ({r['split']}, {r['num_images']} images): "
+    if r["task"] == "segment":
+        console.print(head + f"mIoU {r['miou']:.4f}  pixel acc {r['pixel_acc']:.4f}", highlight=False)
+        for name, iou in r["per_class_iou"].items():
+            console.print(f"  {name:<20} IoU {'-' if iou is None else f'{iou:.4f}'}", highlight=False)
+    else:
+        console.print(head + "  ".join(f"{k} {r[k]:.4f}" for k in ("abs_rel", "rmse", "log10", "delta1", "delta2",
+                                                                   "delta3")), highlight=False)
+    console.print(f"written: {r['json_path']}", highlight=False, soft_wrap=True)
+    return 0
+
+
+def _dense_predict(args) -> int:
+    from vitlab.dense.infer import predict
+
+    rows = predict(args.checkpoint, args.images, output_dir=args.output_dir or "predictions", weights=args.weights,
+                   device=args.device)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        print(f"{r['image']}: " + "  ".join(v for k, v in r.items() if k in ("overlay", "mask", "depth", "depth16")))
+    return 0
+
+
 def cmd_predict(args) -> int:
     if (args.checkpoint is None) == (args.onnx is None):
         raise ValueError("predict needs exactly one of --checkpoint RUN and --onnx FILE")
@@ -85,6 +132,8 @@ def cmd_predict(args) -> int:
         from vitlab.export import predict_onnx
 
         rows = predict_onnx(args.onnx, args.images, topk=args.topk)
+    elif _task_of(args) != "classify":
+        return _dense_predict(args)
     else:
         from vitlab.train import predict
 
@@ -143,6 +192,8 @@ def register(sub) -> None:
     e.add_argument("--device", default="cpu")
     e.add_argument("--no-optimize", action="store_true",
                    help="run the model as built (eager) instead of through vitlab.optimize")
+    e.add_argument("--task", default=None, choices=["classify", "segment", "depth"],
+                   help="default: the checkpoint's; segment / depth: sliding windows, mIoU or depth errors")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 
@@ -156,5 +207,9 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-optimize", action="store_true",
                    help="run the model as built (eager) instead of through vitlab.optimize")
+    p.add_argument("--task", default=None, choices=["classify", "segment", "depth"],
+                   help="default: the checkpoint's; segment: colour overlays + index masks; depth: depth maps "
+                        "(PNG, under --output-dir)")
+    p.add_argument("--output-dir", default=None, help="segment / depth: where the PNGs go (default predictions/)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_predict)

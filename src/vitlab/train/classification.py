@@ -56,6 +56,16 @@ def model_description(cfg, bundle, model_cfg, num_params: int) -> dict:
             "data": bundle.config.to_dict(), "params": num_params}
 
 
+def prepare_model(model: nn.Module, cfg, device: torch.device) -> nn.Module:
+    """``model`` on ``device`` as the config asks: activation checkpointing, channels-last memory format."""
+    if cfg.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    model.to(device)
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    return model
+
+
 def create_from_description(meta: dict, **overrides) -> nn.Module:
     model = vitlab.create_model(meta["model"], num_classes=meta["num_classes"], img_size=meta["img_size"],
                                 in_chans=meta["in_chans"], **{**meta.get("model_kwargs", {}), **overrides})
@@ -209,12 +219,7 @@ class ClassificationTask:
             sd, meta = ck.load_weights(cfg.init, weights="raw")
             load_state_dict(model, sd, source=cfg.init)
             self.init_method = meta.get("ssl_method")
-        if cfg.grad_checkpointing:
-            model.set_grad_checkpointing(True)
-        model.to(device)
-        if cfg.channels_last:
-            model.to(memory_format=torch.channels_last)
-        self.model = model
+        self.model = prepare_model(model, cfg, device)
         reduction = {k: v for k, v in (("tome_r", cfg.tome_r), ("prune", cfg.prune)) if v}
         self.module = reduce_tokens(model, reduction, training=True)
         self._description = model_description(cfg, bundle, model_cfg, self.num_params)

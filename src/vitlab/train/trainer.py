@@ -124,10 +124,12 @@ class Trainer:
             st.prepare_ema(self.ema.module, cfg.amp)
         self.base_lr = scaled_lr(cfg.lr, self.global_batch)
         self.optimizer = build_optimizer(task.param_groups(cfg.weight_decay), self.base_lr, cfg.betas)
-        self.scheduler = WarmupCosine(self.optimizer, total_steps=self.steps_per_epoch * cfg.epochs,
-                                      warmup_steps=round(self.steps_per_epoch * cfg.warmup_epochs),
-                                      base_lr=self.base_lr, min_lr=scaled_lr(cfg.min_lr, self.global_batch),
-                                      warmup_lr=scaled_lr(cfg.warmup_lr, self.global_batch))
+        # a task may bring its own schedule with WarmupCosine's constructor (e.g. dense tasks' poly decay)
+        schedule = getattr(task, "scheduler_class", None) or WarmupCosine
+        self.scheduler = schedule(self.optimizer, total_steps=self.steps_per_epoch * cfg.epochs,
+                                  warmup_steps=round(self.steps_per_epoch * cfg.warmup_epochs),
+                                  base_lr=self.base_lr, min_lr=scaled_lr(cfg.min_lr, self.global_batch),
+                                  warmup_lr=scaled_lr(cfg.warmup_lr, self.global_batch))
         self.scaler = torch.amp.GradScaler(st.device.type, enabled=cfg.amp == "fp16")
         self.forward = torch.compile(self.wrapped) if cfg.compile else self.wrapped
         self.start_epoch, self.step = 0, 0

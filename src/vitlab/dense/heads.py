@@ -1,0 +1,247 @@
+"""Decoders over backbone feature maps: SETR, Segmenter, the ViTDet simple feature pyramid, a semantic FPN and
+DINOv2's linear depth head. Every head takes ``(maps, prefix)`` from :class:`vitlab.dense.backbone.Features`
+(NCHW maps, prefix tokens or None) and returns (B, K, h, w) at some stride; the model upsamples to the input.
+
+- SETR (Zheng et al., 2021, "Rethinking Semantic Segmentation from a Sequence-to-Sequence Perspective",
+  Sec. 3.3, Fig. 1): *naive* -- 1x1 conv, BN, ReLU, 1x1 conv to classes, bilinear to full size; *PUP* --
+  progressive upsampling, four times conv 3x3 + BN + ReLU + 2x bilinear (16x in all), then a 1x1 classifier;
+  *MLA* -- four levels (blocks 2, 5, 8, 11 of ViT-B: evenly spaced), each reduced by a 1x1 conv, aggregated
+  top-down by element-wise addition, each stream through two 3x3 convs and 4x bilinear upsampling, concatenated,
+  then a 1x1 classifier.
+- Segmenter (Strudel et al., 2021, "Segmenter: Transformer for Semantic Segmentation", Sec. 3.2): *linear* -- a
+  point-wise linear layer on the patch tokens; *mask transformer* -- K learned class embeddings appended to the
+  (projected) patch tokens as extra tokens, M transformer layers over the joint sequence, then the L2-normalised
+  patch and class embeddings give masks = patches . classes^T (Eq. 2), a LayerNorm over the K masks, reshaped to
+  the grid.
+- ViTDet simple feature pyramid (Li et al., 2022, Sec. 3, Fig. 2c): from the last (stride-16) map only,
+  strides 4 / 8 / 16 / 32 by two stride-2 deconvolutions (with LayerNorm + GELU between) / one deconvolution /
+  identity / 2x2 max-pooling, each followed by a 1x1 and a 3x3 conv with LayerNorm.
+- Semantic FPN head (Kirillov et al., 2019, "Panoptic Feature Pyramid Networks", Sec. 3, Fig. 3): each pyramid
+  level to stride 4 by conv 3x3 + BN + ReLU + 2x upsampling stages, summed, a 1x1 classifier -- the decoder
+  put on the ViTDet pyramid and the ViT-Adapter pyramid here (ViT-Adapter itself uses UperNet).
+- Linear depth head of DINOv2 (Oquab et al., 2023, Sec. 7.4, "lin. 1" / "lin. 4"): the [CLS] token
+  concatenated to every patch token of the last (or last four) blocks, BatchNorm, a 1x1 conv to 256 depth bins,
+  bilinear 4x; depth = sum of uniformly spaced bin centres weighted by the normalised ReLU of the logits
+  (the "classification" regression of AdaBins used in DINOv2's depth evaluation).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vitlab.attention import Block
+
+
+def conv_bn_relu(cin: int, cout: int, k: int = 3) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(True))
+
+
+def _up(x: torch.Tensor, size) -> torch.Tensor:
+    return x if tuple(x.shape[-2:]) == tuple(size) else F.interpolate(x, size=size, mode="bilinear",
+                                                                       align_corners=False)
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of an NCHW map (ViTDet's, ConvNeXt's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias,
+                            self.eps).permute(0, 3, 1, 2)
+
+
+class SETRNaive(nn.Module):
+    """SETR-Naive: 1x1 conv + BN + ReLU + 1x1 conv to classes on the last map (stride 16)."""
+
+    def __init__(self, in_channels: list[int], num_classes: int, channels: int = 256):
+        super().__init__()
+        self.fc = nn.Sequential(conv_bn_relu(in_channels[-1], channels, 1), nn.Conv2d(channels, num_classes, 1))
+
+    def forward(self, maps, prefix=None):
+        return self.fc(maps[-1])
+
+
+class SETRPUP(nn.Module):
+    """SETR-PUP: ``num_up`` stages of conv 3x3 + BN + ReLU + 2x bilinear, then a 1x1 classifier; ``num_up``
+    defaults to log2 of the map's stride (4 for patch 16: back to full resolution)."""
+
+    def __init__(self, in_channels: list[int], num_classes: int, channels: int = 256, num_up: int | None = None,
+                 stride: int = 16):
+        super().__init__()
+        num_up = max(1, stride.bit_length() - 1) if num_up is None else num_up
+        self.stages = nn.ModuleList(conv_bn_relu(in_channels[-1] if i == 0 else channels, channels)
+                                    for i in range(num_up))
+        self.cls = nn.Conv2d(channels, num_classes, 1)
+
+    def forward(self, maps, prefix=None):
+        x = maps[-1]
+        for stage in self.stages:
+            x = F.interpolate(stage(x), scale_factor=2, mode="bilinear", align_corners=False)
+        return self.cls(x)
+
+
+class SETRMLA(nn.Module):
+    """SETR-MLA: 1x1 reduce each level, top-down addition, two 3x3 convs and 4x upsampling per stream, concat,
+    1x1 classifier (a coarser level of a hierarchical backbone is resized to the finer one before the sum)."""
+
+    def __init__(self, in_channels: list[int], num_classes: int, channels: int = 256, mla_channels: int = 128,
+                 up: int = 4):
+        super().__init__()
+        self.up = up  # 4x per stream (stride 16 -> 4); less for a finer map
+        self.reduce = nn.ModuleList(conv_bn_relu(c, channels, 1) for c in in_channels)
+        self.streams = nn.ModuleList(
+            nn.Sequential(conv_bn_relu(channels, channels), conv_bn_relu(channels, mla_channels)) for _ in in_channels)
+        self.cls = nn.Conv2d(mla_channels * len(in_channels), num_classes, 1)
+
+    def forward(self, maps, prefix=None):
+        r = [m(x) for m, x in zip(self.reduce, maps, strict=True)]
+        agg, acc = [], None
+        for x in reversed(r):  # top-down: the deepest level first, each level adds the aggregate above it
+            acc = x if acc is None else x + _up(acc, x.shape[-2:])
+            agg.append(acc)
+        agg = agg[::-1]
+        size = (agg[0].shape[-2] * self.up, agg[0].shape[-1] * self.up)
+        outs = [_up(F.interpolate(s(a), scale_factor=self.up, mode="bilinear", align_corners=False), size)
+                for s, a in zip(self.streams, agg, strict=True)]
+        return self.cls(torch.cat(outs, dim=1))
+
+
+class SegmenterLinear(nn.Module):
+    """Segmenter's linear decoder: a point-wise linear layer (1x1 conv) on the last map's patch tokens."""
+
+    def __init__(self, in_channels: list[int], num_classes: int):
+        super().__init__()
+        self.head = nn.Conv2d(in_channels[-1], num_classes, 1)
+
+    def forward(self, maps, prefix=None):
+        return self.head(maps[-1])
+
+
+class SegmenterMask(nn.Module):
+    """Segmenter's mask transformer: class embeddings as tokens beside the patch tokens, ``depth`` pre-norm
+    blocks over both, masks from the product of L2-normalised patch and class embeddings, LayerNorm over classes."""
+
+    def __init__(self, in_channels: list[int], num_classes: int, dim: int | None = None, depth: int = 2,
+                 num_heads: int | None = None, drop_path: float = 0.0):
+        super().__init__()
+        cin = in_channels[-1]
+        dim = dim or cin
+        num_heads = num_heads or max(1, dim // 64)
+        self.num_classes = num_classes
+        self.proj_dec = nn.Linear(cin, dim)
+        self.cls_emb = nn.Parameter(torch.randn(1, num_classes, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, num_heads, drop_path=drop_path) for _ in range(depth))
+        self.decoder_norm = nn.LayerNorm(dim)
+        self.proj_patch = nn.Parameter(dim ** -0.5 * torch.randn(dim, dim))
+        self.proj_classes = nn.Parameter(dim ** -0.5 * torch.randn(dim, dim))
+        self.mask_norm = nn.LayerNorm(num_classes)
+
+    def forward(self, maps, prefix=None):
+        x = maps[-1]
+        B, _, h, w = x.shape
+        t = self.proj_dec(x.flatten(2).transpose(1, 2))
+        t = torch.cat([t, self.cls_emb.expand(B, -1, -1)], dim=1)
+        for blk in self.blocks:
+            t = blk(t)
+        t = self.decoder_norm(t)
+        patches, classes = t[:, : h * w] @ self.proj_patch, t[:, h * w:] @ self.proj_classes
+        patches, classes = F.normalize(patches, dim=-1), F.normalize(classes, dim=-1)
+        masks = self.mask_norm(patches @ classes.transpose(1, 2))  # (B, h*w, K)
+        return masks.transpose(1, 2).reshape(B, self.num_classes, h, w)
+
+
+class SimpleFeaturePyramid(nn.Module):
+    """ViTDet's simple feature pyramid from the last map (stride s): strides s/4, s/2, s, 2s (4, 8, 16, 32 for a
+    patch-16 ViT). ``forward(maps, prefix) -> list`` of four (B, out_channels, .) maps."""
+
+    def __init__(self, in_channels: list[int], out_channels: int = 256, scales=(4.0, 2.0, 1.0, 0.5)):
+        super().__init__()
+        c = in_channels[-1]
+        self.scales = tuple(scales)
+        self.stages = nn.ModuleList()
+        for s in self.scales:
+            if s == 4.0:
+                layers = [nn.ConvTranspose2d(c, c // 2, 2, 2), LayerNorm2d(c // 2, eps=1e-6), nn.GELU(),
+                          nn.ConvTranspose2d(c // 2, c // 4, 2, 2)]
+                cout = c // 4
+            elif s == 2.0:
+                layers, cout = [nn.ConvTranspose2d(c, c // 2, 2, 2)], c // 2
+            elif s == 1.0:
+                layers, cout = [], c
+            elif s == 0.5:
+                layers, cout = [nn.MaxPool2d(2, 2)], c
+            else:
+                raise ValueError(f"simple feature pyramid scale {s} is not one of 4, 2, 1, 0.5")
+            layers += [nn.Conv2d(cout, out_channels, 1, bias=False), LayerNorm2d(out_channels, eps=1e-6),
+                       nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
+                       LayerNorm2d(out_channels, eps=1e-6)]
+            self.stages.append(nn.Sequential(*layers))
+
+    def forward(self, maps, prefix=None) -> list[torch.Tensor]:
+        return [stage(maps[-1]) for stage in self.stages]
+
+
+class SemanticFPNHead(nn.Module):
+    """Panoptic FPN's semantic branch over a pyramid (strides 4, 8, 16, 32): each level to stride 4 through
+    conv + BN + ReLU (+ 2x upsampling) stages, summed, then a 1x1 classifier."""
+
+    def __init__(self, in_channels: list[int], strides: list[int], num_classes: int, channels: int = 128):
+        super().__init__()
+        base = min(strides)
+        self.levels = nn.ModuleList()
+        for c, s in zip(in_channels, strides, strict=True):
+            n = max(1, (s // base).bit_length() - 1)  # stride 4 -> 1 conv, 8 -> 1 (+2x), 16 -> 2, 32 -> 3
+            self.levels.append(nn.ModuleList(conv_bn_relu(c if i == 0 else channels, channels) for i in range(n)))
+        self.ups = [s // base for s in strides]
+        self.cls = nn.Conv2d(channels, num_classes, 1)
+
+    def forward(self, maps, prefix=None):
+        out = None
+        for convs, up, x in zip(self.levels, self.ups, maps, strict=True):
+            for conv in convs:
+                x = conv(x)
+                if up > 1:
+                    x = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+            out = x if out is None else out + _up(x, out.shape[-2:])
+        return self.cls(out)
+
+
+class PyramidSegHead(nn.Module):
+    """A neck that returns a pyramid (SFP) followed by the semantic FPN head."""
+
+    def __init__(self, neck: nn.Module, head: nn.Module):
+        super().__init__()
+        self.neck, self.head = neck, head
+
+    def forward(self, maps, prefix=None):
+        return self.head(self.neck(maps, prefix))
+
+
+class LinearDepthHead(nn.Module):
+    """DINOv2's linear depth head: [patch tokens, CLS] of each chosen block concatenated, BatchNorm, 1x1 conv to
+    ``n_bins`` logits, 4x bilinear, then depth = sum_k softmax-free weights (ReLU + eps, normalised) x centres."""
+
+    def __init__(self, in_channels: list[int], n_bins: int = 256, min_depth: float = 1e-3, max_depth: float = 10.0,
+                 use_cls: bool = True, upsample: int = 4):
+        super().__init__()
+        c = sum(in_channels) * (2 if use_cls else 1)
+        self.use_cls, self.upsample = use_cls, upsample
+        self.bn = nn.BatchNorm2d(c)
+        self.conv_depth = nn.Conv2d(c, n_bins, 1)
+        self.register_buffer("bins", torch.linspace(min_depth, max_depth, n_bins), persistent=False)
+
+    def forward(self, maps, prefix=None):
+        feats = []
+        for i, m in enumerate(maps):
+            feats.append(m)
+            if self.use_cls:
+                if prefix is None:
+                    raise ValueError("the linear depth head with use_cls needs a backbone with a class token")
+                feats.append(prefix[i][:, 0, :, None, None].expand_as(m))
+        logits = self.conv_depth(self.bn(torch.cat(feats, dim=1)))
+        if self.upsample > 1:
+            logits = F.interpolate(logits, scale_factor=self.upsample, mode="bilinear", align_corners=False)
+        w = torch.relu(logits) + 0.1  # DINOv2 / Depth-Anything's 'linear' normalisation of the bin weights
+        w = w / w.sum(dim=1, keepdim=True)
+        return torch.einsum("bkhw,k->bhw", w, self.bins.to(w.dtype)).unsqueeze(1)
