@@ -89,3 +89,10 @@ def test_a_new_task_trains_and_resumes_through_the_same_trainer(tmp_path):
 def test_unknown_task_is_one_clear_error():
     with pytest.raises(ValueError, match="unknown task 'nope'; registered tasks: .*classify"):
         create_task("nope")
+
+
+def test_capability_tasks_are_discovered_and_classify_refuses_task_args(tmp_path):
+    assert {"classify", "mae", "simclr", "mocov3", "dino", "dinov2", "segment", "depth", "clip"} <= set(list_tasks())
+    cfg = TrainConfig(task="classify", task_args={"mask_ratio": 0.75}, epochs=1, output_dir=str(tmp_path / "r"))
+    with pytest.raises(ValueError, match="task 'classify' takes no task_args \\(got mask_ratio\\)"):
+        create_task("classify").build(cfg, torch.device("cpu"))

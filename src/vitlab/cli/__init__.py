@@ -4,10 +4,14 @@ Each module of this package adds its subcommands through ``register(subparsers)`
 
     vitlab models [PATTERN ...] [--json]     registered models with params, GMACs and input size   (models.py)
     vitlab info NAME                         a model's config record, structure and profile        (models.py)
-    vitlab bench attention|models|ladder     benchmarks                                            (bench.py)
+    vitlab bench attention|models|ladder|tokens   benchmarks                                       (bench.py)
 
-    vitlab train|eval|predict                training and evaluation                               (train.py)
+    vitlab train|eval|predict                training and evaluation (any task: classify, ssl, dense, clip)  (train.py)
+    vitlab pretrain|probe                    self-supervised pre-training, linear / k-NN probes    (pretrain.py)
+    vitlab analyze TOOL                      analysis tools: JSON + PNG                            (analyze.py)
     vitlab export MODEL|RUN --format F       ONNX / .pt2 / TorchScript, validated against eager    (export.py)
+    vitlab zeroshot | vitlab retrieval       CLIP zero-shot classification and retrieval           (zeroshot.py,
+                                                                                                    retrieval.py)
 
 User errors (bad flags, names, paths, data) print one line ``vitlab: error: ...`` and exit with code 2: the
 parsers raise instead of printing argparse's usage block (``_dataclass_args.Parser``).

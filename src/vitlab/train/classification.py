@@ -206,6 +206,9 @@ class ClassificationTask:
     monitor = "top1"
 
     def build(self, cfg, device: torch.device) -> None:
+        if cfg.task_args:  # a typo'd --task or a flag meant for another task must not be silently ignored
+            raise ValueError(f"task 'classify' takes no task_args (got {', '.join(sorted(cfg.task_args))}); "
+                             "did you mean another --task?")
         self.cfg, self.device = cfg, device
         model_cfg = vitlab.get_model_config(cfg.model)
         self.data = build_data(cfg, model_cfg)
