@@ -128,7 +128,7 @@ def _bad_cases(run, tmp_path) -> dict[str, tuple[list[str], str]]:
         "bad choice": (["train", "--amp", "fp8"], "expected one of none, bf16, fp16"),
         "bad nested choice": (["train", "--distill.kind", "medium"], "distill.kind"),
         "flag without value": (["train", "--epochs"], "expected one argument"),
-        "unknown task": (["train", "--task", "segment"], "unknown task"),
+        "unknown task": (["train", "--task", "nope"], "unknown task"),
         "unknown subcommand": (["tran"], "invalid choice"),
         "missing config": (["train", "--config", str(tmp_path / "none.yaml")], "config file not found"),
         "bad yaml": (["train", "--config", str(tmp_path / "bad.yaml")], "not valid YAML"),
