@@ -14,6 +14,7 @@ from tests.train.test_distributed import world_of_one  # noqa: F401  (the fixtur
 from vitlab.cli import main
 from vitlab.clip.data import read_captions
 from vitlab.clip.tasks import ClipArgs
+from vitlab.train.config import parse_task_args
 
 TINY = ["--model", "clip_vit_pico_patch8", "--model_kwargs.image_depth", "1", "--model_kwargs.text_depth", "1",
         "--epochs", "1", "--batch_size", "8", "--threads", "2", "--quiet"]
@@ -96,7 +97,7 @@ def _error(capsys, argv) -> str:
 @pytest.mark.parametrize("problem,message", [
     ("missing_image", "image not found"), ("empty_caption", "empty caption"), ("bad_json", "not JSON"),
     ("no_file", "no captions file"), ("bad_vocab", "is not a CLIP BPE vocabulary"),
-    ("too_long", "more than the context length"), ("bad_arg", "unknown clip task_args key")])
+    ("too_long", "more than the context length"), ("bad_arg", "unknown --task_args key")])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, problem, message):
     data = tmp_path / "d"
     data.mkdir()
@@ -142,10 +143,10 @@ def test_long_captions_truncate_with_a_warning(tmp_path):
 
 
 def test_task_args_types():
-    args = ClipArgs.from_dict({"truncate": "false", "context_length": "20"})
+    args = parse_task_args({"truncate": "false", "context_length": "20"}, ClipArgs)
     assert args.truncate is False and args.context_length == 20
     with pytest.raises(ValueError, match="task_args.tokenizer"):
-        ClipArgs.from_dict({"tokenizer": "sentencepiece"})
+        parse_task_args({"tokenizer": "sentencepiece"}, ClipArgs)
 
 
 @pytest.mark.usefixtures("world_of_one")

@@ -12,8 +12,9 @@ from PIL import Image
 from tests.train.test_distributed import world_of_one  # noqa: F401  (fixture)
 from vitlab.cli import main
 from vitlab.dense.infer import slide
-from vitlab.dense.tasks import SegmentArgs, WarmupPoly, parse_args
+from vitlab.dense.tasks import SegmentArgs, WarmupPoly
 from vitlab.train import TrainConfig, fit
+from vitlab.train.config import parse_task_args
 
 
 def _cfg(tmp_path, task="segment", head="segmenter_linear", **kw):
@@ -62,12 +63,12 @@ def test_depth_run_reports_errors_on_the_real_sample(tmp_path):
 
 
 def test_task_args_are_typed_and_unknown_keys_refused():
-    a = parse_args({"head": "dpt", "ignore_index": "0", "schedule": "cosine"}, SegmentArgs)
+    a = parse_task_args({"head": "dpt", "ignore_index": "0", "schedule": "cosine"}, SegmentArgs)
     assert a.ignore_index == 0 and a.schedule == "cosine"
     with pytest.raises(ValueError, match="unknown --task_args key"):
-        parse_args({"mask_ratio": 0.5}, SegmentArgs)
+        parse_task_args({"mask_ratio": 0.5}, SegmentArgs)
     with pytest.raises(ValueError, match="schedule"):
-        parse_args({"schedule": "step"}, SegmentArgs)
+        parse_task_args({"schedule": "step"}, SegmentArgs)
 
 
 def test_poly_schedule():

@@ -12,8 +12,6 @@ Options (``--task_args.KEY VALUE``): see :class:`ClipArgs`.
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -26,7 +24,7 @@ from vitlab.clip.model import clip_for_task
 from vitlab.clip.tokenizer import ClipTokenizer, WordTokenizer
 from vitlab.clip.zeroshot import load_clip, retrieval_evaluate, zeroshot_classifier, zeroshot_evaluate
 from vitlab.registry import create_model, get_model_config
-from vitlab.train.config import coerce
+from vitlab.train.config import parse_task_args
 from vitlab.train.recipe import param_groups
 from vitlab.train.task import register_task
 
@@ -39,14 +37,6 @@ class ClipArgs:
     truncate: bool = True            # captions longer than the context: truncate with a warning (False: refuse)
     embed_dim: int = 64              # joint embedding width when --model is an image model, not a clip_* model
 
-    @classmethod
-    def from_dict(cls, d: dict) -> ClipArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown clip task_args key(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        hints = typing.get_type_hints(cls)
-        return cls(**{k: coerce(v, hints[k], f"task_args.{k}") for k, v in d.items()})
 
 
 def _training_texts(data_cfg) -> list[str]:
@@ -64,7 +54,7 @@ class ClipTask:
 
     def build(self, cfg, device: torch.device) -> None:
         self.cfg, self.device = cfg, device
-        args = self.args = ClipArgs.from_dict(cfg.task_args)
+        args = self.args = parse_task_args(cfg.task_args, ClipArgs)
         mcfg = get_model_config(cfg.model)
         kwargs = {k: v for k, v in cfg.model_kwargs.items() if k not in ("img_size", "in_chans")}
         img_size = int(cfg.data.img_size or cfg.model_kwargs.get("img_size", mcfg.input_size[-1]))

@@ -16,8 +16,6 @@ Options (``--task_args.KEY VALUE``): see :class:`SegmentArgs` / :class:`DepthArg
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -30,7 +28,7 @@ from vitlab.dense.data import build_dense
 from vitlab.dense.infer import slide
 from vitlab.dense.model import create, get_config, list_models
 from vitlab.train.classification import prepare_model
-from vitlab.train.config import coerce
+from vitlab.train.config import parse_task_args
 from vitlab.train.recipe import WarmupCosine, param_groups
 from vitlab.train.task import register_task
 
@@ -75,25 +73,13 @@ class DepthArgs:
     shapes_eval: int | None = None
 
 
-def parse_args(raw: dict, cls):
-    """``TrainConfig.task_args`` -> the task's dataclass (strings converted to the field types); unknown keys
-    are a one-line ValueError."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    bad = sorted(set(raw) - names)
-    if bad:
-        raise ValueError(f"unknown --task_args key(s) {', '.join(bad)}; {cls.__name__} takes "
-                         f"{', '.join(sorted(names))}")
-    hints = typing.get_type_hints(cls)
-    return cls(**{k: coerce(v, hints[k], f"task_args.{k}") for k, v in raw.items()})
-
-
 class _DenseTask:
     kind = "segment"
     args_cls = SegmentArgs
 
     def build(self, cfg, device: torch.device) -> None:
         self.cfg, self.device = cfg, device
-        self.args = a = parse_args(cfg.task_args, self.args_cls)
+        self.args = a = parse_task_args(cfg.task_args, self.args_cls)
         data_cfg = cfg.data if cfg.data.dataset != "digits" else replace(cfg.data, dataset="shapes")
         dense_cfg = cfg.model in list_models()
         if dense_cfg:

@@ -197,6 +197,18 @@ class TrainConfig:
         return type(self).from_dict(d)
 
 
+def parse_task_args(raw: dict, cls):
+    """``TrainConfig.task_args`` -> the task's own dataclass ``cls``: values converted to the field types (the
+    CLI gives strings), an unknown key a one-line ValueError."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    bad = sorted(set(raw) - names)
+    if bad:
+        raise ValueError(f"unknown --task_args key(s) {', '.join(bad)}; {cls.__name__} takes "
+                         f"{', '.join(sorted(names))}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: coerce(v, hints[k], f"task_args.{k}") for k, v in raw.items()})
+
+
 def _field_type(cls, name: str):
     if cls is None:
         return None
