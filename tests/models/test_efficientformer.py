@@ -132,6 +132,21 @@ def test_small_instance_api_and_heads():
     assert [tuple(f.shape[-2:]) for f in feats] == [(16, 16), (8, 8), (4, 4), (2, 2)]
 
 
+def test_fuse_gathers_the_biases_once_same_outputs():
+    torch.manual_seed(0)
+    model = vitlab.create_model("efficientformer_l1", img_size=64, depths=(1, 1, 1, 2), num_vit=2).eval()
+    for p in model.parameters():  # non-zero biases, so that a wrong gather shows
+        p.data.normal_(0, 0.05)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref = model(x)
+        fused = model.fuse()
+        assert fused is model and fused.fused and not fused.training
+        assert (fused(x) - ref).abs().max() < 1e-6
+    attns = [m for m in fused.modules() if hasattr(m, "attention_bias_folded")]
+    assert len(attns) == 2 and not any("folded" in k for k in fused.state_dict())
+
+
 def test_grad_checkpointing_same_gradients():
     torch.manual_seed(0)
     model = _randomize(vitlab.create_model("efficientformer_l1", **SMALL)).train()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import vitlab
 from tests.conftest import check_published, check_published_params, timm_pair
+from vitlab.attention import OffsetBiasAttentionBase
 from vitlab.models.levit import Levit
 
 NAMES = ["levit_128s", "levit_128", "levit_192", "levit_256", "levit_384"]
@@ -144,6 +145,11 @@ def test_fuse_same_outputs():
     assert (out - ref).abs().max() < 1e-5
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in fused.modules())
     assert fused.fused and not fused.training
+    attns = [m for m in fused.modules() if isinstance(m, OffsetBiasAttentionBase)]
+    assert len(attns) == 2 + 3 + 4 + 2  # blocks + shrinking attentions, each with its bias gathered once
+    for m in attns:
+        assert torch.equal(m.attention_bias_folded, m.attention_biases[:, m.attention_bias_idxs])
+    assert not any("attention_bias_folded" in k for k in fused.state_dict())  # derived, timm's keys unchanged
 
 
 def test_fuse_small_configs_and_train_after_fuse():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vitlab.attention import OffsetBiasAttentionBase
+from vitlab.attention import OffsetBiasAttentionBase, fold_offset_biases
 from vitlab.layers import (
     DropPath,
     LayerScale,
@@ -231,6 +231,7 @@ class EfficientFormer(TimmApiMixin, nn.Module):
         self.num_features = self.head_hidden_size = embed_dims[-1]
         self.distilled_training = True  # in train mode return (cls_logits, dist_logits), as vitlab's DeiT
         self.grad_checkpointing = False
+        self.fused = False
 
         self.stem = Stem4(in_chans, embed_dims[0])
         resolution = tuple(downsample_size(downsample_size(r)) for r in self.img_size)
@@ -285,6 +286,14 @@ class EfficientFormer(TimmApiMixin, nn.Module):
         """(B, in_chans, H, W) -> (B, N, C) normalised tokens of the last stage."""
         self._check_input(x)
         return self.norm(self.stages(self.stem(x)))
+
+    def fuse(self) -> EfficientFormer:
+        """For inference: gather each attention's offset bias once (the BatchNorms after convolutions are left to
+        Inductor's freezing). Returns ``self`` in eval mode."""
+        self.eval()
+        fold_offset_biases(self)
+        self.fused = True
+        return self
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False):
         if self.global_pool == "avg":

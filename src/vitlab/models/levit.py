@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.attention import OffsetBiasAttentionBase
+from vitlab.attention import OffsetBiasAttentionBase, fold_offset_biases
 from vitlab.layers import (
     DropPath,
     check_image,
@@ -424,9 +424,11 @@ class Levit(TimmApiMixin, nn.Module):
     @torch.no_grad()
     def fuse(self) -> Levit:
         """Fold every BatchNorm into the linear / conv layer before it (after it, for the classifier's BatchNorm)
-        for inference; the fused model computes the same function in eval mode. Returns ``self`` in eval mode."""
+        and gather each attention's offset bias once, for inference; the fused model computes the same function
+        in eval mode. Returns ``self`` in eval mode."""
         self.eval()
         fuse_batchnorms(self)
+        fold_offset_biases(self)
         self.fused = True
         return self
 
