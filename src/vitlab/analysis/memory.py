@@ -132,7 +132,21 @@ def _step(model: nn.Module, x: torch.Tensor, mode: str):
     return train
 
 
-def _check(mode: str, dtype: str, device: str = "cpu") -> None:
+SDPA_CHOICES = ("auto", "math")
+
+
+def _sdpa_context(sdpa: str):
+    """'auto': PyTorch's own SDPA kernel choice; 'math': the math kernel forced (it materialises the maps)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH) if sdpa == "math" else contextlib.nullcontext()
+
+
+def _check(mode: str, dtype: str, device: str = "cpu", sdpa: str = "auto") -> None:
+    if sdpa not in SDPA_CHOICES:
+        raise ValueError(f"sdpa must be one of {', '.join(SDPA_CHOICES)}, got {sdpa!r}")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
     if mode not in ("infer", "train"):
@@ -142,15 +156,17 @@ def _check(mode: str, dtype: str, device: str = "cpu") -> None:
 
 
 def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device: str = "cpu",
-                   dtype: str = "fp32", img_size: int | None = None, **create_kwargs) -> dict:
+                   dtype: str = "fp32", img_size: int | None = None, sdpa: str = "auto", **create_kwargs) -> dict:
     """Build ``name`` on ``device`` and run one ``mode`` step ('infer' or 'train') at ``batch_size``; return the
     measured peak growth beside seed 004's estimate, and ``loaded_gb``, the growth once the model and the input
-    batch are in memory, before the step (what the estimate's "loading" covers). Random-init weights (memory
-    does not depend on the values)."""
+    batch are in memory, before the step (what the estimate's "loading" covers); the live-tensor peak
+    (``tensor_peak_gb``) and weights + input + the activation term (``analytic_gb``, :func:`analytic_memory`)
+    where it applies. ``sdpa='math'`` forces SDPA's math kernel for the step and the term. Random-init weights
+    (memory does not depend on the values)."""
     import vitlab
     from vitlab.profile import count_params, memory_estimate_gb
 
-    _check(mode, dtype, device)
+    _check(mode, dtype, device, sdpa)
     dev = torch.device(device)
     cfg = vitlab.get_model_config(name)
     size = img_size or cfg.input_size[1]
@@ -176,7 +192,7 @@ def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device:
         loaded = _status_kb("VmRSS") * 1024 - base
     existing = [x, *model.parameters(), *model.buffers()]
     step = _step(model, x, mode)
-    with LiveTensors(existing) as live:
+    with _sdpa_context(sdpa), LiveTensors(existing) as live:
         step()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -187,11 +203,11 @@ def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device:
     input_bytes = x.numel() * x.element_size()
     q = 32 if dtype == "fp32" else 16
     weights = params * (q // 8)
-    act = analytic_memory(model, batch_size, mode, tdtype, device)
+    with _sdpa_context(sdpa):
+        act = analytic_memory(model, batch_size, mode, tdtype, device)
     del model, x, step, existing
-    gc.collect()
     est = {b: memory_estimate_gb(params, b) for b in BITS}
-    r = {"model": name, "mode": mode, "device": device, "dtype": dtype, "batch_size": batch_size,
+    r = {"model": name, "mode": mode, "device": device, "dtype": dtype, "sdpa": sdpa, "batch_size": batch_size,
          "img_size": size, "params": params, "weights_gb": weights / 1e9, "input_gb": input_bytes / 1e9,
          "loaded_gb": loaded / 1e9, "measured_peak_gb": peak / 1e9,
          "tensor_peak_gb": (weights + input_bytes + live.peak) / 1e9,
@@ -352,7 +368,8 @@ def measure_memory_isolated(name: str, malloc_mmap_threshold: int | None = None,
     import subprocess
     import sys
 
-    _check(kwargs.get("mode", "infer"), kwargs.get("dtype", "fp32"), kwargs.get("device", "cpu"))
+    _check(kwargs.get("mode", "infer"), kwargs.get("dtype", "fp32"), kwargs.get("device", "cpu"),
+           kwargs.get("sdpa", "auto"))
     code = ("import json, sys; from vitlab.analysis.memory import measure_memory; "
             "a = json.loads(sys.argv[1]); print(json.dumps(measure_memory(a.pop('name'), **a)))")
     env = dict(os.environ)

@@ -233,7 +233,9 @@ def memory_png(rows: list[dict], table: list[dict], title: str) -> bytes:
     a1.set_yticks(range(len(vals)))
     a1.set_yticklabels(labels, fontsize=8)
     a1.invert_yaxis()
-    a1.set_xscale("log")
+    for i, v in enumerate(vals):
+        a1.annotate(f"{v:.3f}", (v, i), xytext=(2, 0), textcoords="offset points", va="center", fontsize=7)
+    a1.set_xlim(0, max(vals) * 1.15)
     a1.set_xlabel(f"GB ({rows[0]['device']})")
     a1.set_title(f"{rows[0]['model']}: seed 004, the activation term, measured", fontsize=9)
     sizes = [t["img_size"] for t in table]

@@ -240,7 +240,7 @@ def cmd_memory(args) -> int:
             console.print(f"measuring {args.model} {mode} at batch {b} on {args.device} ({args.dtype}) in a fresh "
                           f"process ...", highlight=False)
             rows.append(measure_memory_isolated(args.model, batch_size=b, mode=mode, device=args.device,
-                                                dtype=args.dtype, img_size=args.img_size,
+                                                dtype=args.dtype, img_size=args.img_size, sdpa=args.sdpa,
                                                 malloc_mmap_threshold=args.malloc_mmap_threshold, **extra))
     table = complexity_table(**_vit_shape(args.model, extra))
     for r in rows:
@@ -263,7 +263,8 @@ def cmd_memory(args) -> int:
     batches = ", ".join(str(b) for b in args.batch_size)
     png = memory_png(rows, table, f"{args.model}: memory at batch {batches} ({args.device}, {args.dtype}"
                                   + (f", MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}"
-                                     if args.malloc_mmap_threshold else "") + ")")
+                                     if args.malloc_mmap_threshold else "")
+                                  + (f", SDPA {args.sdpa}" if args.sdpa != "auto" else "") + ")")
     _write(Path(args.out), "memory", {"measurements": rows, "complexity": table, "model": args.model}, png)
     return 0
 
@@ -382,6 +383,8 @@ def register(sub) -> None:
     m.add_argument("--mode", default="infer", choices=["infer", "train", "both"])
     m.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="fp32 is Q = 32, bf16 Q = 16")
+    m.add_argument("--sdpa", default="auto", choices=["auto", "math"],
+                   help="SDPA kernel: PyTorch's choice (flash on the CPU) or the math kernel, which builds the maps")
     m.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
                    help="run the measurements with glibc's MALLOC_MMAP_THRESHOLD_ fixed (e.g. 131072: every "
                         "tensor over 128 KiB gets its own mapping, returned when freed)")
