@@ -58,6 +58,8 @@ def test_bad_input():
         measure_memory_isolated("vit_pico_patch8_32", dtype="int8")
     with pytest.raises(ValueError, match="malloc_mmap_threshold must be"):
         measure_memory_isolated("vit_pico_patch8_32", malloc_mmap_threshold=0)
+    with pytest.raises(ValueError, match="sdpa must be one of"):
+        measure_memory("vit_pico_patch8_32", sdpa="flash")
 
 
 def test_vit_b_inference_term_is_13_residual_tensors():
@@ -95,6 +97,10 @@ def test_sdpa_kernel_choice_follows_the_dispatcher():
     assert sdpa_kernel_choice(torch.float32, "cpu", 12, 64) == ("flash_attention", False)
     with sdpa_kernel(SDPBackend.MATH):
         assert sdpa_kernel_choice(torch.float32, "cpu", 12, 64) == ("math", True)
+    r = measure_memory("vit_pico_patch8_32", batch_size=4, sdpa="math")  # the step and the term both use it
+    assert (r["sdpa"], r["sdpa_kernel"], r["attention_map_materialised"]) == ("math", "math", True)
+    t = r["activation_terms_gb"]
+    assert t["attention_phase"] == pytest.approx(6 * t["unit_U"] + t["unit_S"] + max(t["unit_U"], t["unit_S"]))
 
 
 @pytest.mark.parametrize("name,batch,mode,kw", [
