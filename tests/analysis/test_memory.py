@@ -60,6 +60,8 @@ def test_bad_input():
         measure_memory_isolated("vit_pico_patch8_32", malloc_mmap_threshold=0)
     with pytest.raises(ValueError, match="sdpa must be one of"):
         measure_memory("vit_pico_patch8_32", sdpa="flash")
+    with pytest.raises(ValueError, match="mode must be"):
+        activation_estimate(_shape("vit_pico_patch8_32"), 2, "eval")
 
 
 def test_vit_b_inference_term_is_13_residual_tensors():
@@ -106,6 +108,7 @@ def test_sdpa_kernel_choice_follows_the_dispatcher():
 @pytest.mark.parametrize("name,batch,mode,kw", [
     ("vit_pico_patch8_32", 16, "infer", {}),  # average pooling, MLP ratio 2
     ("vit_pico_patch8_32", 64, "train", {}),  # activations set the peak
+    ("vit_pico_patch8_32", 64, "train", dict(dtype="bf16")),  # b = 2 bytes; float32 statistics stay 4
     ("vit_pico_patch8_32", 2, "train", {}),  # the AdamW step sets the peak
     ("deit_tiny_distilled_patch16_224", 2, "infer", dict(img_size=32, depth=2)),  # two prefix tokens, two heads
 ])

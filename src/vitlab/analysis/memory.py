@@ -34,17 +34,19 @@
     block's ``fc2``) + its transient ``U + Hf`` (the residual-stream gradient, and the GELU input's gradient
     replacing the GELU output that ``fc2``'s backward released); checked again at the first block, after
     ``L - 1`` blocks have traded their saved activations for their gradients; and (b) the optimizer step,
-    weights + input + gradients (W) + both moments (2 W) + the step's temporaries (on the CPU PyTorch's
+    weights + input + gradients (W) + both moments (2 W, and a float32 step count a parameter tensor) + the
+    step's temporaries (on the CPU PyTorch's
     AdamW loops over the parameters: ``sqrt(v)`` and its quotient alive at once, 2 x the largest parameter;
     on CUDA its multi-tensor path: one weight-sized ``sqrt(v)`` list). Saved per block: block input, its
     norm, ``qkv`` (3 U), the attention output, ``x1``, its norm (8 U), ``fc1``'s and GELU's outputs (2 Hf),
     the two LayerNorms' float mean and rstd, and flash's log-sum-exp (math kernel instead: scaled q and k
     (2 U) and the softmax (S)); after the blocks the final norm's input and, with class-token pooling, its
-    output (the head holds a view of it). ViT-B: ``16 U`` a block, ``194 U`` in all.
+    output (the head holds a view of it). ViT-B: ``16 U`` a block, ``194 U`` in all. (The math-kernel
+    terms of a training step are derived from what its autograd graph saves, not measured in docs/analysis.md.)
 
-  What it leaves out, each under 1% at the sizes in docs/analysis.md: logits and loss (B x classes), the
-  attention kernels' per-thread scratch, LayerNorm statistics at inference, the code and allocator pages the
-  run maps (the ``loaded`` growth beyond weights + input shows them). :func:`measure_memory` reports the
+  What it leaves out: logits and loss (B x classes), the attention kernels' per-thread scratch, LayerNorm
+  statistics at inference (each under 1% at the sizes in docs/analysis.md), and the code pages and kernel
+  state a first forward maps (a constant 15-20 MB on the CPU there). :func:`measure_memory` reports the
   allocator-independent peak of live tensor storage as well (``tensor_peak_gb``, tracked op by op), so a
   difference from the resident-set peak splits into formula error and allocator / library overhead.
 """
@@ -312,6 +314,8 @@ def activation_estimate(shape: BlockShape, batch_size: int, mode: str, bytes_per
     (``peak_bytes``, besides weights and input); for ``mode='train'`` the larger of the backward phase and the
     optimizer step phase, *including* gradients and AdamW's moments (``peak_bytes``, besides weights and input),
     with each term itemised."""
+    if mode not in ("infer", "train"):
+        raise ValueError(f"mode must be 'infer' or 'train', got {mode!r}")
     B, N, D, F_, h, L = batch_size, shape.tokens, shape.dim, shape.hidden, shape.heads, shape.depth
     U, Hf, S = B * N * D * bytes_per, B * N * F_ * bytes_per, B * h * N * N * bytes_per
     lse = B * h * N * 4  # flash's log-sum-exp, float32
