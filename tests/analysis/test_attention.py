@@ -81,13 +81,47 @@ def test_cait_class_attention_equals_timm(tmp_path):
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         ref(x)
-    layers = capture_attention(ours, x)  # the talking-heads blocks are not read (no distribution after mixing)
+    layers = capture_attention(ours, x)[1:]  # [0]: the talking-heads block (its own test below)
     assert [lay.kind for lay in layers] == ["class_attention"] * 2
     for lay, t in zip(layers, seen):
         torch.testing.assert_close(lay.attn, t, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(attention_maps(lay, "cls"), t[:, :, 0, 1:].reshape(2, 4, 4, 4))
     with pytest.raises(ValueError, match="only query is the class token"):
         attention_maps(layers[0], (1, 1))
+
+
+def test_cait_talking_heads_maps_are_timms_post_mix_weights(tmp_path):
+    """The map after the post-softmax head mix (timm's weights at ``attn_drop``), which times V and the projection
+    gives the block's attention output; its rows sum to sum_h W_w[g, h] + N b_w[g], not 1."""
+    ref, ours = timm_pair("cait_xxs24_224", tmp_path, img_size=64, depth=2)
+    seen = _timm_attention(ref, [b.attn for b in ref.blocks])
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref(x)
+    blk = ours.blocks[1]
+    seen_in = {}
+    blk.attn.register_forward_hook(lambda mod, i, o: seen_in.update(x=i[0], out=o))
+    layers = capture_attention(ours, x)
+    assert [lay.kind for lay in layers] == ["talking_heads"] * 2 + ["class_attention"] * 2
+    n = 16  # 4 x 4 patches, no class token in these blocks
+    for lay, t, b in zip(layers, seen, ours.blocks):
+        assert lay.attn.shape == (2, 4, n, n) and lay.num_prefix == 0 and lay.q_grid == (4, 4)
+        torch.testing.assert_close(lay.attn, t, atol=1e-5, rtol=1e-4)
+        rows = (b.attn.proj_w.weight.sum(1) + n * b.attn.proj_w.bias).detach()[None, :, None].expand(2, 4, n)
+        torch.testing.assert_close(lay.attn.sum(-1), rows, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(lay.attn.sum(-1), torch.ones_like(rows), atol=1e-2)  # random-init mixing
+    # the module's own output is (P V) through its projection
+    u = seen_in["x"]
+    v = blk.attn.qkv(u).view(2, n, 3, 4, -1)[:, :, 2].transpose(1, 2)  # (B, h, N, d)
+    out = blk.attn.proj((layers[1].attn @ v).transpose(1, 2).reshape(2, n, -1))
+    torch.testing.assert_close(out, seen_in["out"], atol=1e-5, rtol=1e-4)
+    # with an identity post-softmax mix the rows are distributions again; no rollout over mixed maps
+    with torch.no_grad():
+        ours.blocks[0].attn.proj_w.weight.copy_(torch.eye(4))
+        ours.blocks[0].attn.proj_w.bias.zero_()
+    r = analyze_attention(ours, x, block=0)  # maps of the centre patch
+    assert r["kind"] == "talking_heads" and r["rollout"] is None and r["maps"].shape == (2, 4, 4, 4)
+    assert r["layers"][0]["row_sum_max_err"] < 1e-5 < r["layers"][1]["row_sum_max_err"]
 
 
 def test_pvt_spatial_reduction_weights_are_what_sdpa_applies():

@@ -16,8 +16,13 @@
   - MobileViT (Mehta & Rastegari, ICLR 2022): its ``msa`` blocks attend across patches once per pixel position
     inside a patch (those sequences are batched); the weights are averaged over the positions;
   - CaiT's class attention (Touvron et al., ICCV 2021, Sec. 3): the class token's query and every token's key
-    read from the module's ``q`` and ``k`` projections by forward hooks (one query row per head). CaiT's
-    talking-heads self-attention mixes heads after the softmax, so its weights are no distribution: not read;
+    read from the module's ``q`` and ``k`` projections by forward hooks (one query row per head);
+  - CaiT's talking-heads self-attention (Touvron et al., Sec. 2 / Shazeer et al., "Talking-Heads Attention",
+    2020, Algorithm "TalkingHeadsAttention"): q and k read from the module's ``qkv`` by a hook, then the
+    module's own head mixes: ``P = proj_w(softmax(proj_l(q k^T / sqrt(d))))``, mixed over heads, the map that
+    multiplies V (kind ``talking_heads``, the same as timm's weights before ``attn_drop``). Its rows are not
+    distributions: row sums are ``sum_h W_w[g, h] + N_k b_w[g]`` for output head g (1 only where proj_w's row
+    sums and bias happen to give that) and entries may be negative, so rollout refuses these layers;
   - PVT's spatial-reduction attention (Wang et al., ICCV 2021, Eq. 2-3): q and the reduced k read from the
     module's ``q`` and ``kv`` projections by forward hooks; the keys lie on the reduced grid.
 
@@ -44,17 +49,18 @@ from vitlab.analysis._common import eval_forward, pick
 
 _RETURN_ATTN = ("MultiHeadSelfAttention", "NaiveAttention", "HaLViTAttention")
 SUPPORTED_FAMILIES = ("vit*, deit*, halvit*, vit_pico*, swin*, levit*, efficientformer*, pvt*, mobilevit*, "
-                      "cait* (class attention)")
+                      "cait* (talking-heads and class attention)")
 HEAD_FUSIONS = ("mean", "max", "min")
 
 
 @dataclass
 class AttentionLayer:
-    """One layer's attention weights: ``attn`` (B, heads, Nq, Nk), rows summing to 1, tokens in the layer's
-    own order (``num_prefix`` prefix tokens first, then the patch grid in raster order)."""
+    """One layer's attention weights: ``attn`` (B, heads, Nq, Nk), rows summing to 1 (except ``talking_heads``:
+    mixed after the softmax, see the module docstring), tokens in the layer's own order (``num_prefix`` prefix
+    tokens first, then the patch grid in raster order)."""
 
     name: str  # module path in the model
-    kind: str  # 'global', 'window' (stitched to the grid), 'offset_bias', 'spatial_reduction', 'class_attention'
+    kind: str  # 'global', 'window' (stitched), 'offset_bias', 'spatial_reduction', 'class_attention', 'talking_heads'
     attn: torch.Tensor
     q_grid: tuple[int, int]  # (H, W) of the query patch tokens ((0, 0): the class token is the only query)
     k_grid: tuple[int, int]  # (H, W) of the key patch tokens
@@ -119,7 +125,7 @@ def find_attention_layers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(name, module, kind) of every attention layer :func:`capture_attention` can read, in module order."""
     from vitlab.attention import OffsetBiasAttentionBase, SpatialReductionAttention
     from vitlab.attention.local_window import _WindowAttentionBase
-    from vitlab.models.cait import ClassAttn
+    from vitlab.models.cait import ClassAttn, TalkingHeadAttn
 
     out = []
     for name, m in model.named_modules():
@@ -133,6 +139,8 @@ def find_attention_layers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
             out.append((name, m, "spatial_reduction"))
         elif isinstance(m, ClassAttn):
             out.append((name, m, "class_attention"))
+        elif isinstance(m, TalkingHeadAttn):
+            out.append((name, m, "talking_heads"))
     return out
 
 
@@ -194,6 +202,18 @@ def _recording(model: nn.Module, records: list[AttentionLayer]):
             return out
         return forward
 
+    def talking_fwd(name, m):
+        def forward(x, hw=None):
+            out, seen = projections(m, ("qkv",), x, hw)
+            B, N, C = x.shape
+            q, k, _ = seen["qkv"].view(B, N, 3, m.num_heads, m.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            logits = (q * m.scale) @ k.transpose(-2, -1)  # (B, h, N, N)
+            attn = m._mix_heads(m._mix_heads(logits, m.proj_l).softmax(-1), m.proj_w)  # the module's own mixes
+            H, W = (int(hw[0]), int(hw[1])) if hw is not None else _grid_of(N)
+            records.append(AttentionLayer(name, "talking_heads", attn.detach(), (H, W), (H, W), N - H * W))
+            return out
+        return forward
+
     def reduction_fwd(name, m):
         def forward(x, hw=None):
             out, seen = projections(m, ("q", "kv"), x, hw)
@@ -213,7 +233,7 @@ def _recording(model: nn.Module, records: list[AttentionLayer]):
         for name, m, kind in find_attention_layers(model):
             if kind != "offset_bias":
                 make = {"global": global_fwd, "window": window_fwd, "spatial_reduction": reduction_fwd,
-                        "class_attention": class_fwd}[kind]
+                        "class_attention": class_fwd, "talking_heads": talking_fwd}[kind]
                 m.forward = make(name, m)
                 patched.append((m, "forward"))
             else:
@@ -327,7 +347,12 @@ def rollout_layers(layers: list[AttentionLayer], upto: int = -1) -> list[Attenti
     if last.attn.shape[-1] != last.attn.shape[-2]:
         raise ValueError(f"layer {last.name} is not self-attention over one token set (queries {last.q_grid}, "
                          f"keys {last.k_grid}): no rollout")
-    return layers[start:end + 1]
+    run = layers[start:end + 1]
+    mixed = [lay.name for lay in run if lay.kind == "talking_heads"]
+    if mixed:
+        raise ValueError(f"rollout needs rows that are distributions; {mixed[0]} mixes its heads after the softmax "
+                         f"(CaiT's talking heads): no rollout")
+    return run
 
 
 def rollout_map(layers: list[AttentionLayer], query: str | tuple[int, int] = "cls", head_fusion: str = "mean",

@@ -12,16 +12,57 @@
   attention scores per head at 224 / 384 / 512 / 1024; :func:`complexity_table` adds, for a model of width D
   with h heads, the attention MACs of one layer (``QK^T`` and ``AV``: 2 N^2 D) and the memory of one layer's
   attention maps (h N^2 fp32 values) when they are materialised.
+* Seed 004's M counts the weights only. :func:`activation_estimate` adds what a forward (and a training step)
+  keeps alive besides them, derived from the architecture of a plain ViT / DeiT (pre-norm ``msa`` + GELU ``Mlp``
+  blocks, :class:`vitlab.attention.block.Block`), with no constant fitted to a measurement. Units, at batch B, N
+  tokens (patches + prefix tokens), width D, MLP width F, h heads, b bytes an element: ``U = B N D b`` (one
+  residual-stream tensor), ``Hf = B N F b`` (one MLP hidden tensor), ``S = B h N^2 b`` (one layer's attention
+  maps). The counts follow who holds a reference in vitlab's code (PyTorch frees a tensor when its last
+  reference goes; ``nn.Module.__call__`` keeps its arguments until ``forward`` returns):
+
+  - **inference** (no autograd): ``U`` (the blocks' input, kept by ``forward_features`` for the whole loop)
+    plus the largest set alive inside one block, the larger of its MLP phase ``4 U + 2 Hf`` (block input,
+    attention output ``y``, ``x1 = x + y``, ``norm2(x1)``, then ``fc1``'s output and GELU's output together)
+    and its attention phase: ``7 U`` + the log-sum-exp (``B h N`` fp32) when SDPA's chosen kernel is flash
+    (the map is never materialised: block input, ``norm1``, ``qkv`` 3 U, the heads' output, the projection),
+    ``6 U + S + max(U, S)`` when it is the math kernel (scaled queries and keys, then the scores and their
+    softmax alive together). ViT-B, B = 64, fp32, flash: ``13 U`` = 0.50 GB. The patch embedding (at most
+    3 U) and the head (B x classes) are smaller and do not set the peak.
+  - **training step** (forward, cross-entropy, backward, AdamW; the first step, so AdamW's two moments are
+    created in it): the larger of (a) the start of the backward pass, weights + input + every saved
+    activation ``A`` + the gradients that exist by the last block's GELU backward (head, final norm, that
+    block's ``fc2``) + its transient ``U + Hf`` (the residual-stream gradient, and the GELU input's gradient
+    replacing the GELU output that ``fc2``'s backward released); checked again at the first block, after
+    ``L - 1`` blocks have traded their saved activations for their gradients; and (b) the optimizer step,
+    weights + input + gradients (W) + both moments (2 W, and a float32 step count a parameter tensor) + the
+    step's temporaries (on the CPU PyTorch's
+    AdamW loops over the parameters: ``sqrt(v)`` and its quotient alive at once, 2 x the largest parameter;
+    on CUDA its multi-tensor path: one weight-sized ``sqrt(v)`` list). Saved per block: block input, its
+    norm, ``qkv`` (3 U), the attention output, ``x1``, its norm (8 U), ``fc1``'s and GELU's outputs (2 Hf),
+    the two LayerNorms' float mean and rstd, and flash's log-sum-exp (math kernel instead: scaled q and k
+    (2 U) and the softmax (S)); after the blocks the final norm's input and, with class-token pooling, its
+    output (the head holds a view of it). ViT-B: ``16 U`` a block, ``194 U`` in all. (The math-kernel
+    terms of a training step are derived from what its autograd graph saves, not measured in docs/analysis.md.)
+
+  What it leaves out: logits and loss (B x classes), the attention kernels' per-thread scratch, LayerNorm
+  statistics at inference (each under 1% at the sizes in docs/analysis.md), and the code pages and kernel
+  state a first forward maps (a constant 15-20 MB on the CPU there). :func:`measure_memory` reports the
+  allocator-independent peak of live tensor storage as well (``tensor_peak_gb``, tracked op by op), so a
+  difference from the resident-set peak splits into formula error and allocator / library overhead.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 BITS = (32, 16, 8, 4)
 SEED001_SIZES = (224, 384, 512, 1024)
@@ -47,6 +88,31 @@ def _reset_cpu_peak() -> int:
     return _status_kb("VmRSS") * 1024
 
 
+class LiveTensors(TorchDispatchMode):
+    """Peak bytes of tensor storage alive between ops, counting only storages created inside the ``with``
+    (weights, buffers and the input given in ``existing`` are not): the allocator-independent side of a
+    measurement. Storage that one op allocates and frees inside itself (a kernel's scratch, the math SDPA
+    kernel's maps, which dispatch shows as one op) is not seen."""
+
+    def __init__(self, existing: list[torch.Tensor]):
+        super().__init__()
+        self._skip = {t.untyped_storage().data_ptr() for t in existing}
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}  # before: addresses get reused
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key not in self._skip and key not in self._live:
+                    self._live[key] = (StorageWeakRef(st), st.nbytes())
+        self.peak = max(self.peak, sum(n for _, n in self._live.values()))
+        return out
+
+
 def _step(model: nn.Module, x: torch.Tensor, mode: str):
     if mode == "infer":
         model.eval()
@@ -68,7 +134,21 @@ def _step(model: nn.Module, x: torch.Tensor, mode: str):
     return train
 
 
-def _check(mode: str, dtype: str, device: str = "cpu") -> None:
+SDPA_CHOICES = ("auto", "math")
+
+
+def _sdpa_context(sdpa: str):
+    """'auto': PyTorch's own SDPA kernel choice; 'math': the math kernel forced (it materialises the maps)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH) if sdpa == "math" else contextlib.nullcontext()
+
+
+def _check(mode: str, dtype: str, device: str = "cpu", sdpa: str = "auto") -> None:
+    if sdpa not in SDPA_CHOICES:
+        raise ValueError(f"sdpa must be one of {', '.join(SDPA_CHOICES)}, got {sdpa!r}")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
     if mode not in ("infer", "train"):
@@ -78,21 +158,25 @@ def _check(mode: str, dtype: str, device: str = "cpu") -> None:
 
 
 def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device: str = "cpu",
-                   dtype: str = "fp32", img_size: int | None = None, **create_kwargs) -> dict:
+                   dtype: str = "fp32", img_size: int | None = None, sdpa: str = "auto", **create_kwargs) -> dict:
     """Build ``name`` on ``device`` and run one ``mode`` step ('infer' or 'train') at ``batch_size``; return the
     measured peak growth beside seed 004's estimate, and ``loaded_gb``, the growth once the model and the input
-    batch are in memory, before the step (what the estimate's "loading" covers). Random-init weights (memory
-    does not depend on the values)."""
+    batch are in memory, before the step (what the estimate's "loading" covers); the live-tensor peak
+    (``tensor_peak_gb``) and weights + input + the activation term (``analytic_gb``, :func:`analytic_memory`)
+    where it applies. ``sdpa='math'`` forces SDPA's math kernel for the step and the term. Random-init weights
+    (memory does not depend on the values)."""
     import vitlab
     from vitlab.profile import count_params, memory_estimate_gb
 
-    _check(mode, dtype, device)
+    _check(mode, dtype, device, sdpa)
     dev = torch.device(device)
     cfg = vitlab.get_model_config(name)
     size = img_size or cfg.input_size[1]
     if img_size is not None:
         create_kwargs["img_size"] = img_size
     tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    with LiveTensors([]):  # its first use imports dispatch machinery (~80 MB here): not the step's memory
+        torch.ones(2, device=dev) + 1
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -108,7 +192,10 @@ def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device:
         loaded = torch.cuda.memory_allocated(dev) - base
     else:
         loaded = _status_kb("VmRSS") * 1024 - base
-    _step(model, x, mode)()
+    existing = [x, *model.parameters(), *model.buffers()]
+    step = _step(model, x, mode)
+    with _sdpa_context(sdpa), LiveTensors(existing) as live:
+        step()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
@@ -116,14 +203,144 @@ def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device:
         peak = _status_kb("VmHWM") * 1024 - base
     params = count_params(model)[0]
     input_bytes = x.numel() * x.element_size()
-    del model, x
-    gc.collect()
     q = 32 if dtype == "fp32" else 16
+    weights = params * (q // 8)
+    with _sdpa_context(sdpa):
+        act = analytic_memory(model, batch_size, mode, tdtype, device)
+    del model, x, step, existing
     est = {b: memory_estimate_gb(params, b) for b in BITS}
-    return {"model": name, "mode": mode, "device": device, "dtype": dtype, "batch_size": batch_size,
-            "img_size": size, "params": params, "weights_gb": params * (q // 8) / 1e9,
-            "input_gb": input_bytes / 1e9, "loaded_gb": loaded / 1e9, "measured_peak_gb": peak / 1e9,
-            "estimate_gb": est, "estimate_at_dtype_gb": est[q], "measured_over_estimate": peak / 1e9 / est[q]}
+    r = {"model": name, "mode": mode, "device": device, "dtype": dtype, "sdpa": sdpa, "batch_size": batch_size,
+         "img_size": size, "params": params, "weights_gb": weights / 1e9, "input_gb": input_bytes / 1e9,
+         "loaded_gb": loaded / 1e9, "measured_peak_gb": peak / 1e9,
+         "tensor_peak_gb": (weights + input_bytes + live.peak) / 1e9,
+         "estimate_gb": est, "estimate_at_dtype_gb": est[q], "measured_over_estimate": peak / 1e9 / est[q], **act}
+    if act["activation_gb"] is not None:
+        total = weights + input_bytes + act["activation_gb"] * 1e9
+        r.update(analytic_gb=total / 1e9, measured_over_analytic=peak / total)
+    return r
+
+
+def analytic_memory(model: nn.Module, batch_size: int, mode: str, dtype: torch.dtype = torch.float32,
+                    device: str = "cpu") -> dict:
+    """The activation term of ``model`` (:func:`activation_estimate`, GB) with its itemised terms and the SDPA
+    kernel it assumes; ``activation_gb`` None and the reason in ``activation_note`` for models it does not
+    cover."""
+    try:
+        shape = block_shape(model, training=mode == "train")
+    except ValueError as e:
+        return {"activation_gb": None, "activation_note": str(e)}
+    kernel, materialised = sdpa_kernel_choice(dtype, device, shape.heads, shape.dim // shape.heads)
+    terms = activation_estimate(shape, batch_size, mode, torch.finfo(dtype).bits // 8, materialised, device)
+    return {"activation_gb": terms["peak_bytes"] / 1e9, "sdpa_kernel": kernel, "attention_map_materialised":
+            materialised, "block_shape": asdict(shape), "activation_terms_gb": {k: v / 1e9 for k, v in terms.items()}}
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What the activation term needs of a plain ViT: ``depth`` blocks over ``tokens`` tokens of width ``dim``,
+    MLP width ``hidden``, ``heads`` heads; ``token_pool`` (the head reads the class token, a view that keeps the
+    final norm's output); parameter counts of one block, of the largest tensor and of the tail whose gradients
+    exist when the last block's backward starts (head, final norms, last ``fc2``)."""
+
+    depth: int
+    tokens: int
+    dim: int
+    hidden: int
+    heads: int
+    token_pool: bool
+    block_params: int
+    tail_params: int
+    largest_param: int
+    params: int
+    param_tensors: int
+
+
+def block_shape(model: nn.Module, training: bool = False) -> BlockShape:
+    """Read :class:`BlockShape` from a vitlab ViT / DeiT; ValueError naming what is not covered otherwise."""
+    from vitlab.attention.block import Block
+    from vitlab.attention.msa import MultiHeadSelfAttention
+    from vitlab.layers.mlp import Mlp
+    from vitlab.models.vision_transformer import VisionTransformer
+
+    name = type(model).__name__
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f"the activation term is derived for plain ViT / DeiT models (vit_*, deit_*); {name} "
+                         f"is not one (seed 004's weights-only estimate and the measurement still apply)")
+    why = None
+    for blk in model.blocks:
+        if type(blk) is not Block or blk.post_norm:
+            why = "a block other than the pre-norm Block"
+        elif type(blk.attn) is not MultiHeadSelfAttention or not isinstance(blk.attn.q_norm, nn.Identity):
+            why = "attention other than plain msa"
+        elif type(blk.mlp) is not Mlp or not isinstance(blk.mlp.act, nn.GELU):
+            why = "an MLP other than fc1 -> GELU -> fc2"
+        elif not (isinstance(blk.ls1, nn.Identity) and isinstance(blk.ls2, nn.Identity)):
+            why = "layer scale"
+        elif training and (not isinstance(blk.drop_path1, nn.Identity) or blk.attn.attn_drop > 0
+                           or any(m.p > 0 for m in blk.modules() if isinstance(m, nn.Dropout))):
+            why = "dropout / drop-path in training"
+        if why:
+            raise ValueError(f"the activation term is derived for pre-norm msa + GELU-MLP blocks without layer "
+                             f"scale or dropout; this {name} has {why}")
+    if model.rope is not None or model.attn_pool is not None:
+        raise ValueError(f"the activation term does not cover RoPE or attention pooling ({name})")
+    blk = model.blocks[-1]
+    grid = model.patch_embed.grid_size
+    tail = [model.norm, model.fc_norm, model.head, getattr(model, "head_dist", None), blk.mlp.fc2]
+    return BlockShape(depth=len(model.blocks), tokens=grid[0] * grid[1] + model.num_prefix_tokens,
+                      dim=model.embed_dim, hidden=blk.mlp.fc1.out_features, heads=blk.attn.num_heads,
+                      token_pool=model.global_pool == "token" or getattr(model, "head_dist", None) is not None,
+                      block_params=sum(p.numel() for p in blk.parameters()),
+                      tail_params=sum(p.numel() for m in tail if m is not None for p in m.parameters()),
+                      largest_param=max(p.numel() for p in model.parameters()),
+                      params=sum(p.numel() for p in model.parameters()),
+                      param_tensors=len(list(model.parameters())))
+
+
+def sdpa_kernel_choice(dtype: torch.dtype, device: str, heads: int, head_dim: int) -> tuple[str, bool]:
+    """(name, materialises the map) of the kernel ``F.scaled_dot_product_attention`` picks for (B, h, N, d)
+    inputs of this dtype on this device without mask or dropout (PyTorch's own dispatcher decides; on the CPU
+    fp32 / bf16 take the flash kernel, which never builds the N x N map; the math kernel does)."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.zeros(1, heads, 8, head_dim, dtype=dtype, device=device)
+    backend = SDPBackend(torch._fused_sdp_choice(q, q, q))
+    return backend.name.lower(), backend == SDPBackend.MATH
+
+
+def activation_estimate(shape: BlockShape, batch_size: int, mode: str, bytes_per: int = 4,
+                        materialised: bool = False, device: str = "cpu") -> dict:
+    """The activation term of the module docstring, in bytes: for ``mode='infer'`` the peak live activations
+    (``peak_bytes``, besides weights and input); for ``mode='train'`` the larger of the backward phase and the
+    optimizer step phase, *including* gradients and AdamW's moments (``peak_bytes``, besides weights and input),
+    with each term itemised."""
+    if mode not in ("infer", "train"):
+        raise ValueError(f"mode must be 'infer' or 'train', got {mode!r}")
+    B, N, D, F_, h, L = batch_size, shape.tokens, shape.dim, shape.hidden, shape.heads, shape.depth
+    U, Hf, S = B * N * D * bytes_per, B * N * F_ * bytes_per, B * h * N * N * bytes_per
+    lse = B * h * N * 4  # flash's log-sum-exp, float32
+    if mode == "infer":
+        mlp_phase = 4 * U + 2 * Hf
+        attn_phase = 6 * U + S + max(U, S) if materialised else 7 * U + lse
+        return {"unit_U": U, "unit_Hf": Hf, "unit_S": S, "residual_stream": U, "mlp_phase": mlp_phase,
+                "attention_phase": attn_phase, "peak_bytes": U + max(mlp_phase, attn_phase)}
+    ln_stats = 2 * 2 * B * N * 4  # two LayerNorms, float mean and rstd each
+    saved_block = 8 * U + 2 * Hf + ln_stats + (2 * U + S if materialised else lse)
+    saved_head = U + (U if shape.token_pool else 0) + B * N * 2 * 4  # final norm input (+ output) and stats
+    saved = L * saved_block + saved_head
+    transient = U + Hf
+    g_block, g_tail = shape.block_params * bytes_per, shape.tail_params * bytes_per
+    # (a) at the last block's GELU backward; again at the first block's, L - 1 blocks later
+    backward = max(saved + g_tail + transient,
+                   saved - (L - 1) * saved_block + g_tail + (L - 1) * g_block + transient)
+    grads = shape.params * bytes_per
+    step_tmp = grads if torch.device(device).type == "cuda" else 2 * shape.largest_param * bytes_per
+    moments = 2 * grads + 4 * shape.param_tensors  # exp_avg, exp_avg_sq, and a float32 step count a tensor
+    step = grads + moments + step_tmp  # (b)
+    return {"unit_U": U, "unit_Hf": Hf, "unit_S": S, "saved_per_block": saved_block,
+            "saved_after_blocks": saved_head, "saved_activations": saved, "backward_transient": transient,
+            "backward_phase": backward, "gradients": grads, "adamw_state": moments,
+            "step_temporaries": step_tmp, "step_phase": step, "peak_bytes": max(backward, step)}
 
 
 def complexity_table(embed_dim: int = 768, num_heads: int = 12, patch_size: int = 16,
@@ -142,21 +359,34 @@ def complexity_table(embed_dim: int = 768, num_heads: int = 12, patch_size: int 
     return rows
 
 
-def measure_memory_isolated(name: str, **kwargs) -> dict:
+def measure_memory_isolated(name: str, malloc_mmap_threshold: int | None = None, **kwargs) -> dict:
     """:func:`measure_memory` in a fresh Python process, so that memory the allocator kept from earlier work in
-    this process cannot hide part of the peak (and one measurement cannot feed the next)."""
+    this process cannot hide part of the peak (and one measurement cannot feed the next).
+
+    ``malloc_mmap_threshold`` (bytes) fixes glibc's ``MALLOC_MMAP_THRESHOLD_`` in that process. By default glibc
+    raises the threshold (up to 32 MiB) each time a mapped block is freed, so later tensors under it come from
+    the heap, whose freed holes stay resident: the resident peak then exceeds the live tensors by the heap's
+    fragmentation. With a fixed threshold every tensor above it gets its own mapping, returned to the system
+    when freed, and the resident peak follows the live tensors."""
     import json
     import subprocess
     import sys
 
-    _check(kwargs.get("mode", "infer"), kwargs.get("dtype", "fp32"), kwargs.get("device", "cpu"))
+    _check(kwargs.get("mode", "infer"), kwargs.get("dtype", "fp32"), kwargs.get("device", "cpu"),
+           kwargs.get("sdpa", "auto"))
     code = ("import json, sys; from vitlab.analysis.memory import measure_memory; "
             "a = json.loads(sys.argv[1]); print(json.dumps(measure_memory(a.pop('name'), **a)))")
+    env = dict(os.environ)
+    if malloc_mmap_threshold is not None:
+        if malloc_mmap_threshold <= 0:
+            raise ValueError(f"malloc_mmap_threshold must be a positive number of bytes, got {malloc_mmap_threshold}")
+        env["MALLOC_MMAP_THRESHOLD_"] = str(malloc_mmap_threshold)
     proc = subprocess.run([sys.executable, "-c", code, json.dumps({"name": name, **kwargs})], capture_output=True,
-                          text=True)
+                          text=True, env=env)
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or ["no output"]
         raise ValueError(f"memory measurement of {name} failed: {lines[-1]}")
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     r["estimate_gb"] = {int(k): v for k, v in r["estimate_gb"].items()}
+    r["malloc_mmap_threshold"] = malloc_mmap_threshold
     return r

@@ -211,22 +211,33 @@ def block_timings_png(r: dict, title: str) -> bytes:
 
 
 def memory_png(rows: list[dict], table: list[dict], title: str) -> bytes:
-    """Left: seed 004's estimate for Q = 32 / 16 / 8 / 4 beside each measurement (loaded, peak). Right: seed 001's
+    """Left: seed 004's estimate for Q = 32 / 16 / 8 / 4 beside each measurement (loaded, peak, live tensors) and
+    weights + input + the activation term where it applies. Right: seed 001's
     complexity table (attention MACs and attention-map memory of one layer vs image size)."""
     fig = _figure((11, 4))
     a1, a2 = fig.subplots(1, 2)
     est = rows[0]["estimate_gb"]
-    labels = [f"estimate Q={q}" for q in est] + [f"{r['mode']} {r['dtype']} b{r['batch_size']} loaded" for r in rows] \
-        + [f"{r['mode']} {r['dtype']} b{r['batch_size']} peak" for r in rows]
-    vals = list(est.values()) + [r["loaded_gb"] for r in rows] + [r["measured_peak_gb"] for r in rows]
-    colors = ["tab:gray"] * len(est) + ["tab:blue"] * len(rows) + ["tab:red"] * len(rows)
+    labels = [f"seed 004 Q={q} (weights)" for q in est]
+    vals = list(est.values())
+    colors = ["tab:gray"] * len(est)
+    for r in rows:
+        tag = f"{r['mode']} {r['dtype']} b{r['batch_size']}"
+        bars = [("loaded", r["loaded_gb"], "tab:blue"), ("peak (RSS)", r["measured_peak_gb"], "tab:red")]
+        if r.get("activation_gb") is not None:
+            bars += [("live tensors", r["tensor_peak_gb"], "tab:orange"),
+                     ("weights+input+activations", r["analytic_gb"], "tab:green")]
+        labels += [f"{tag} {what}" for what, _, _ in bars]
+        vals += [v for _, v, _ in bars]
+        colors += [c for _, _, c in bars]
     a1.barh(range(len(vals)), vals, color=colors)
     a1.set_yticks(range(len(vals)))
     a1.set_yticklabels(labels, fontsize=8)
     a1.invert_yaxis()
-    a1.set_xscale("log")
+    for i, v in enumerate(vals):
+        a1.annotate(f"{v:.3f}", (v, i), xytext=(2, 0), textcoords="offset points", va="center", fontsize=7)
+    a1.set_xlim(0, max(vals) * 1.15)
     a1.set_xlabel(f"GB ({rows[0]['device']})")
-    a1.set_title(f"{rows[0]['model']}: M = P x 4 B / (32/Q) x 1.2 vs measured", fontsize=9)
+    a1.set_title(f"{rows[0]['model']}: seed 004, the activation term, measured", fontsize=9)
     sizes = [t["img_size"] for t in table]
     a2.plot(sizes, [t["attention_gmacs_per_layer"] for t in table], marker="o", label="attention GMACs / layer")
     a2.plot(sizes, [t["attention_map_mb_per_layer"] / 1024 for t in table], marker="s",
