@@ -321,8 +321,9 @@ class DINO(SSLMethod):
     def before_optimizer_step(self) -> None:
         """DINO's ``cancel_gradients_last_layer`` (``main_dino.py``; ``freeze_last_layer`` 1 epoch by default):
         during the first ``freeze_last_layer`` epochs the heads' last layers get no gradient (``grad = None``, so
-        the optimiser leaves them, weight decay and moments included); "freezing the last layer during the first
-        epoch helps training" (DINO, appendix). Called after backward (and gradient clipping), before the step."""
+        the optimiser leaves them, weight decay and moments included); "typically doing so during the first epoch
+        helps training" (``main_dino.py``, ``--freeze_last_layer``). Called after backward (and gradient clipping),
+        before the step."""
         if self.progress.epoch < self.freeze_last_layer:
             for head in self.heads():
                 for p in head.last_layer_parameters():
