@@ -11,7 +11,8 @@ import torch
 import vitlab
 import vitlab.ssl as S
 from vitlab.ssl import losses as L
-from vitlab.ssl.methods import DINOHead, cosine_momentum, ema_update, random_patch_mask, teacher_temperature
+from vitlab.ssl.masking import dinov2_masks, random_patch_mask
+from vitlab.ssl.methods import DINOHead, cosine_momentum, ema_update, teacher_temperature, vit_tokens
 
 SMALL = {"simclr": dict(proj_hidden_dim=32, proj_dim=16), "mocov3": dict(dim=16, mlp_dim=32),
          "dino": dict(out_dim=64, hidden_dim=32, bottleneck_dim=16),
@@ -157,3 +158,103 @@ def test_dinov2_objective_parts_and_mask():
     s = S.create("dinov2", "vit_pico_patch8_32", backbone_kwargs=dict(depth=1), sinkhorn=True, **SMALL["dinov2"])
     assert torch.isfinite(s(_views("dinov2"))["loss"])
     assert torch.equal(s.center.center, torch.zeros_like(s.center.center))  # Sinkhorn replaces the centre
+
+
+@pytest.mark.parametrize("norm_last_layer", [True, False])
+def test_dino_freeze_last_layer_step_by_step(norm_last_layer):
+    """DINO's cancel_gradients_last_layer: with 2 steps an epoch and freeze_last_layer=1, the last layer (v, and g
+    when trained) has no gradient and stays put at steps 0-1 (AdamW with weight decay leaves it), moves from step 2;
+    the rest of the head moves at every step."""
+    torch.manual_seed(0)
+    m = S.create("dino", "vit_pico_patch8_32", backbone_kwargs=dict(depth=1), norm_last_layer=norm_last_layer,
+                 **SMALL["dino"])
+    assert m.freeze_last_layer == 1  # DINO's default
+    last = m.head.last_layer_parameters()
+    assert len(last) == (1 if norm_last_layer else 2)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    total, per_epoch = 4, 2
+    for k in range(total):
+        before = [p.detach().clone() for p in last]
+        mlp_before = m.head.mlp[0].weight.detach().clone()
+        m(_views("dino"))["loss"].backward()
+        assert all(p.grad is not None for p in last)
+        m.before_optimizer_step()
+        frozen = k < per_epoch
+        assert all((p.grad is None) == frozen for p in last)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        m.after_step(k, total, per_epoch)
+        for b, p in zip(before, last, strict=True):
+            assert torch.equal(b, p) == frozen, (k, frozen)
+        assert not torch.equal(mlp_before, m.head.mlp[0].weight)
+    never = S.create("dino", "vit_pico_patch8_32", backbone_kwargs=dict(depth=1), freeze_last_layer=0, **SMALL["dino"])
+    never(_views("dino"))["loss"].backward()
+    never.before_optimizer_step()
+    assert never.head.weight_v.grad is not None
+    with pytest.raises(ValueError, match="freeze_last_layer must be >= 0"):
+        S.create("dino", "vit_pico_patch8_32", freeze_last_layer=-1, **SMALL["dino"])
+
+
+def test_dinov2_freezes_both_heads_last_layers():
+    m = S.create("dinov2", "vit_pico_patch8_32", backbone_kwargs=dict(depth=1), ibot_separate_head=True,
+                 mask_probability=1.0, **SMALL["dinov2"])
+    m(_views("dinov2"))["loss"].backward()
+    m.before_optimizer_step()
+    assert m.head.weight_v.grad is None and m.ibot_head.weight_v.grad is None
+    assert m.ibot_head.mlp[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("method", ["dino", "mocov3"])
+def test_teacher_has_no_stochastic_depth(method):
+    """The teacher / momentum encoder gives deterministic targets in train mode even when the student drops
+    paths (DINO and MoCo v3 build it without drop_path_rate)."""
+    m = S.create(method, "vit_pico_patch8_32", backbone_kwargs=dict(depth=2, drop_path_rate=0.5),
+                 **SMALL[method]).train()
+    teacher = m.teacher if method == "dino" else m.momentum_model
+    x = torch.randn(4, 1, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(teacher(x), teacher(x), rtol=0, atol=0)
+        assert not torch.equal(m.model(x), m.model(x))  # the student still drops paths
+        ref = teacher.eval()(x)
+        torch.testing.assert_close(teacher.train()(x), ref)
+
+
+def test_dinov2_uses_block_masks_and_only_masked_tokens_in_ibot():
+    """The default masks are DINOv2's block-wise ones; the iBOT term equals a literal restatement of iBOT eq. 2 as
+    DINOv2 averages it (per image over its masked tokens, then over the 2B global crops) on the masked tokens alone,
+    and an all-visible batch adds no iBOT loss."""
+    torch.manual_seed(0)
+    m = S.create("dinov2", "vit_pico_patch8_32", backbone_kwargs=dict(depth=1), dino_weight=0.0, koleo_weight=0.0,
+                 **SMALL["dinov2"])
+    assert m.mask_mode == "block"
+    torch.manual_seed(3)
+    got = m.make_masks(8, (4, 4))
+    torch.manual_seed(3)
+    assert torch.equal(got, dinov2_masks(8, (4, 4)))
+    views = _views("dinov2")
+    g = torch.cat(views[:2])
+    mask = torch.zeros(8, 16, dtype=torch.bool)
+    mask[0, :5] = True
+    mask[3, [1, 6, 7]] = True
+    mask[6, 15] = True
+    m.make_masks = lambda b, grid, device=None: mask
+    out = m(views)
+    with torch.no_grad():
+        s_tok = vit_tokens(m.model, g, mask, m.mask_token)[:, 1:] if m.model.num_prefix_tokens else \
+            vit_tokens(m.model, g, mask, m.mask_token)
+        t_tok = vit_tokens(m.teacher, g)
+        t_tok = t_tok[:, m.model.num_prefix_tokens:]
+        total = 0.0
+        for i in range(8):
+            idx = mask[i].nonzero().flatten()
+            if len(idx) == 0:
+                continue
+            p_t = torch.softmax(m.teacher_head(t_tok[i, idx]) / 0.04, dim=-1)  # centre 0 before the first update
+            log_s = torch.log_softmax(m.head(s_tok[i, idx]) / 0.1, dim=-1)
+            total += float(-(p_t * log_s).sum(-1).mean())
+    assert out["ibot_loss"].item() == pytest.approx(total / 8, rel=1e-5)
+    assert out["loss"].item() == pytest.approx(out["ibot_loss"].item(), rel=1e-6)
+    m.make_masks = lambda b, grid, device=None: torch.zeros(8, 16, dtype=torch.bool)
+    assert m(views)["ibot_loss"].item() == 0.0
+    with pytest.raises(ValueError, match="mask_mode must be"):
+        S.create("dinov2", "vit_pico_patch8_32", mask_mode="grid", **SMALL["dinov2"])

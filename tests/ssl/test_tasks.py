@@ -45,6 +45,11 @@ def test_pretrain_run_dir_and_monitors(method, tmp_path):
     if method.startswith("dino"):
         assert {"val_teacher_entropy", "val_teacher_student_kl"} <= rows[0].keys()
         assert 0 < rows[0]["val_teacher_entropy"] <= torch.log(torch.tensor(64.0)).item() + 1e-6
+        # the Trainer drops the last layer's gradients in the first epoch (freeze_last_layer 1): the student's last
+        # layer is still the teacher's (EMA of equal weights), the MLP before it trained
+        st = ck.load_trainer_state(run / "last")
+        torch.testing.assert_close(st["head"]["weight_v"], st["teacher_head"]["weight_v"], rtol=0, atol=1e-6)
+        assert not torch.allclose(st["head"]["mlp.0.weight"], st["teacher_head"]["mlp.0.weight"], rtol=0, atol=1e-6)
     sd = load_file(str(run / "last" / "model.safetensors"))
     assert not any(k.startswith(("teacher", "decoder", "head.", "projector")) for k in sd)  # the backbone only
     meta = json.loads((run / "last" / "meta.json").read_text())

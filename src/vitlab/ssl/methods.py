@@ -9,10 +9,14 @@
 - :class:`DINO` (Caron et al., 2021, Algorithm 1, section 3.1): multi-crop (2 global + N local views; a local view
   goes through the backbone at its own size), DINO head (3-layer MLP 2048 -> bottleneck 256 -> L2 norm ->
   weight-normalised linear, norm fixed to 1), teacher = EMA of the student (0.996 -> 1, cosine), centring
-  (momentum 0.9), teacher temperature warmed up linearly 0.04 -> 0.07, student 0.1.
+  (momentum 0.9), teacher temperature warmed up linearly 0.04 -> 0.07, student 0.1; the head's last layer gets
+  no gradient during the first ``freeze_last_layer`` epochs (1, ``main_dino.py``); the teacher has no stochastic
+  depth.
 - :class:`DINOv2` (Oquab et al., 2023, section 4): DINO's image-level loss + iBOT's masked-patch loss (student's
-  global crops with patch tokens replaced by a learned mask token; the teacher sees them unmasked) + KoLeo
-  (weight 0.1) on the student's class features; Sinkhorn-Knopp centring as an option (``sinkhorn``).
+  global crops with patch tokens replaced by a learned mask token; the teacher sees them unmasked; only the masked
+  tokens enter the loss) + KoLeo (weight 0.1) on the student's class features; Sinkhorn-Knopp centring as an
+  option (``sinkhorn``). Masks: DINOv2's block-wise generator (:mod:`vitlab.ssl.masking`: half of the global
+  crops, ratios stratified over 0.1-0.5), or iBOT's random patches (``mask_mode="random"``).
 
 Hierarchical backbones (Swin, LITv2, PVT) take part in SimCLR, MoCo v3 and DINO through their pooled features
 (``forward_head(forward_features(x), pre_logits=True)``); MAE and DINOv2 need a plain ViT's token sequence.
@@ -34,6 +38,7 @@ from torch import Tensor
 
 from vitlab.ssl import losses as L
 from vitlab.ssl.mae import check_plain_vit
+from vitlab.ssl.masking import dinov2_masks, random_patch_mask
 
 # ---------------------------------------------------------------- schedules
 
@@ -118,6 +123,11 @@ class DINOHead(nn.Module):
             self.register_buffer("weight_g", g)
         else:
             self.weight_g = nn.Parameter(g)
+
+    def last_layer_parameters(self) -> list[nn.Parameter]:
+        """The weight-normalised last layer's parameters (``v``, and ``g`` unless fixed): what
+        ``freeze_last_layer`` holds still."""
+        return [p for p in (self.weight_v, self.weight_g) if isinstance(p, nn.Parameter)]
 
     def last_layer_weight(self) -> Tensor:
         """Weight normalisation (Salimans & Kingma, 2016): ``w = g * v / ||v||`` per output row."""
@@ -207,8 +217,18 @@ class SSLMethod(nn.Module):
 
 
 def frozen_copy(module: nn.Module) -> nn.Module:
+    """The EMA teacher / momentum encoder: a copy without gradients and without stochastic depth or dropout (DINO
+    and MoCo v3 build the teacher without ``drop_path_rate``: its targets are deterministic even though the
+    student, in train mode, drops paths)."""
+    from vitlab.layers.drop import DropPath
+
     t = copy.deepcopy(module)
     t.requires_grad_(False)
+    for m in t.modules():
+        if isinstance(m, DropPath):
+            m.p = 0.0
+        elif isinstance(m, nn.Dropout):
+            m.p = 0.0
     return t
 
 
@@ -273,9 +293,12 @@ class DINO(SSLMethod):
     def __init__(self, backbone: nn.Module, out_dim: int = 65536, hidden_dim: int = 2048, bottleneck_dim: int = 256,
                  norm_last_layer: bool = True, momentum: float = 0.996, center_momentum: float = 0.9,
                  warmup_teacher_temp: float = 0.04, teacher_temp: float = 0.07, warmup_teacher_temp_epochs: int = 30,
-                 student_temp: float = 0.1, sinkhorn: bool = False):
+                 student_temp: float = 0.1, sinkhorn: bool = False, freeze_last_layer: int = 1):
         super().__init__(backbone)
+        if freeze_last_layer < 0:
+            raise ValueError(f"freeze_last_layer must be >= 0 epochs, got {freeze_last_layer}")
         self.base_momentum = momentum
+        self.freeze_last_layer = int(freeze_last_layer)
         self.temps = (warmup_teacher_temp, teacher_temp, int(warmup_teacher_temp_epochs))
         self.student_temp, self.sinkhorn = student_temp, sinkhorn
         self.head = DINOHead(self.embed_dim, out_dim, hidden_dim, bottleneck_dim, norm_last_layer=norm_last_layer)
@@ -290,6 +313,21 @@ class DINO(SSLMethod):
         from vitlab.train.strategy import shard_units
 
         return shard_units(self.model) + shard_units(self.teacher)
+
+    def heads(self) -> list[DINOHead]:
+        """The student's DINO heads (DINOv2 adds a separate iBOT head when asked)."""
+        return [self.head]
+
+    def before_optimizer_step(self) -> None:
+        """DINO's ``cancel_gradients_last_layer`` (``main_dino.py``; ``freeze_last_layer`` 1 epoch by default):
+        during the first ``freeze_last_layer`` epochs the heads' last layers get no gradient (``grad = None``, so
+        the optimiser leaves them, weight decay and moments included); "typically doing so during the first epoch
+        helps training" (``main_dino.py``, ``--freeze_last_layer``). Called after backward (and gradient clipping),
+        before the step."""
+        if self.progress.epoch < self.freeze_last_layer:
+            for head in self.heads():
+                for p in head.last_layer_parameters():
+                    p.grad = None
 
     def teacher_temp(self) -> float:
         start, end, warm = self.temps
@@ -368,25 +406,17 @@ def vit_tokens(backbone: nn.Module, x: Tensor, mask: Tensor | None = None, mask_
     return backbone.norm(t) if not isinstance(backbone.norm, nn.Identity) else backbone.fc_norm(t)
 
 
-def random_patch_mask(batch: int, num_patches: int, ratio_range: tuple[float, float], probability: float,
-                      device=None, generator: torch.Generator | None = None) -> Tensor:
-    """(B, N) bool: with ``probability`` an image masks a ratio drawn uniformly from ``ratio_range`` of its
-    patches, chosen at random; otherwise none (DINOv2's mask_sample_probability 0.5, ratios 0.1-0.5)."""
-    u = torch.rand(batch, generator=generator, device=device)
-    ratio = ratio_range[0] + (ratio_range[1] - ratio_range[0]) * torch.rand(batch, generator=generator, device=device)
-    n_mask = torch.where(u < probability, (ratio * num_patches).round(), torch.zeros_like(ratio)).long()
-    ranks = torch.rand(batch, num_patches, generator=generator, device=device).argsort(dim=1).argsort(dim=1)
-    return ranks < n_mask[:, None]
-
-
 class DINOv2(DINO):
     def __init__(self, backbone: nn.Module, out_dim: int = 65536, patch_out_dim: int | None = None,
                  ibot_separate_head: bool = False, dino_weight: float = 1.0, ibot_weight: float = 1.0,
                  koleo_weight: float = 0.1, mask_ratio: tuple[float, float] = (0.1, 0.5),
-                 mask_probability: float = 0.5, **kwargs):
+                 mask_probability: float = 0.5, mask_mode: str = "block", **kwargs):
         check_plain_vit(backbone, "DINOv2")
         if not 0.0 < mask_ratio[0] <= mask_ratio[1] < 1.0:
             raise ValueError(f"mask_ratio must be a range inside (0, 1), got {mask_ratio}")
+        if mask_mode not in ("block", "random"):
+            raise ValueError(f"mask_mode must be 'block' (DINOv2's block-wise masks) or 'random', got {mask_mode!r}")
+        self.mask_mode = mask_mode
         super().__init__(backbone, out_dim=out_dim, **kwargs)
         self.weights = (dino_weight, ibot_weight, koleo_weight)
         self.mask_ratio, self.mask_probability = tuple(mask_ratio), mask_probability
@@ -399,6 +429,15 @@ class DINOv2(DINO):
             self.ibot_head = self.teacher_ibot_head = None
         self.patch_center = L.Centering(patch_out_dim if ibot_separate_head and patch_out_dim else out_dim,
                                         kwargs.get("center_momentum", 0.9))
+
+    def heads(self) -> list[DINOHead]:
+        return [self.head] + ([self.ibot_head] if self.ibot_head is not None else [])
+
+    def make_masks(self, batch: int, grid: tuple[int, int], device=None) -> Tensor:
+        """(batch, H * W) bool masks of the student's global crops (True = replaced by the mask token)."""
+        if self.mask_mode == "block":
+            return dinov2_masks(batch, grid, self.mask_ratio, self.mask_probability).to(device)
+        return random_patch_mask(batch, grid[0] * grid[1], self.mask_ratio, self.mask_probability, device=device)
 
     def teacher_pairs(self):
         pairs = super().teacher_pairs()
@@ -414,9 +453,9 @@ class DINOv2(DINO):
         views = views_of(batch)
         g = torch.cat(views[:2])
         P = self.model.num_prefix_tokens
-        B2, N = g.shape[0], self.model.patch_embed.dynamic_feat_size(g.shape[-2:])
-        N = N[0] * N[1]
-        mask = random_patch_mask(B2, N, self.mask_ratio, self.mask_probability, device=g.device)
+        B2, grid = g.shape[0], tuple(self.model.patch_embed.dynamic_feat_size(g.shape[-2:]))
+        N = grid[0] * grid[1]
+        mask = self.make_masks(B2, grid, g.device)
         tt = self.teacher_temp()
         s_tok = vit_tokens(self.model, g, mask, self.mask_token)
         s_cls = self._cls(s_tok)

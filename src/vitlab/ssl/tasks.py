@@ -174,6 +174,10 @@ class PretrainTask:
         out = forward(self._views(batch))
         return out["loss"], {k: v.detach() for k, v in out.items() if k != "loss" and v.ndim == 0}
 
+    def before_optimizer_step(self) -> None:
+        if hasattr(self.module, "before_optimizer_step"):  # DINO / DINOv2: freeze_last_layer
+            self.module.before_optimizer_step()
+
     def after_step(self, step: int, total_steps: int, steps_per_epoch: int) -> None:
         if hasattr(self.module, "after_step"):  # MAE has no schedule of its own
             self.module.after_step(step, total_steps, steps_per_epoch)

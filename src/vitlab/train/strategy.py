@@ -287,9 +287,17 @@ class FSDP2(_Distributed):
             raise ck.CheckpointError(f"{ckpt_dir} has no dcp/ (not saved by --strategy fsdp); resume it with the "
                                      f"strategy that saved it")
         msd, osd = get_state_dict(module, optimizer)
+        # a parameter that had no optimiser state when saved (no gradient yet, e.g. DINO's last layer frozen in the
+        # first epoch) gets none back, as in the uninterrupted run (get_state_dict initialises every one)
+        saved = {k.rsplit(".", 1)[0] for k in dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+                 if k.startswith("optim.state.")}
+        osd["state"] = {k: v for k, v in osd["state"].items() if f"optim.state.{k}" in saved}
         sd = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=str(dcp_dir))
-        set_state_dict(module, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        # not strict: the optimiser may rightly lack a parameter's state (above); dcp.load already required every
+        # key of the model
+        set_state_dict(module, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=StateDictOptions(strict=False))
         if ema_module is not None:
             ema_sd, _ = ck.load_weights(ckpt_dir, weights="ema")
             set_model_state_dict(ema_module, ema_sd, options=StateDictOptions(full_state_dict=True))

@@ -223,6 +223,8 @@ class Trainer:
                     self.scaler.unscale_(self.optimizer)
                     params = [p for g in self.optimizer.param_groups for p in g["params"]]
                     st.clip_grad_norm(params, cfg.clip_grad)
+                if hasattr(task, "before_optimizer_step"):  # e.g. DINO's freeze_last_layer drops gradients
+                    task.before_optimizer_step()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
