@@ -1,7 +1,10 @@
 """Position embeddings for 2-D token grids and 1-D token sequences.
 
 - Learned absolute embeddings (ViT) and :func:`resample_abs_pos_embed`, which resizes them bicubically to
-  another grid (non-square included), as fine-tuning at a new resolution and ``dynamic_img_size`` need.
+  another grid (non-square included), as fine-tuning at a new resolution and ``dynamic_img_size`` need. Under
+  ``torch.export`` the bicubic resize is :func:`bicubic_resize_separable`: PyTorch's bicubic kernel (Keys, 1981,
+  "Cubic convolution interpolation for digital image processing": the cubic convolution kernel with parameter
+  ``a``) written as two interpolation matrices, so a symbolic grid size exports exactly.
 - :func:`sincos_2d_pos_embed`: the fixed 2-D sine-cosine embedding (MoCo v3 / MAE; seed 001).
 - :class:`RotaryEmbedding2D`: axial 2-D RoPE. Seed 004 builds 1-D RoPE for Llama-2 from
   ``theta_i = base ** (-2i / d)`` and rotates consecutive pairs ``(x_{2i}, x_{2i+1})`` by ``m * theta_i``;
@@ -44,8 +47,9 @@ def resample_abs_pos_embed(pos_embed: torch.Tensor, new_size, old_size=None, num
     dim, dtype = grid.shape[-1], grid.dtype
     grid = grid.float().reshape(1, old_size[0], old_size[1], dim).permute(0, 3, 1, 2)  # (1, C, H, W)
     if interpolation == "bicubic" and torch.compiler.is_exporting():
-        # F.interpolate's bicubic has no exact ONNX Runtime counterpart for a symbolic size (ONNX Resize's cubic
-        # filter and antialiasing differ from PyTorch's): the same interpolation as two matmuls exports exactly
+        # F.interpolate's bicubic becomes ONNX Resize, whose antialiasing needs opset 18 and a runtime that
+        # implements it (the TorchScript-based exporter cannot export it at all): the same interpolation as two
+        # matmuls exports to plain MatMul at any opset and computes the same values in every runtime
         grid = bicubic_resize_separable(grid, new_size, antialias=antialias)
     else:
         grid = F.interpolate(grid, size=new_size, mode=interpolation, antialias=antialias)
