@@ -6,6 +6,8 @@ on random and real images, file size, export time.
     python benchmarks/export_families.py --models levit_128s swin_tiny_patch4_window7_224
     python benchmarks/export_families.py --smoke --out docs/bench/export_families_smoke.json   # reduced depth
                                                                      # and size (the config's smoke_kwargs)
+    python benchmarks/export_families.py --smoke --dynamic-img-size --out docs/bench/export_dynamic_smoke.json
+                                                   # symbolic height and width too, validated at 3+ sizes
 """
 
 from __future__ import annotations
@@ -22,12 +24,17 @@ import vitlab.export as ex
 from vitlab._io import atomic_write
 from vitlab.bench.attention import machine
 
+# smoke sizes that are a single stride step (a 1x1 last grid, which torch.export specialises): the smallest size a
+# dynamic image size covers instead
+DYNAMIC_SMOKE_SIZE = {"mobilevit": 128}
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="each model's smoke_kwargs (fewer blocks, smaller image)")
+    p.add_argument("--dynamic-img-size", action="store_true", help="symbolic height and width (refusals recorded)")
     p.add_argument("--out", default="docs/bench/export_families.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -35,15 +42,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models or ex.smallest_per_family():
             cfg = vitlab.get_model_config(name)
-            kw = cfg.smoke_kwargs if args.smoke else {}
+            kw = dict(cfg.smoke_kwargs) if args.smoke else {}
+            if args.smoke and args.dynamic_img_size and cfg.family in DYNAMIC_SMOKE_SIZE:
+                kw["img_size"] = DYNAMIC_SMOKE_SIZE[cfg.family]
             row = {"model": name, "family": cfg.family, "kwargs": kw}
             for fmt, fn, suffix in (("onnx", ex.onnx, ".onnx"), ("exported", ex.exported_program, ".pt2")):
                 try:
-                    r = fn(name, Path(tmp) / f"{name}{suffix}", **kw)
+                    r = fn(name, Path(tmp) / f"{name}{suffix}", dynamic_img_size=args.dynamic_img_size, **kw)
                     row["img_size"] = r.meta.img_size
                     row[fmt] = {"ok": r.ok, "max_abs_diff": r.max_abs_diff, "diffs": r.diffs, "exporter": r.exporter,
                                 "notes": r.notes, "size_mib": r.size_bytes / 2**20, "seconds": r.seconds}
                     print("\n".join(r.lines()), flush=True)
+                except ValueError as e:  # refused with a reason (no dynamic image size)
+                    row[fmt] = {"ok": False, "refused": str(e)}
+                    print(f"{name} {fmt}: refused: {e}", flush=True)
                 except Exception as e:  # noqa: BLE001  recorded in the table as a failure
                     row[fmt] = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
                     print(f"{name} {fmt}: FAILED {row[fmt]['error']}", flush=True)

@@ -53,6 +53,7 @@ def test_export_torchscript_json(digits_run, tmp_path, capsys):
     (["vit_pico_patch8_32", "--format", "exported", "--int8"], "--int8 needs --format onnx"),
     (["vit_pico_patch8_32", "--format", "torchscript", "--dynamic-img-size"], "--dynamic-img-size needs"),
     (["mobilevit_xxs", "--format", "onnx", "--dynamic-img-size", "--img-size", "64", "64"], "single 64-pixel step"),
+    (["levit_128s", "--format", "onnx", "--dynamic-img-size"], "levit_128s has no dynamic image size"),
     (["vit_pico_patch8_32", "--format", "onnx", "--img-size", "0", "32"], "must be positive"),
     (["vit_pico_patch8_32", "--format", "exported", "--opset", "17"], "--opset applies"),
 ])

@@ -12,6 +12,7 @@ import torch.nn as nn
 import vitlab
 import vitlab.export as ex
 from vitlab.export import ExportMeta
+from vitlab.layers import resample_abs_pos_embed
 
 PICO = dict(depth=1, num_classes=10)
 
@@ -59,27 +60,80 @@ def test_dynamic_img_size_exact_where_the_model_computes_it(tmp_path):
     r = ex.onnx("vit_pico_patch8_32", tmp_path / "m.onnx", dynamic_img_size=True, pos_embed="sincos", **PICO)
     assert r.ok, r.lines()
     sizes = {"x".join(k.split()[-1].split("x")[2:]) for k in r.diffs}
-    assert sizes >= {"32x32", "40x48", "56x32"}  # the model's size and others, validated
+    assert sizes >= {"32x32", "40x48", "56x32", "24x32"}  # the model's size and others, validated
     assert ex.read_onnx_meta(tmp_path / "m.onnx").dynamic_img_size
 
 
-@pytest.mark.parametrize("name, words", [("vit_pico_patch8_32", "bicubic"), ("cait_xxs24_224", "bicubic"),
-                                         ("swin_tiny_patch4_window7_224", "dynamic_img_size"),
-                                         ("levit_128s", "has no dynamic image size")])
-def test_dynamic_img_size_refused_with_a_reason(name, words, tmp_path):
+def test_bicubic_resampling_exports_exactly_for_a_symbolic_size(tmp_path):
+    # resample_abs_pos_embed under torch.export: bicubic (antialiased, as ViT's dynamic_img_size) as two matmuls,
+    # so the graph has no Resize and ONNX Runtime matches F.interpolate at the default grid and others
+    pos = torch.randn(1, 1 + 16 * 16, 8, generator=torch.Generator().manual_seed(0))
+
+    class Resample(nn.Module):  # the input's size is the new grid
+        def forward(self, x):
+            return resample_abs_pos_embed(pos, x.shape[-2:], (16, 16)) + x.sum()
+
+    r = ex.onnx(Resample(), tmp_path / "m.onnx", meta=ExportMeta(model="resample", img_size=(16, 16), in_chans=1),
+                dynamic_batch=False, dynamic_img_size=True, validate=False)  # traced at 20x24, in steps of 4
+    assert "Resize" not in {n.op_type for n in onnx.load(str(tmp_path / "m.onnx")).graph.node}
+    sess = ex.onnx_session(r.path)
+    for hw in [(16, 16), (20, 24), (8, 12), (36, 8)]:  # same grid, up, down (antialiased), mixed
+        got = sess.run(None, {"image": torch.zeros(1, 1, *hw).numpy()})[0]
+        want = resample_abs_pos_embed(pos, hw, (16, 16))  # eager: F.interpolate(mode="bicubic", antialias=True)
+        torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=0, msg=str(hw))
+
+
+@pytest.mark.slow  # 20 s; the resampling itself through ONNX Runtime: the test above
+def test_dynamic_img_size_learned_positions_exact(tmp_path):
+    # a learned position embedding of std 1 (not 0.02), so a wrong resampling could not hide in the tolerance
+    model = vitlab.create_model("vit_pico_patch8_32", dynamic_img_size=True, **PICO).eval()
+    with torch.no_grad():
+        model.pos_embed.normal_(generator=torch.Generator().manual_seed(0))
+    meta = ExportMeta(model="vit_pico_patch8_32", img_size=(32, 32), in_chans=1, num_classes=10)
+    r = ex.onnx(model, tmp_path / "m.onnx", meta=meta, dynamic_img_size=True)
+    assert r.ok and r.exporter.startswith("dynamo"), r.lines()
+    assert {k.split()[-1] for k in r.diffs} >= {"2x1x32x32", "2x1x40x48", "2x1x56x32", "2x1x24x32"}  # 24: down
+
+
+@pytest.mark.parametrize("name, kw, words", [
+    ("swin_tiny_patch4_window7_224", {}, "dynamic_img_size"),
+    ("efficientformer_l1", {}, "has no dynamic image size"),
+    ("levit_128s", {}, "has no dynamic image size"),
+    ("mobilevit_xxs", {"img_size": 64}, "single 64-pixel step"),  # its last grid would be 1x1: a specialised size
+])
+def test_dynamic_img_size_refused_with_a_reason(name, kw, words, tmp_path):
+    kw = {**vitlab.get_model_config(name).smoke_kwargs, **kw}
     with pytest.raises(ValueError, match=words):
-        ex.onnx(name, tmp_path / "m.onnx", dynamic_img_size=True, **vitlab.get_model_config(name).smoke_kwargs)
+        ex.onnx(name, tmp_path / "m.onnx", dynamic_img_size=True, **kw)
     assert not (tmp_path / "m.onnx").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["pvt_tiny", "litv2_s"])
-def test_dynamic_img_size_with_a_baked_grid_fails_validation(name, tmp_path):
-    # these forwards turn the token grid into Python ints (reshape to (B, C, h, w)), so the traced graph keeps the
-    # traced size: validation at other sizes must reject the file instead of passing it as dynamic
-    kw = {**vitlab.get_model_config(name).smoke_kwargs, "num_classes": 10}
+# every family with a dynamic image size, smallest config: ViT, DeiT (distillation token), HaLViT, CaiT resample
+# learned positions bicubically in the graph; in PVT, LITv2 and MobileViT the token grid stays symbolic through the
+# stages (spatial reduction, HiLo windows, the MobileViT unfold) and PVT resamples its per-stage positions bilinearly
+DYNAMIC = {"vit": {}, "deit": {}, "halvit": {}, "cait": {}, "pvt": {}, "litv2": {},
+           "mobilevit": {"img_size": 128}}  # at 64 its last grid is 1x1, refused above
+DYNAMIC_CASES = [n for n in ex.smallest_per_family() if vitlab.get_model_config(n).family in DYNAMIC]
+
+
+def test_dynamic_families_cover_the_registry():
+    families = {vitlab.get_model_config(n).family for n in DYNAMIC_CASES}
+    assert families == set(DYNAMIC)  # no family named here has left the registry
+
+
+@pytest.mark.slow  # 30-90 s each on the 2-core CI
+@pytest.mark.parametrize("name", DYNAMIC_CASES)
+def test_dynamic_img_size_every_family(name, tmp_path):
+    cfg = vitlab.get_model_config(name)
+    kw = {**cfg.smoke_kwargs, "num_classes": 10, **DYNAMIC[cfg.family]}
     r = ex.onnx(name, tmp_path / "m.onnx", dynamic_img_size=True, **kw)
-    assert not r.ok and any("fails on random 2x" in n for n in r.notes), r.lines()
+    assert r.ok and r.exporter.startswith("dynamo"), r.lines()
+    assert len({k.split()[-1].split("x", 2)[2] for k in r.diffs}) >= 3  # three image sizes or more validated
+    dims = onnx.load(str(tmp_path / "m.onnx")).graph.input[0].type.tensor_type.shape.dim
+    assert all(d.dim_param for d in (dims[0], dims[2], dims[3]))  # batch, height, width symbolic
+    r = ex.exported_program(name, tmp_path / "m.pt2", dynamic_img_size=True, **kw)
+    assert r.ok, r.lines()
+    assert len({k.split()[-1].split("x", 2)[2] for k in r.diffs}) >= 3
 
 
 def test_trained_run_at_another_size_carries_its_metadata(digits_run, tmp_path):

@@ -19,7 +19,7 @@ def grid_size(x: torch.Tensor, hw, name: str) -> tuple[int, int]:
     """(H, W) of ``hw``; ValueError unless x holds exactly the H*W grid tokens (no prefix tokens)."""
     if hw is None:
         raise ValueError(f"{name} needs the grid size: call forward(x, hw=(H, W))")
-    H, W = int(hw[0]), int(hw[1])
+    H, W = hw  # not int(): that would fix a symbolic (torch.export) size to the traced one
     if x.dim() != 3 or x.shape[1] != H * W:
         raise ValueError(f"{name} attends over an H x W grid and takes no prefix (class) tokens: got "
                          f"{tuple(x.shape[1:2])} tokens for a {H}x{W} grid ({H * W} expected)")

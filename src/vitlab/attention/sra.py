@@ -52,7 +52,7 @@ class SpatialReductionAttention(nn.Module):
         if self.sr_ratio > 1:
             if hw is None:
                 raise ValueError("sra with sr_ratio > 1 needs the grid size: call forward(x, hw=(H, W))")
-            H, W = int(hw[0]), int(hw[1])
+            H, W = hw  # not int(): that would fix a symbolic (torch.export) size to the traced one
             n_prefix = N - H * W
             if n_prefix < 0:
                 raise ValueError(f"{N} tokens cannot hold a {H}x{W} grid")

@@ -58,16 +58,9 @@ def _prepare(model: nn.Module | str | os.PathLike, meta: ExportMeta | None, img_
 
 
 def _check_dynamic_size(model: nn.Module, meta: ExportMeta) -> None:
-    """Refuse a dynamic image size where the graph would not compute the model exactly."""
+    """Refuse a dynamic image size for a model built for one resolution."""
     if getattr(model, "dynamic_img_size", None) is False:  # families that are size-agnostic keep no flag
         raise ValueError(f"{meta.model} has no dynamic image size: export it at a fixed --img-size H W")
-    if isinstance(getattr(model, "pos_embed", None), nn.Parameter) and getattr(model, "pos_embed_type", "") != "sincos":
-        # F.interpolate(mode='bicubic', antialias=True) on the (1, C, h, w) position grid has no exact ONNX
-        # Runtime counterpart for 4-D inputs, so a dynamic-size graph could be silently approximate; a fixed size
-        # resamples once in eager PyTorch instead.
-        raise ValueError(f"{meta.model} resamples its learned position embedding bicubically, which has no exact "
-                         f"ONNX Runtime equivalent: export a fixed size with --img-size H W (resampled at export "
-                         f"time) instead of --dynamic-img-size")
 
 
 def size_multiple(model: nn.Module, meta: ExportMeta) -> int:
@@ -94,11 +87,17 @@ def _trace_plan(model: nn.Module, meta: ExportMeta) -> tuple[torch.Tensor, dict,
     others: list[tuple[int, int]] = []
     if meta.dynamic_img_size:
         m = size_multiple(model, meta)
-        dims[2], dims[3] = m * Dim("h_steps", min=1, max=4096 // m), m * Dim("w_steps", min=1, max=4096 // m)
+        if min(h, w) < 2 * m:
+            # torch.export specialises sizes 0 and 1, so the symbolic grid starts at 2 steps of the stride
+            raise ValueError(f"{meta.model} at {h}x{w} is a single {m}-pixel step high or wide; a dynamic image "
+                             f"size covers {2 * m} pixels and more: export from --img-size {max(h, 2 * m)} "
+                             f"{max(w, 2 * m)} or at a fixed size")
+        dims[2], dims[3] = m * Dim("h_steps", min=2, max=4096 // m), m * Dim("w_steps", min=2, max=4096 // m)
         # trace at a size other than the model's own grid, so size-dependent code (position resampling) is in the
-        # graph rather than skipped as it is at the default size
-        h, w = h + m, w + 2 * m
-        others = [(h, w), (meta.img_size[0] + 3 * m, meta.img_size[1])]
+        # graph rather than skipped as it is at the default size; validate larger and, where the range allows, a
+        # smaller size (position embeddings downsampled, where antialiasing matters)
+        others = [(h + m, w + 2 * m), (h + 3 * m, w)] + ([(h - m, w)] if h >= 3 * m else [])
+        h, w = others[0]
     x = torch.randn(TRACE_BATCH if meta.dynamic_batch else 1, meta.in_chans, h, w,
                     generator=torch.Generator().manual_seed(1))
     return x, dims, others

@@ -80,7 +80,7 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
             kw["img_size"] = size
         try:
             model = vitlab.create_model(str(source), **kw)
-        except TypeError as e:  # a family without the keyword (e.g. dynamic_img_size)
+        except (TypeError, ValueError) as e:  # a family without the keyword (e.g. dynamic_img_size), or refusing it
             raise _build_error(str(source), e) from None
         grid = size or _model_img_size(model, cfg.input_size[1:])
         meta = ExportMeta(model=str(source), img_size=grid, in_chans=cfg.input_size[0], mean=tuple(cfg.mean),
@@ -101,7 +101,7 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
         desc["img_size"] = size
     try:
         model = create_from_description(desc)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise _build_error(ck["model"], e) from None
     load_state_dict(model, sd, source=str(path))  # resamples position embeddings to the new grid
     meta = ExportMeta(model=ck["model"], img_size=size or (trained, trained), in_chans=int(ck["in_chans"]),
@@ -111,7 +111,9 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
     return model.eval(), meta
 
 
-def _build_error(name: str, e: TypeError) -> ValueError:
+def _build_error(name: str, e: TypeError | ValueError) -> ValueError:
+    if isinstance(e, ValueError):  # the model's own one-line reason, named
+        return ValueError(f"{name}: {e}")
     if "dynamic_img_size" in str(e):
         return ValueError(f"{name} has no dynamic image size: export it at a fixed --img-size H W")
     return ValueError(f"{name} cannot be built with these arguments: {e}")

@@ -10,6 +10,7 @@ from vitlab.layers.helpers import (
     downsample_size,
     init_linears_trunc_normal_,
     make_divisible,
+    same_size,
     to_2tuple,
 )
 from vitlab.layers.layer_scale import LayerScale, LayerScale2d
@@ -35,5 +36,6 @@ __all__ = [
     "get_norm_layer", "init_linears_trunc_normal_", "intermediates_plan", "LayerScale", "LayerScale2d",
     "LinearPatchEmbed", "make_divisible", "Mlp", "PatchEmbed", "QuickGELU",
     "pool_tokens", "resample_abs_pos_embed", "RMSNorm", "rope_frequencies",
-    "RotaryEmbedding1D", "RotaryEmbedding2D", "sincos_2d_pos_embed", "SwiGLU", "swiglu_hidden_dim", "to_2tuple",
+    "RotaryEmbedding1D", "RotaryEmbedding2D", "same_size", "sincos_2d_pos_embed", "SwiGLU", "swiglu_hidden_dim",
+    "to_2tuple",
 ]

@@ -18,6 +18,19 @@ def to_2tuple(x) -> tuple:
     return (x, x)
 
 
+def same_size(a, b) -> bool:
+    """``tuple(a) == tuple(b)`` for sizes held as Python ints (eager). A symbolic size (``torch.export`` with a
+    dynamic image size) counts as different unless it is provably equal, and no guard is recorded: the code that
+    adapts to the size (resampling position embeddings to the input's grid) stays in the graph and is correct at
+    every size, instead of the branch being fixed to the traced size."""
+    a, b = tuple(a), tuple(b)
+    if all(type(v) is int for v in a + b):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true  # only for symbolic sizes
+
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
 def make_divisible(v: float, divisor: int = 8) -> int:
     """Round ``v`` up to the next multiple of ``divisor`` (the Llama / SwiGLU hidden-size rule)."""
     return int(math.ceil(v / divisor) * divisor)

@@ -1,7 +1,10 @@
 """Position embeddings for 2-D token grids and 1-D token sequences.
 
 - Learned absolute embeddings (ViT) and :func:`resample_abs_pos_embed`, which resizes them bicubically to
-  another grid (non-square included), as fine-tuning at a new resolution and ``dynamic_img_size`` need.
+  another grid (non-square included), as fine-tuning at a new resolution and ``dynamic_img_size`` need. Under
+  ``torch.export`` the bicubic resize is :func:`bicubic_resize_separable`: PyTorch's bicubic kernel (Keys, 1981,
+  "Cubic convolution interpolation for digital image processing": the cubic convolution kernel with parameter
+  ``a``) written as two interpolation matrices, so a symbolic grid size exports exactly.
 - :func:`sincos_2d_pos_embed`: the fixed 2-D sine-cosine embedding (MoCo v3 / MAE; seed 001).
 - :class:`RotaryEmbedding2D`: axial 2-D RoPE. Seed 004 builds 1-D RoPE for Llama-2 from
   ``theta_i = base ** (-2i / d)`` and rotates consecutive pairs ``(x_{2i}, x_{2i+1})`` by ``m * theta_i``;
@@ -18,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.layers.helpers import to_2tuple
+from vitlab.layers.helpers import same_size, to_2tuple
 
 
 def resample_abs_pos_embed(pos_embed: torch.Tensor, new_size, old_size=None, num_prefix_tokens: int = 1,
@@ -38,14 +41,66 @@ def resample_abs_pos_embed(pos_embed: torch.Tensor, new_size, old_size=None, num
     old_size = to_2tuple(old_size)
     if old_size[0] * old_size[1] != num_pos:
         raise ValueError(f"old_size {old_size} does not match the {num_pos} patch position embeddings")
-    if tuple(new_size) == tuple(old_size):
+    if same_size(new_size, old_size):
         return pos_embed
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     dim, dtype = grid.shape[-1], grid.dtype
     grid = grid.float().reshape(1, old_size[0], old_size[1], dim).permute(0, 3, 1, 2)  # (1, C, H, W)
-    grid = F.interpolate(grid, size=new_size, mode=interpolation, antialias=antialias)
+    if interpolation == "bicubic" and torch.compiler.is_exporting():
+        # F.interpolate's bicubic becomes ONNX Resize, whose antialiasing needs opset 18 and a runtime that
+        # implements it (the TorchScript-based exporter cannot export it at all): the same interpolation as two
+        # matmuls exports to plain MatMul at any opset and computes the same values in every runtime
+        grid = bicubic_resize_separable(grid, new_size, antialias=antialias)
+    else:
+        grid = F.interpolate(grid, size=new_size, mode=interpolation, antialias=antialias)
     grid = grid.permute(0, 2, 3, 1).reshape(1, -1, dim).to(dtype)
     return torch.cat([prefix, grid], dim=1)
+
+
+def _cubic(x: torch.Tensor, a: float) -> torch.Tensor:
+    """Keys' cubic convolution kernel W(x) (Keys, 1981, Eq. 15) with parameter ``a``, zero for |x| >= 2."""
+    x = x.abs()
+    near = ((a + 2) * x - (a + 3)) * x * x + 1  # |x| <= 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a  # 1 < |x| < 2
+    return torch.where(x <= 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
+
+
+def bicubic_matrix(out_size, in_size: int, antialias: bool = False, device=None) -> torch.Tensor:
+    """The (out_size, in_size) float32 matrix M with ``M @ v`` = ``F.interpolate(mode='bicubic',
+    align_corners=False)`` of a 1-D signal ``v`` resized from ``in_size`` to ``out_size``, built from tensor ops
+    only, so ``out_size`` may be symbolic (``torch.export``). PyTorch's kernels (aten/src/ATen/native/UpSample.h):
+
+    - ``antialias=False``: output ``i`` samples the input at ``s = (i + 0.5) * in / out - 0.5`` with Keys'
+      kernel (``a = -0.75``) on the 4 neighbours ``floor(s) - 1 .. floor(s) + 2``, indices clamped to the border;
+    - ``antialias=True`` (PIL's filter): ``a = -0.5``, stretched by the scale ``in / out`` when shrinking, centred
+      at ``(i + 0.5) * in / out``, each row normalised to sum 1.
+    """
+    i = torch.arange(out_size, device=device, dtype=torch.float32)[:, None]  # (out, 1)
+    j = torch.arange(in_size, device=device, dtype=torch.float32)[None]  # (1, in)
+    scale = in_size / i.new_full((), out_size)  # float32, as PyTorch's area_pixel_compute_scale
+    if antialias:
+        stretch = scale.clamp(min=1.0)  # the filter widens only when downsampling
+        w = _cubic((j - scale * (i + 0.5) + 0.5) / stretch, -0.5)
+        return w / w.sum(dim=1, keepdim=True)
+    src = scale * (i + 0.5) - 0.5
+    x0 = src.floor()
+    t = src - x0
+    m = torch.zeros_like(t * j)  # (out, in)
+    for k, d in enumerate((t + 1, t, 1 - t, 2 - t)):  # distances to the neighbours floor(s) - 1 + k
+        idx = (x0 + (k - 1)).clamp(0, in_size - 1)  # the border sample repeats, as PyTorch's access clamps
+        m = m + (idx == j).float() * _cubic(d, -0.75)
+    return m
+
+
+def bicubic_resize_separable(x: torch.Tensor, size, antialias: bool = False) -> torch.Tensor:
+    """``F.interpolate(x, size, mode='bicubic', align_corners=False, antialias=antialias)`` of a (N, C, H, W)
+    float tensor as two matmuls with :func:`bicubic_matrix` (the bicubic filter is separable: rows, then
+    columns). Same result to float rounding; unlike ``F.interpolate`` it exports exactly to ONNX for a symbolic
+    ``size``."""
+    h, w = to_2tuple(size)
+    mh = bicubic_matrix(h, x.shape[-2], antialias, x.device).to(x.dtype)
+    mw = bicubic_matrix(w, x.shape[-1], antialias, x.device).to(x.dtype)
+    return mh @ x @ mw.T
 
 
 def _sincos_1d(pos: torch.Tensor, dim: int, temperature: float) -> torch.Tensor:

@@ -39,6 +39,7 @@ from vitlab.layers import (
     init_linears_trunc_normal_,
     intermediates_plan,
     resample_abs_pos_embed,
+    same_size,
 )
 from vitlab.models._base import TimmApiMixin
 from vitlab.registry import ModelConfig, register_model
@@ -296,7 +297,7 @@ class Cait(TimmApiMixin, nn.Module):
         hw = self.patch_embed.dynamic_feat_size(x.shape[-2:])
         x = self.patch_embed(x)
         pos = self.pos_embed
-        if self.dynamic_img_size and tuple(hw) != tuple(self.patch_embed.grid_size):
+        if self.dynamic_img_size and not same_size(hw, self.patch_embed.grid_size):
             pos = resample_abs_pos_embed(pos, hw, self.patch_embed.grid_size, num_prefix_tokens=0)
         return self.pos_drop(x + pos), hw
 

@@ -32,7 +32,6 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
 
 from vitlab.attention import Block
 from vitlab.layers import (
@@ -125,9 +124,12 @@ class MobileViTBlock(nn.Module):
                                  f"`size_divisor` or interpolate_patches=True")
             x = F.interpolate(x, size=(Hp, Wp), mode="bilinear", align_corners=False)
         # unfold: pixel position (ph, pw) of a patch -> batch, patch index (nh, nw) -> sequence
-        x = rearrange(x, "b d (nh ph) (nw pw) -> (b ph pw) (nh nw) d", ph=ph, pw=pw)  # (B*P, N, d)
+        # b d (nh ph) (nw pw) -> (b ph pw) (nh nw) d, as explicit views: einops re-derives ph from nh by division,
+        # which torch.export cannot simplify for a symbolic size (a batch of 1 then fails a shape guard)
+        B, d, nh, nw = x.shape[0], x.shape[1], Hp // ph, Wp // pw
+        x = x.reshape(B, d, nh, ph, nw, pw).permute(0, 3, 5, 2, 4, 1).reshape(B * ph * pw, nh * nw, d)  # (B*P, N, d)
         x = self.norm(self.transformer(x))
-        x = rearrange(x, "(b ph pw) (nh nw) d -> b d (nh ph) (nw pw)", ph=ph, pw=pw, nh=Hp // ph)  # fold
+        x = x.reshape(B, ph, pw, nh, nw, d).permute(0, 5, 3, 1, 4, 2).reshape(B, d, Hp, Wp)  # fold
         if resized:
             x = F.interpolate(x, size=(H, W), mode="bilinear", align_corners=False)
         x = self.conv_proj(x)  # (B, C, H, W)

@@ -42,6 +42,7 @@ from vitlab.layers import (
     intermediates_plan,
     pool_tokens,
     resample_abs_pos_embed,
+    same_size,
     to_2tuple,
 )
 from vitlab.models._base import TimmApiMixin
@@ -79,7 +80,7 @@ class PVTStage(nn.Module):
         hw = self.patch_embed.dynamic_feat_size(x.shape[-2:])
         x = self.patch_embed(x)  # (B, h*w, C)
         pos = self.pos_embed
-        if tuple(hw) != tuple(self.patch_embed.grid_size):  # the reference code: bilinear, no antialias
+        if not same_size(hw, self.patch_embed.grid_size):  # the reference code: bilinear, no antialias
             pos = resample_abs_pos_embed(pos, hw, self.patch_embed.grid_size, self.num_prefix_tokens,
                                          interpolation="bilinear", antialias=False)
         if cls_token is not None:

@@ -31,6 +31,7 @@ from vitlab.layers import (
     intermediates_plan,
     pool_tokens,
     resample_abs_pos_embed,
+    same_size,
     sincos_2d_pos_embed,
 )
 from vitlab.models._base import TimmApiMixin
@@ -185,7 +186,7 @@ class VisionTransformer(TimmApiMixin, nn.Module):
         """x: (B, H*W, C) patch tokens -> (B, prefix + H*W, C) with prefix tokens and position embeddings."""
         B = x.shape[0]
         pos = self.pos_embed
-        if pos is not None and self.dynamic_img_size and tuple(hw) != tuple(self.patch_embed.grid_size):
+        if pos is not None and self.dynamic_img_size and not same_size(hw, self.patch_embed.grid_size):
             if self.pos_embed_type == "sincos":
                 pos = sincos_2d_pos_embed(hw, self.embed_dim)[None].to(x)
                 if not self.no_embed_class:
