@@ -83,6 +83,12 @@ def _load(name: str | None, checkpoint: str | None, data: str | None):
         tome_remove(model)
     dc = DataConfig(**meta["data"]) if data is None else DataConfig(dataset=data, img_size=meta["img_size"])
     bundle = build(dc, mean=meta["mean"], std=meta["std"], in_chans=meta["in_chans"])
+    trained = meta.get("class_names")
+    if trained and list(bundle.class_names) != list(trained):
+        # the same images under other labels (e.g. an image folder's sorted names against the IDX order) would
+        # give a top-1 that is silently wrong
+        raise ValueError(f"{dc.dataset} names its classes {bundle.class_names}, the checkpoint was trained on "
+                         f"{trained} (another order or set): top-1 would compare the wrong labels")
     return model, bundle, (meta["in_chans"], meta["img_size"], meta["img_size"])
 
 

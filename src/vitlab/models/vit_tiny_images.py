@@ -6,11 +6,11 @@ head -- shrunk for images of 8 to 32 pixels, where a 16-pixel patch would leave 
 ``vitlab.data`` upscales to 32x32, cut into 8x8 patches (2x2 original pixels each) gives a 4x4 grid (16 tokens +
 [CLS]); width 64, depth 4, 4 heads, MLP ratio 2, average-pooled patch tokens (~0.14M parameters): small enough to
 train to >= 98% test accuracy on two CPU cores in a few minutes. ``vit_pico_patch4_32`` is the same trunk with
-4x4 patches for 32x32 RGB images (CIFAR-sized: an 8x8 grid, 64 tokens). ``vit_micro_patch2_28`` is a deeper,
-DeiT-shaped trunk for 28x28 grayscale images (MNIST, Fashion-MNIST) cut into 2x2 patches: a 14x14 grid, 196 tokens
-+ [CLS] (as many as a ViT at 224 px / 16), width 64, depth 12, 2 heads of 32, MLP ratio 2, class-token pooling
-(~0.41M parameters): the token count and depth token merging and pruning (vitlab.tome, vitlab.prune) act on,
-small enough to train on one CPU thread.
+4x4 patches for 32x32 RGB images (CIFAR-sized: an 8x8 grid, 64 tokens). ``vit_micro_patch2_28`` is a deeper
+trunk for 28x28 grayscale images (MNIST, Fashion-MNIST) cut into 2x2 patches: a 14x14 grid, 196 tokens + [CLS] (as
+many as a ViT at 224 px / 16), width 64, depth 12, 2 heads of 32, MLP ratio 2, average-pooled patch tokens as the
+pico models (~0.41M parameters): the token count and depth that token merging and pruning (vitlab.tome,
+vitlab.prune) act on, small enough to train on one CPU thread.
 """
 
 from __future__ import annotations
@@ -58,6 +58,6 @@ def vit_micro_patch2_28(**kwargs) -> VisionTransformer:
     kwargs.setdefault("in_chans", 1)
     kwargs.setdefault("num_classes", 10)
     args = dict(img_size=kwargs.pop("img_size", 28), patch_size=2, embed_dim=64, depth=12, num_heads=2,
-                mlp_ratio=2.0, global_pool="token")
+                mlp_ratio=2.0, global_pool="avg")
     args.update(kwargs)
     return VisionTransformer(**args)
