@@ -104,6 +104,11 @@ def report(args) -> None:
     base = json.loads(Path(args.base_json).read_text())["rows"]
     tuned = [dict(r, setting=f"{r['setting']} (EViT-fine-tuned weights)")
              for r in json.loads(Path(args.ft_json).read_text())["rows"]]
+    if args.control_json:  # the unpruned model fine-tuned alike: what the fine-tuning alone does
+        tuned += [dict(r, setting=f"{r['setting']} (fine-tuned alike without pruning)")
+                  for r in json.loads(Path(args.control_json).read_text())["rows"]]
+    if args.sweep_json:  # more ToMe r on the same base weights (another process: its img/s are its own)
+        tuned += [dict(r, speedup_vs_r0=None) for r in json.loads(Path(args.sweep_json).read_text())["rows"][1:]]
     ref = base[0]
     rows = []
     for r in base + tuned:
@@ -114,7 +119,8 @@ def report(args) -> None:
     out = Path(args.out)
     summary = {"model": ref["model"], "data": args.data, "split": "test", "rows": rows}
     atomic_write(out / f"{args.tag}_summary.json", (json.dumps(summary, indent=2) + "\n").encode())
-    bt.plot(base + tuned, out / f"{args.tag}_accuracy.png")
+    bt.plot(base + [r for r in tuned if r["speedup_vs_r0"] is not None or "(" in r["setting"]],
+            out / f"{args.tag}_accuracy.png")
     for r in rows:
         print(json.dumps(r), flush=True)
 
@@ -209,6 +215,8 @@ def main() -> None:
     c = sub.add_parser("report", help="summary JSON + PNG of the base run's and the fine-tuned run's bench JSONs")
     c.add_argument("--base-json", required=True)
     c.add_argument("--ft-json", required=True)
+    c.add_argument("--control-json", help="bench JSON of the unpruned model fine-tuned alike")
+    c.add_argument("--sweep-json", help="bench JSON of more ToMe r on the base weights")
     c.add_argument("--data", default="fashion-mnist")
     c.add_argument("--tag", default="tokens_fmnist")
     c.add_argument("--out", default="docs/bench")
