@@ -55,9 +55,5 @@ def vit_pico_patch4_32(**kwargs) -> VisionTransformer:
     crop_pct=1.0, num_classes=10, extra={"patch_size": 2}, smoke_kwargs={"depth": 2, "img_size": 8}))
 def vit_micro_patch2_28(**kwargs) -> VisionTransformer:
     """ViT-micro/2 on 28x28 single-channel images (width 64, depth 12, 2 heads, MLP 128): 196 patch tokens + [CLS]."""
-    kwargs.setdefault("in_chans", 1)
-    kwargs.setdefault("num_classes", 10)
-    args = dict(img_size=kwargs.pop("img_size", 28), patch_size=2, embed_dim=64, depth=12, num_heads=2,
-                mlp_ratio=2.0, global_pool="avg")
-    args.update(kwargs)
-    return VisionTransformer(**args)
+    micro = dict(in_chans=1, num_classes=10, depth=12, num_heads=2)  # the pico trunk, three times deeper
+    return _build(2, kwargs.pop("img_size", 28), **{**micro, **kwargs})
