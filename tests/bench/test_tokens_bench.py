@@ -70,7 +70,6 @@ def test_top1_from_a_checkpoint(tmp_path):
     assert all(r["top1"] is not None for r in rows)
 
 
-@pytest.mark.slow  # trains a run first (a few seconds quiet, ~45 s on the busy 2-core machine)
 def test_data_with_other_class_names_is_refused(tmp_path, capsys):
     """--data whose classes differ from the checkpoint's (names or order) would score the wrong labels."""
     from vitlab.data import DataConfig
