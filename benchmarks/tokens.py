@@ -58,29 +58,97 @@ def _read_idx(path: Path) -> np.ndarray:
 def _write_split(job) -> None:
     from PIL import Image
 
-    root, images, labels, start = job
-    for i, (img, y) in enumerate(zip(images, labels, strict=True)):
-        Image.fromarray(img).save(root / CLASSES[y] / f"{start + i:05d}.png")
+    root, images, labels, index = job
+    for img, y, i in zip(images, labels, index, strict=True):
+        Image.fromarray(img).save(root / CLASSES[y] / f"{i:05d}.png")  # named by the image's index in its IDX file
 
 
-def build_fmnist(src: Path, root: Path) -> Path:
-    """Fashion-MNIST as ``root/{train,val,test}/<class>/*.png``; val is a fixed 5,000 of the training set."""
-    if (root / "test").exists():
+def build_fmnist(src: Path, root: Path, n_train: int = 55000, n_val: int = 5000, train_start: int | None = None,
+                 test: bool = True) -> Path:
+    """Fashion-MNIST as ``root/{train,val[,test]}/<class>/*.png``: val is the first ``n_val`` of a fixed (seed 0)
+    permutation of the 60,000 training images, train the ``n_train`` after ``train_start`` (default: right after
+    val) in that permutation, test the whole 10,000-image test set."""
+    if (root / "val").exists():
         return root
     xtr, ytr = _read_idx(src / "train-images-idx3-ubyte.gz"), _read_idx(src / "train-labels-idx1-ubyte.gz")
-    xte, yte = _read_idx(src / "t10k-images-idx3-ubyte.gz"), _read_idx(src / "t10k-labels-idx1-ubyte.gz")
     perm = np.random.default_rng(0).permutation(len(xtr))
-    splits = {"train": (xtr[perm[5000:]], ytr[perm[5000:]]), "val": (xtr[perm[:5000]], ytr[perm[:5000]]),
-              "test": (xte, yte)}
+    start = n_val if train_start is None else train_start
+    splits = {"train": (xtr, ytr, perm[start: start + n_train]), "val": (xtr, ytr, perm[:n_val])}
+    if test:
+        xte, yte = _read_idx(src / "t10k-images-idx3-ubyte.gz"), _read_idx(src / "t10k-labels-idx1-ubyte.gz")
+        splits["test"] = (xte, yte, np.arange(len(xte)))
     jobs = []
-    for split, (x, y) in splits.items():
+    for split, (x, y, idx) in splits.items():
         for c in CLASSES:
             (root / split / c).mkdir(parents=True, exist_ok=True)
-        for s in range(0, len(x), 2000):
-            jobs.append((root / split, x[s: s + 2000], y[s: s + 2000], s))
-    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        for s in range(0, len(idx), 2000):
+            part = idx[s: s + 2000]
+            jobs.append((root / split, x[part], y[part], part))
+    with ProcessPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
         list(pool.map(_write_split, jobs))
     return root
+
+
+def subset(args) -> None:
+    """The CPU accuracy check's folders: the base run's (train / val / the full test set) and the fine-tuning's
+    (a part of the same training images, a smaller val, no test: the bench scores the test set)."""
+    src, work = Path(args.fmnist), Path(args.work)
+    print(build_fmnist(src, work / f"fmnist{args.n_train // 1000}k", args.n_train, args.n_val))
+    print(build_fmnist(src, work / f"fmnist_ft{args.n_ft // 1000}k", args.n_ft, args.n_val // 2,
+                       train_start=args.n_val, test=False))
+
+
+def _plot_accuracy(rows: list[dict], path: Path, title: str) -> None:
+    """Top-1 against the share of r = 0's GMACs (the runs' img/s come from different processes and loads)."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    tome = sorted((r for r in rows if r["setting"].startswith(("tome", "r=0")) and "(" not in r["setting"]),
+                  key=lambda r: -r["gmacs_share"])
+    ax.plot([r["gmacs_share"] for r in tome], [r["top1"] for r in tome], marker="o", label="ToMe off the shelf")
+    for r in rows:
+        if r not in tome:
+            ax.plot(r["gmacs_share"], r["top1"], marker="^", linestyle="none", color="tab:green")
+        ax.annotate(r["setting"], (r["gmacs_share"], r["top1"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("GMACs / GMACs at r = 0")
+    ax.set_ylabel("top-1 (%)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    atomic_write(path, buf.getvalue())
+
+
+def report(args) -> None:
+    """One summary of the two ``vitlab bench tokens`` JSONs (the base run's settings, the EViT-fine-tuned run's):
+    top-1 and GMACs of every setting against the base model's r = 0, and the speed-accuracy PNG."""
+    base = json.loads(Path(args.base_json).read_text())["rows"]
+    tuned = [dict(r, setting=f"{r['setting']} (EViT-fine-tuned weights)")
+             for r in json.loads(Path(args.ft_json).read_text())["rows"]]
+    if args.control_json:  # the unpruned model fine-tuned alike: what the fine-tuning alone does
+        tuned += [dict(r, setting=f"{r['setting']} (fine-tuned alike without pruning)")
+                  for r in json.loads(Path(args.control_json).read_text())["rows"]]
+    if args.sweep_json:  # more ToMe r on the same base weights (another process: its img/s are its own)
+        tuned += [dict(r, speedup_vs_r0=None) for r in json.loads(Path(args.sweep_json).read_text())["rows"][1:]]
+    ref = base[0]
+    rows = []
+    for r in base + tuned:
+        rows.append(dict(setting=r["setting"], gmacs=r["gmacs"], gmacs_closed_form=r["gmacs_closed_form"],
+                         gmacs_share=round(r["gmacs"] / ref["gmacs"], 4), tokens_out=r["tokens_out"],
+                         top1=r["top1"], delta_top1=round(r["top1"] - ref["top1"], 3),
+                         speedup_vs_r0=r["speedup_vs_r0"] if r in base else None))
+    out = Path(args.out)
+    summary = {"model": ref["model"], "data": args.data, "split": "test", "rows": rows}
+    atomic_write(out / f"{args.tag}_summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    _plot_accuracy(rows, out / f"{args.tag}_accuracy.png", f"{ref['model']} ({args.data}, test split)")
+    for r in rows:
+        print(json.dumps(r), flush=True)
 
 
 MODEL_KW = dict(patch_size=2)  # 28 / 2 = 14 x 14 = 196 patches + the class token
@@ -164,9 +232,23 @@ def main() -> None:
     a.add_argument("--lr", type=float, default=2e-3)  # at global batch 512 (vitlab's convention)
     a.add_argument("--workers", type=int, default=12)
     a.add_argument("--r", type=lambda s: [int(v) for v in s.split(",")], default=[0, 4, 8, 12, 14, 16])
+    b = sub.add_parser("subset", help="Fashion-MNIST folders for the CPU accuracy check")
+    b.add_argument("--fmnist", required=True, help="folder with the four Fashion-MNIST *-ubyte.gz files")
+    b.add_argument("--work", default="/tmp/tokens_acc")
+    b.add_argument("--n-train", type=int, default=12000)
+    b.add_argument("--n-val", type=int, default=1000)
+    b.add_argument("--n-ft", type=int, default=4000)
+    c = sub.add_parser("report", help="summary JSON + PNG of the base run's and the fine-tuned run's bench JSONs")
+    c.add_argument("--base-json", required=True)
+    c.add_argument("--ft-json", required=True)
+    c.add_argument("--control-json", help="bench JSON of the unpruned model fine-tuned alike")
+    c.add_argument("--sweep-json", help="bench JSON of more ToMe r on the base weights")
+    c.add_argument("--data", default="fashion-mnist")
+    c.add_argument("--tag", default="tokens_fmnist")
+    c.add_argument("--out", default="docs/bench")
     args = p.parse_args()
     torch.manual_seed(0)
-    (speed if args.cmd == "speed" else accuracy)(args)
+    {"speed": speed, "accuracy": accuracy, "subset": subset, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":

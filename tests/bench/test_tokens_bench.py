@@ -68,3 +68,19 @@ def test_top1_from_a_checkpoint(tmp_path):
                         runs=1, progress=False)
     assert rows[0]["top1"] == pytest.approx(summary["test_top1"], abs=1e-3)  # rounded to 3 decimals
     assert all(r["top1"] is not None for r in rows)
+
+
+def test_data_with_other_class_names_is_refused(tmp_path, capsys):
+    """--data whose classes differ from the checkpoint's (names or order) would score the wrong labels."""
+    from vitlab.data import DataConfig
+    from vitlab.train import TrainConfig, fit
+
+    cfg = TrainConfig(model="vit_pico_patch8_32", model_kwargs=dict(depth=1, embed_dim=16, num_heads=2),
+                      data=DataConfig("fake", img_size=32, fake_num_samples=8, fake_num_classes=3, fake_img_size=32),
+                      epochs=1, batch_size=8, quiet=True, device="cpu", output_dir=str(tmp_path / "run"))
+    run = fit(cfg)["run_dir"]
+    argv = ["bench", "tokens", "--checkpoint", run, "--r", "0", "--batch-size", "1", "--runs", "1", "--warmup", "0",
+            "--quiet"]
+    assert main([*argv, "--data", "digits"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "names its classes" in err[0]

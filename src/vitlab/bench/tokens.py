@@ -81,8 +81,16 @@ def _load(name: str | None, checkpoint: str | None, data: str | None):
     model.load_state_dict(sd)
     if getattr(model, "_tome", None) is not None:  # trained with merging: every setting starts from the plain model
         tome_remove(model)
-    dc = DataConfig(**meta["data"]) if data is None else DataConfig(dataset=data, img_size=meta["img_size"])
+    # other data is read at the checkpoint's size and crop (an image folder's default preset would crop 87.5%)
+    dc = DataConfig(**meta["data"]) if data is None else DataConfig(dataset=data, img_size=meta["img_size"],
+                                                                     crop_pct=meta.get("crop_pct"))
     bundle = build(dc, mean=meta["mean"], std=meta["std"], in_chans=meta["in_chans"])
+    trained = meta.get("class_names")
+    if trained and list(bundle.class_names) != list(trained):
+        # the same images under other labels (e.g. an image folder's sorted names against the IDX order) would
+        # give a top-1 that is silently wrong
+        raise ValueError(f"{dc.dataset} names its classes {bundle.class_names}, the checkpoint was trained on "
+                         f"{trained} (another order or set): top-1 would compare the wrong labels")
     return model, bundle, (meta["in_chans"], meta["img_size"], meta["img_size"])
 
 

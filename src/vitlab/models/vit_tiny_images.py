@@ -6,7 +6,11 @@ head -- shrunk for images of 8 to 32 pixels, where a 16-pixel patch would leave 
 ``vitlab.data`` upscales to 32x32, cut into 8x8 patches (2x2 original pixels each) gives a 4x4 grid (16 tokens +
 [CLS]); width 64, depth 4, 4 heads, MLP ratio 2, average-pooled patch tokens (~0.14M parameters): small enough to
 train to >= 98% test accuracy on two CPU cores in a few minutes. ``vit_pico_patch4_32`` is the same trunk with
-4x4 patches for 32x32 RGB images (CIFAR-sized: an 8x8 grid, 64 tokens).
+4x4 patches for 32x32 RGB images (CIFAR-sized: an 8x8 grid, 64 tokens). ``vit_micro_patch2_28`` is a deeper
+trunk for 28x28 grayscale images (MNIST, Fashion-MNIST) cut into 2x2 patches: a 14x14 grid, 196 tokens + [CLS] (as
+many as a ViT at 224 px / 16), width 64, depth 12, 2 heads of 32, MLP ratio 2, average-pooled patch tokens as the
+pico models (~0.41M parameters): the token count and depth that token merging and pruning (vitlab.tome,
+vitlab.prune) act on, small enough to train on one CPU thread.
 """
 
 from __future__ import annotations
@@ -44,3 +48,12 @@ def vit_pico_patch4_32(**kwargs) -> VisionTransformer:
     """ViT-pico/4 on 32x32 images (width 64, depth 4, 4 heads, MLP 128): 64 patch tokens."""
     kwargs.setdefault("num_classes", 10)
     return _build(4, kwargs.pop("img_size", 32), **kwargs)
+
+
+@register_model(config=ModelConfig(
+    family="vit", paper=_PAPER, input_size=(1, 28, 28), mean=INCEPTION_MEAN[:1], std=INCEPTION_STD[:1],
+    crop_pct=1.0, num_classes=10, extra={"patch_size": 2}, smoke_kwargs={"depth": 2, "img_size": 8}))
+def vit_micro_patch2_28(**kwargs) -> VisionTransformer:
+    """ViT-micro/2 on 28x28 single-channel images (width 64, depth 12, 2 heads, MLP 128): 196 patch tokens + [CLS]."""
+    micro = dict(in_chans=1, num_classes=10, depth=12, num_heads=2)  # the pico trunk, three times deeper
+    return _build(2, kwargs.pop("img_size", 28), **{**micro, **kwargs})
