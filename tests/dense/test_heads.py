@@ -10,8 +10,13 @@ import torch.nn.functional as F
 
 from vitlab.dense import HEADS, create
 from vitlab.dense.adapter import MSDeformAttn, ms_deform_attn
-from vitlab.dense.backbone import (RelPosAttention, WindowedAttention, default_global_blocks, rel_pos_table,
-                                  vitdet_backbone)
+from vitlab.dense.backbone import (
+    RelPosAttention,
+    WindowedAttention,
+    default_global_blocks,
+    rel_pos_table,
+    vitdet_backbone,
+)
 
 SEG_HEADS = [h for h in HEADS if h != "linear_depth"]
 TINY = dict(backbone="vit_tiny_patch16_224", img_size=64, backbone_kwargs={"depth": 4, "embed_dim": 96})
