@@ -174,6 +174,14 @@ def test_vit_adapter_pyramid_and_zero_initialised_injection():
     assert [64 // f.shape[-1] for f in feats] == [4, 8, 16, 32]
 
 
+def test_vit_adapter_extra_extractors_refine_the_last_interaction():
+    torch.manual_seed(0)
+    model = create("vit_adapter", num_classes=2, **TINY, head_kwargs={"extra_extractors": 2})
+    assert len(model.adapter.extra_extractors) == 2 and len(model.adapter.extractors) == 4
+    F.cross_entropy(model(torch.randn(1, 3, 64, 64)), torch.randint(0, 2, (1, 64, 64))).backward()
+    assert all(p.grad is not None for p in model.adapter.extra_extractors.parameters())
+
+
 def test_registered_configs_in_vitlab_models(capsys):
     import json
 

@@ -184,7 +184,7 @@ def create(head: str, backbone: str = "vit_base_patch16_224", num_classes: int |
         if not plain:
             raise ValueError("ViT-Adapter needs a plain ViT backbone")
         adapter = ViTAdapter(bb, interactions=hk.pop("interactions", None), num_heads=hk.pop("num_heads", None),
-                             in_chans=in_chans)
+                             in_chans=in_chans, extra_extractors=hk.pop("extra_extractors", 0))
         dec = SemanticFPNHead([bb.embed_dim] * 4, [4, 8, 16, 32], K, **hk)
     else:  # linear_depth
         dec = LinearDepthHead(chans, use_cls=bool(getattr(bb, "num_prefix_tokens", 0)), **hk)
