@@ -115,6 +115,7 @@ def test_segment_defaults_are_the_demo_recipe(capsys):
     assert (cfg["model"], cfg["epochs"], cfg["lr"], cfg["data"]["scale"]) == (
         r["model"], r["epochs"], r["lr"], r["data.scale"])
     assert cfg["task_args"] == {"head": r["task_args.head"], "head_kwargs": r["task_args.head_kwargs"]}
+    assert resolved("--data", "shapes")["data"]["scale"] == r["data.scale"]  # naming the data keeps the recipe
     cfg = resolved("--epochs", "3", "--task_args.head", "dpt")
     assert cfg["epochs"] == 3 and cfg["model"] == r["model"] and cfg["task_args"] == {"head": "dpt"}
     assert resolved("--task", "classify")["model"] == TrainConfig().model  # other tasks keep their defaults

@@ -348,7 +348,7 @@ def build_dense(data_cfg, task: str, mean, std, num_classes: int | None = None, 
     if name not in want:
         raise DataError(f"--task {task} takes --data shapes or --data {want[1]}:PATH, got {data_cfg.dataset!r}")
     size = int(data_cfg.img_size or (min(64, shapes_size or 96) if name == "shapes" else 512))
-    scale = data_cfg.scale or (0.3, 1.0)
+    scale = data_cfg.scale or ((0.5, 1.0) if name == "shapes" else (0.3, 1.0))  # shapes: the demo recipe's
     hflip = 0.5 if data_cfg.hflip is None else data_cfg.hflip
     t_train = joint_transform(size, True, mean, std, scale, hflip, depth=task == "depth")
     t_eval = joint_transform(size, False, mean, std)

@@ -165,7 +165,8 @@ class SegmentTask(_DenseTask):
     # embedded demo's recipe, measured by benchmarks/dense_demo.py (docs/benchmarks.md)
     recipe: ClassVar[dict] = {
         "model": "vit_pico_patch4_32", "epochs": 20, "batch_size": 16, "lr": 6.4e-2, "warmup_epochs": 0.5,
-        "drop_path": 0.0, "eval_every": 5, "data.img_size": 48, "data.scale": [0.5, 1.0],
+        "drop_path": 0.0, "eval_every": 5, "data.dataset": "shapes", "data.img_size": 48,
+        "data.scale": [0.5, 1.0],
         "task_args.head": "vitdet_sfp",
         "task_args.head_kwargs": {"out_channels": 64, "channels": 64, "window_size": 6, "global_blocks": [1, 3]}}
     monitor = "miou"
