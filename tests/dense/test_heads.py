@@ -10,7 +10,13 @@ import torch.nn.functional as F
 
 from vitlab.dense import HEADS, create
 from vitlab.dense.adapter import MSDeformAttn, ms_deform_attn
-from vitlab.dense.backbone import WindowedAttention, default_global_blocks, vitdet_backbone
+from vitlab.dense.backbone import (
+    RelPosAttention,
+    WindowedAttention,
+    default_global_blocks,
+    rel_pos_table,
+    vitdet_backbone,
+)
 
 SEG_HEADS = [h for h in HEADS if h != "linear_depth"]
 TINY = dict(backbone="vit_tiny_patch16_224", img_size=64, backbone_kwargs={"depth": 4, "embed_dim": 96})
@@ -106,12 +112,59 @@ def test_vitdet_window_attention_pads_and_equals_global_attention_within_one_win
         vitdet_backbone(vitlab.create_model("vit_tiny_patch16_224", depth=2))
 
 
+def test_decomposed_rel_pos_attention_equals_timm_sam_attention():
+    """ViTDet's relative position bias against timm's SAM attention (the same MViTv2 bias) with shared weights,
+    a table made for another size included (resized linearly)."""
+    from timm.models.vision_transformer_sam import Attention as SamAttention
+    from timm.models.vision_transformer_sam import get_rel_pos
+
+    from vitlab.attention import MultiHeadSelfAttention
+
+    torch.manual_seed(0)
+    for size, table in (((4, 6), (4, 6)), ((5, 5), (3, 4))):
+        ours = RelPosAttention(MultiHeadSelfAttention(32, num_heads=4), table)
+        ref = SamAttention(32, num_heads=4, use_rel_pos=True, input_size=table)
+        with torch.no_grad():
+            for p in (ours.rel_pos_h, ours.rel_pos_w):
+                p.normal_()
+        ref.load_state_dict({k.removeprefix("attn."): v for k, v in ours.state_dict().items()})
+        x = torch.randn(2, size[0] * size[1], 32)
+        torch.testing.assert_close(ours(x, size), ref(x.reshape(2, *size, 32)).reshape(2, -1, 32),
+                                   rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rel_pos_table(3, 5, ours.rel_pos_h), get_rel_pos(3, 5, ours.rel_pos_h))
+
+
+def test_vitdet_rel_pos_backbone_starts_as_the_plain_one():
+    kw = dict(backbone="vit_pico_patch4_32", num_classes=2, img_size=32)
+    torch.manual_seed(0)
+    plain = create("vitdet_sfp", **kw, head_kwargs={"window_size": 4, "global_blocks": [3]}).eval()
+    torch.manual_seed(0)
+    rel = create("vitdet_sfp", **kw, head_kwargs={"window_size": 4, "global_blocks": [3], "rel_pos": True}).eval()
+    attns = [b.attn for b in rel.backbone.blocks]
+    assert [a.attn.rel_pos_h.shape[0] for a in attns[:3]] == [7, 7, 7] and attns[3].rel_pos_h.shape[0] == 15
+    rel.load_state_dict(plain.state_dict(), strict=False)  # zero-initialised tables: the same function
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(rel(x), plain(x))
+        attns[3].rel_pos_w.fill_(0.5)
+        assert not torch.allclose(rel(x), plain(x))
+
+
 def test_simple_feature_pyramid_strides():
     model = create("vitdet_sfp", backbone="vit_tiny_patch16_224", num_classes=2, img_size=128,
                    backbone_kwargs={"depth": 4}, head_kwargs={"window_size": 4})
     maps, _ = model.features(torch.randn(1, 3, 128, 128))
     pyr = model.decoder.neck(maps)
     assert [128 // p.shape[-1] for p in pyr] == [4, 8, 16, 32]
+    # a patch-4 ViT reaches the same strides with scales 1, 1/2, 1/4, 1/8 (identity and max-pools)
+    small = create("vitdet_sfp", backbone="vit_pico_patch4_32", num_classes=2, img_size=64,
+                   head_kwargs={"window_size": 4, "global_blocks": [3]})
+    assert small.decoder.neck.scales == (1.0, 0.5, 0.25, 0.125)
+    assert [64 // p.shape[-1] for p in small.decoder.neck(small.features(torch.randn(1, 3, 64, 64))[0])] == \
+        [4, 8, 16, 32]
+    with pytest.raises(ValueError, match="power of two"):
+        create("vitdet_sfp", backbone="vit_pico_patch4_32", num_classes=2, img_size=64,
+               head_kwargs={"scales": [3, 1]})
 
 
 def test_vit_adapter_pyramid_and_zero_initialised_injection():
@@ -119,6 +172,14 @@ def test_vit_adapter_pyramid_and_zero_initialised_injection():
     assert all((inj.gamma == 0).all() for inj in model.adapter.injectors)  # the ViT starts unchanged
     feats = model.adapter(torch.randn(1, 3, 64, 64))
     assert [64 // f.shape[-1] for f in feats] == [4, 8, 16, 32]
+
+
+def test_vit_adapter_extra_extractors_refine_the_last_interaction():
+    torch.manual_seed(0)
+    model = create("vit_adapter", num_classes=2, **TINY, head_kwargs={"extra_extractors": 2})
+    assert len(model.adapter.extra_extractors) == 2 and len(model.adapter.extractors) == 4
+    F.cross_entropy(model(torch.randn(1, 3, 64, 64)), torch.randint(0, 2, (1, 64, 64))).backward()
+    assert all(p.grad is not None for p in model.adapter.extra_extractors.parameters())
 
 
 def test_registered_configs_in_vitlab_models(capsys):

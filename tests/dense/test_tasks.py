@@ -96,3 +96,26 @@ def test_segment_under_each_strategy(tmp_path, strategy):
     assert s["finished"] and s["strategy"] == strategy and s["test_miou"] is not None
     if strategy == "fsdp":
         assert s["fsdp_units"] == 4 + 1 + 1  # the backbone's blocks, the decoder, the root
+
+
+def test_segment_defaults_are_the_demo_recipe(capsys):
+    """``vitlab train --task segment`` starts from SegmentTask.recipe; flags override it, and naming another head
+    drops the recipe's decoder options (they belong to its head)."""
+    import yaml
+
+    from vitlab.dense.tasks import SegmentTask
+
+    def resolved(*flags):
+        capsys.readouterr()
+        assert main(["train", "--task", "segment", "--print_config", *flags]) == 0
+        return yaml.safe_load(capsys.readouterr().out)
+
+    cfg = resolved()
+    r = SegmentTask.recipe
+    assert (cfg["model"], cfg["epochs"], cfg["lr"], cfg["data"]["scale"]) == (
+        r["model"], r["epochs"], r["lr"], r["data.scale"])
+    assert cfg["task_args"] == {"head": r["task_args.head"], "head_kwargs": r["task_args.head_kwargs"]}
+    assert resolved("--data", "shapes")["data"]["scale"] == r["data.scale"]  # naming the data keeps the recipe
+    cfg = resolved("--epochs", "3", "--task_args.head", "dpt")
+    assert cfg["epochs"] == 3 and cfg["model"] == r["model"] and cfg["task_args"] == {"head": "dpt"}
+    assert resolved("--task", "classify")["model"] == TrainConfig().model  # other tasks keep their defaults

@@ -34,6 +34,8 @@ def config_from_args(args):
 
     cfg = TrainConfig.load(args.config) if args.config else TrainConfig()
     over = {k: v for k, v in vars(args).items() if k in args.config_keys}
+    if not args.config and not over.get("resume"):
+        cfg = cfg.with_overrides(task_recipe(over.get("task", cfg.task), over, parse_overrides(args.extra)))
     new_data = over.get("data.dataset")
     if new_data is not None and new_data != cfg.data.dataset:
         # another dataset: start from its own defaults, not the previous dataset's resolved knobs
@@ -43,6 +45,19 @@ def config_from_args(args):
     if cfg.resume:
         cfg = resume_config(cfg)
     return cfg
+
+
+def task_recipe(task: str, flags: dict, extra: dict) -> dict:
+    """The defaults a task brings in place of the classification ones (its class attribute ``recipe``: dotted
+    TrainConfig keys, e.g. ``--task segment``'s embedded demo recipe). Its ``task_args.*`` keys travel together
+    (the decoder options belong to its head): they are left out when the command line names ``task_args.head``
+    or ``task_args.head_kwargs``."""
+    from vitlab.train.task import create_task
+
+    recipe = dict(getattr(create_task(task), "recipe", {}))
+    if any(k.split(".")[:2] in (["task_args", "head"], ["task_args", "head_kwargs"]) for k in (*flags, *extra)):
+        recipe = {k: v for k, v in recipe.items() if not k.startswith("task_args.")}
+    return recipe
 
 
 def cmd_train(args) -> int:

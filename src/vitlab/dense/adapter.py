@@ -14,8 +14,10 @@
 - Interaction blocks at configurable block ranges (ViT-B: [0, 2], [3, 5], [6, 8], [9, 11]): injector, the ViT
   blocks of the range, extractor. Output (Sec. 3.2 end): c1 = ConvTranspose(c2) + c1, then each level plus the
   ViT's map of the matching interaction resized to its stride (4x, 2x, 1x, 0.5x), BatchNorm: a 4-level pyramid.
-Prefix ([CLS]) tokens, when the ViT has them, ride through the blocks untouched by injector and extractor. The
-extra extractors of the paper's last interaction are not built.
+Prefix ([CLS]) tokens, when the ViT has them, ride through the blocks untouched by injector and extractor.
+``extra_extractors=n`` adds the official implementation's extra extractors to the last interaction (its
+``use_extra_extractor``: 2 for the released ViT-Adapter-T/S/B models): n more extractor steps on the last ViT
+output before the pyramid is read.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class ViTAdapter(nn.Module):
     ``forward(image) -> [f1, f2, f3, f4]`` at strides 4, 8, 16, 32 (the ViT's patch must be 16)."""
 
     def __init__(self, vit: nn.Module, interactions: list[list[int]] | None = None, num_heads: int | None = None,
-                 n_points: int = 4, inplanes: int = 64, in_chans: int = 3):
+                 n_points: int = 4, inplanes: int = 64, in_chans: int = 3, extra_extractors: int = 0):
         super().__init__()
         dim = vit.embed_dim
         self.vit = vit
@@ -178,6 +180,7 @@ class ViTAdapter(nn.Module):
         self.spm = SpatialPriorModule(dim, inplanes, in_chans)
         self.injectors = nn.ModuleList(Injector(dim, heads, n_points) for _ in self.interactions)
         self.extractors = nn.ModuleList(Extractor(dim, heads, n_points) for _ in self.interactions)
+        self.extra_extractors = nn.ModuleList(Extractor(dim, heads, n_points) for _ in range(extra_extractors))
         self.up = nn.ConvTranspose2d(dim, dim, 2, 2)
         self.norms = nn.ModuleList(nn.BatchNorm2d(dim) for _ in range(4))
 
@@ -202,6 +205,8 @@ class ViTAdapter(nn.Module):
             t = x[:, n_pre:]
             c = ext(c, ref_ext, t, tuple(hw), c_shapes)
             outs.append(t.transpose(1, 2).reshape(B, -1, *hw))
+        for ext in self.extra_extractors:  # the last interaction's extra extractors, on its ViT output
+            c = ext(c, ref_ext, t, tuple(hw), c_shapes)
         n2, n3 = c_shapes[0][0] * c_shapes[0][1], c_shapes[1][0] * c_shapes[1][1]
         maps = [c[:, :n2], c[:, n2:n2 + n3], c[:, n2 + n3:]]
         c2, c3, c4 = (m.transpose(1, 2).reshape(B, -1, *s) for m, s in zip(maps, c_shapes, strict=True))

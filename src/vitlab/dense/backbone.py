@@ -9,13 +9,16 @@ read at chosen blocks / stages as NCHW maps, plus the ViTDet backbone option.
   (four for ViT-B: the last block of each quarter, i.e. 2, 5, 8, 11), the grid zero-padded to a multiple of the
   window as detectron2's ``window_partition`` does. Built from outside the ViT class by swapping each windowed
   block's attention for a :class:`WindowedAttention` that reuses its weights (so a pretrained ViT's weights
-  still load). ViTDet's relative position bias is not added (its "abs only" ablation row, Table 4).
+  still load). ``rel_pos=True`` adds ViTDet's decomposed relative position bias (MViTv2's, Li et al., 2022,
+  "MViTv2", Sec. 3.1) to every block (:class:`RelPosAttention`, zero-initialised); without it the backbone is
+  ViTDet's "abs only" ablation row (Table 4).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from vitlab.attention._window import pad_to_multiple
 
@@ -67,15 +70,76 @@ def default_global_blocks(depth: int, n: int = 4) -> list[int]:
     return [depth // n * (i + 1) - 1 for i in range(n)]
 
 
-def vitdet_backbone(model: nn.Module, window_size: int = 14, global_blocks: list[int] | None = None) -> nn.Module:
+def rel_pos_table(q_size: int, k_size: int, rel_pos: torch.Tensor) -> torch.Tensor:
+    """MViTv2's relative position lookup (Li et al., 2022, "MViTv2", Sec. 3.1; as ViTDet's ``get_rel_pos``): the
+    (2 max(q, k) - 1, C) table, linearly resized when it was made for another size, read at the offset of every
+    (query, key) pair along one axis, coordinates rescaled when q and k differ in length -> (q_size, k_size, C)."""
+    n = 2 * max(q_size, k_size) - 1
+    if rel_pos.shape[0] != n:
+        rel_pos = F.interpolate(rel_pos.t()[None], size=n, mode="linear")[0].t()
+    q = torch.arange(q_size, device=rel_pos.device, dtype=torch.float32)[:, None] * max(k_size / q_size, 1.0)
+    k = torch.arange(k_size, device=rel_pos.device, dtype=torch.float32)[None, :] * max(q_size / k_size, 1.0)
+    return rel_pos[((q - k) + (k_size - 1) * max(q_size / k_size, 1.0)).long()]
+
+
+def decomposed_rel_pos_bias(q: torch.Tensor, rel_pos_h: torch.Tensor, rel_pos_w: torch.Tensor,
+                            q_size: tuple[int, int], k_size: tuple[int, int]) -> torch.Tensor:
+    """The decomposed relative position bias of MViTv2 (Eq. 2 -- 3) that ViTDet adds to its attention logits:
+    ``q_(i,j) . R^h_(i - i') + q_(i,j) . R^w_(j - j')`` for query (i, j) and key (i', j'), the query unscaled.
+    ``q``: (..., q_h * q_w, C) -> additive bias (..., q_h * q_w, k_h * k_w)."""
+    (qh, qw), (kh, kw) = q_size, k_size
+    r = q.reshape(*q.shape[:-2], qh, qw, q.shape[-1])
+    rel_h = torch.einsum("...hwc,hkc->...hwk", r, rel_pos_table(qh, kh, rel_pos_h).to(q.dtype))
+    rel_w = torch.einsum("...hwc,wkc->...hwk", r, rel_pos_table(qw, kw, rel_pos_w).to(q.dtype))
+    return (rel_h[..., :, None] + rel_w[..., None, :]).reshape(*q.shape[:-2], qh * qw, kh * kw)
+
+
+class RelPosAttention(nn.Module):
+    """An existing multi-head self-attention ``attn`` (fused ``qkv``, ``q_norm`` / ``k_norm``, ``proj``; weights
+    kept) with ViTDet's decomposed relative position bias added to its logits (Li et al., 2022, ViTDet, Sec. 4.2
+    "relative positional biases", from MViTv2). The tables ``rel_pos_h`` / ``rel_pos_w`` are made for ``size``
+    (the window, or the global grid) and start at zero (ViTDet's ``rel_pos_zero_init``), so a pretrained ViT's
+    output is unchanged until they train; another grid size resizes them (:func:`rel_pos_table`)."""
+
+    def __init__(self, attn: nn.Module, size: tuple[int, int]):
+        super().__init__()
+        self.attn = attn
+        self.rel_pos_h = nn.Parameter(torch.zeros(2 * int(size[0]) - 1, attn.head_dim))
+        self.rel_pos_w = nn.Parameter(torch.zeros(2 * int(size[1]) - 1, attn.head_dim))
+
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, rope=None) -> torch.Tensor:
+        a = self.attn
+        B, N, C = x.shape
+        if hw is None or N != hw[0] * hw[1]:
+            raise ValueError("relative position bias needs a grid without prefix tokens (class_token=False, "
+                             "global_pool='avg')")
+        q, k, v = a.qkv(x).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = a.q_norm(q), a.k_norm(k)
+        bias = decomposed_rel_pos_bias(q, self.rel_pos_h, self.rel_pos_w, tuple(hw), tuple(hw))
+        drop = a.attn_drop if self.training else 0.0
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)
+        return a.proj_drop(a.proj(x.transpose(1, 2).reshape(B, N, C)))
+
+
+def vitdet_backbone(model: nn.Module, window_size: int = 14, global_blocks: list[int] | None = None,
+                    rel_pos: bool = False) -> nn.Module:
     """Turn a plain ViT without prefix tokens into ViTDet's backbone in place (and return it): every block but
-    ``global_blocks`` (default: :func:`default_global_blocks`) attends within ``window_size`` windows."""
+    ``global_blocks`` (default: :func:`default_global_blocks`) attends within ``window_size`` windows;
+    ``rel_pos`` adds the decomposed relative position bias (:class:`RelPosAttention`) to every block, its
+    tables sized to the window or, in the global blocks, to the model's patch grid."""
     if not is_plain(model) or getattr(model, "num_prefix_tokens", 0):
         raise ValueError("the ViTDet backbone needs a plain ViT without prefix tokens (class_token=False, "
                          "global_pool='avg')")
     depth = len(model.blocks)
     glob = default_global_blocks(depth) if global_blocks is None else [i % depth for i in global_blocks]
+    grid = getattr(model.patch_embed, "grid_size", None)
+    if rel_pos and grid is None:
+        raise ValueError("relative position bias needs a model built for a fixed img_size (its patch grid)")
     for i, blk in enumerate(model.blocks):
-        if i not in glob and not isinstance(blk.attn, WindowedAttention):
+        if isinstance(blk.attn, (WindowedAttention, RelPosAttention)):
+            continue
+        if rel_pos:
+            blk.attn = RelPosAttention(blk.attn, tuple(grid) if i in glob else (window_size, window_size))
+        if i not in glob:
             blk.attn = WindowedAttention(blk.attn, window_size)
     return model

@@ -336,7 +336,7 @@ SHAPES_SPLITS = {"train": 800, "val": 100, "test": 100}
 
 
 def build_dense(data_cfg, task: str, mean, std, num_classes: int | None = None, depth_scale: float = 1000.0,
-                shapes_size: int = 96, shapes_train: int | None = None, shapes_eval: int | None = None,
+                shapes_size: int | None = None, shapes_train: int | None = None, shapes_eval: int | None = None,
                 native_eval: bool = False) -> DenseBundle:
     """The bundle of ``data_cfg.dataset`` (``shapes`` | ``segfolder:PATH`` | ``depthfolder:PATH``) for ``task``
     ('segment' or 'depth'); ``data_cfg.img_size`` is the training crop (default 64 for shapes, else 512).
@@ -347,8 +347,8 @@ def build_dense(data_cfg, task: str, mean, std, num_classes: int | None = None, 
     want = {"segment": ("shapes", "segfolder"), "depth": ("shapes", "depthfolder")}[task]
     if name not in want:
         raise DataError(f"--task {task} takes --data shapes or --data {want[1]}:PATH, got {data_cfg.dataset!r}")
-    size = int(data_cfg.img_size or (64 if name == "shapes" else 512))
-    scale = data_cfg.scale or (0.3, 1.0)
+    size = int(data_cfg.img_size or (min(64, shapes_size or 96) if name == "shapes" else 512))
+    scale = data_cfg.scale or ((0.5, 1.0) if name == "shapes" else (0.3, 1.0))  # shapes: the demo recipe's
     hflip = 0.5 if data_cfg.hflip is None else data_cfg.hflip
     t_train = joint_transform(size, True, mean, std, scale, hflip, depth=task == "depth")
     t_eval = joint_transform(size, False, mean, std)
@@ -358,6 +358,7 @@ def build_dense(data_cfg, task: str, mean, std, num_classes: int | None = None, 
     extra = {}
     if name == "shapes":
         assets = shape_assets()
+        shapes_size = shapes_size or 96
         seed, depth = data_cfg.seed, task == "depth"
         counts = {"train": shapes_train or SHAPES_SPLITS["train"], "val": shapes_eval or SHAPES_SPLITS["val"],
                   "test": shapes_eval or SHAPES_SPLITS["test"]}

@@ -27,6 +27,8 @@ DINOv2's linear depth head. Every head takes ``(maps, prefix)`` from :class:`vit
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -152,27 +154,30 @@ class SegmenterMask(nn.Module):
 
 
 class SimpleFeaturePyramid(nn.Module):
-    """ViTDet's simple feature pyramid from the last map (stride s): strides s/4, s/2, s, 2s (4, 8, 16, 32 for a
-    patch-16 ViT). ``forward(maps, prefix) -> list`` of four (B, out_channels, .) maps."""
+    """ViTDet's simple feature pyramid from the last map (stride s): one stage per scale -- 4: two 2x deconvs
+    (LayerNorm + GELU between), 2: one deconv, 1: identity, 1/2: 2x2 max-pool -- then a 1x1 and a 3x3 conv, each
+    followed by LayerNorm (Li et al., 2022, Sec. 3 and Fig. 2). Scales 4, 2, 1, 0.5 give strides 4, 8, 16, 32
+    for a patch-16 ViT; other powers of two extend the same rule (2^n: n deconvs; 1/k: k x k max-pool), so a
+    patch-4 ViT reaches the same strides with 1, 1/2, 1/4, 1/8. ``forward(maps, prefix) -> list`` of
+    (B, out_channels, .) maps."""
 
     def __init__(self, in_channels: list[int], out_channels: int = 256, scales=(4.0, 2.0, 1.0, 0.5)):
         super().__init__()
         c = in_channels[-1]
-        self.scales = tuple(scales)
+        self.scales = tuple(float(s) for s in scales)
         self.stages = nn.ModuleList()
         for s in self.scales:
-            if s == 4.0:
-                layers = [nn.ConvTranspose2d(c, c // 2, 2, 2), LayerNorm2d(c // 2, eps=1e-6), nn.GELU(),
-                          nn.ConvTranspose2d(c // 2, c // 4, 2, 2)]
-                cout = c // 4
-            elif s == 2.0:
-                layers, cout = [nn.ConvTranspose2d(c, c // 2, 2, 2)], c // 2
-            elif s == 1.0:
-                layers, cout = [], c
-            elif s == 0.5:
-                layers, cout = [nn.MaxPool2d(2, 2)], c
-            else:
-                raise ValueError(f"simple feature pyramid scale {s} is not one of 4, 2, 1, 0.5")
+            n = math.log2(s)
+            if s <= 0 or n != round(n):
+                raise ValueError(f"simple feature pyramid scale {s} is not a power of two (4, 2, 1, 0.5 ...)")
+            layers, cout = [], c
+            for i in range(max(0, round(n))):  # upsampling: deconvs halving the width, LN + GELU between
+                if i:
+                    layers += [LayerNorm2d(cout, eps=1e-6), nn.GELU()]
+                layers += [nn.ConvTranspose2d(cout, cout // 2, 2, 2)]
+                cout //= 2
+            if n < 0:
+                layers += [nn.MaxPool2d(round(1 / s), round(1 / s))]
             layers += [nn.Conv2d(cout, out_channels, 1, bias=False), LayerNorm2d(out_channels, eps=1e-6),
                        nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
                        LayerNorm2d(out_channels, eps=1e-6)]

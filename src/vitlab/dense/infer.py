@@ -76,7 +76,8 @@ def evaluate(checkpoint, data: str | None = None, split: str = "test", output_di
     dcfg = replace(dcfg, img_size=meta["img_size"])
     bundle = build_dense(dcfg, task, meta["mean"], meta["std"], num_classes=meta["num_classes"] if task == "segment"
                          else None, depth_scale=meta.get("depth_scale", 1000.0), native_eval=True,
-                         shapes_train=1, shapes_eval=meta.get("shapes_eval"))
+                         shapes_train=1, shapes_eval=meta.get("shapes_eval"),
+                         shapes_size=meta.get("shapes_size"))
     ds = getattr(bundle, split, None) if split != "test" else (bundle.test or bundle.val)
     if ds is None:
         raise ValueError(f"dataset {bundle.name} has no {split} split")

@@ -149,7 +149,7 @@ def create(head: str, backbone: str = "vit_base_patch16_224", num_classes: int |
     plain = is_plain(bb)
     n = num_levels(bb)
     if head == "vitdet_sfp":
-        vitdet_backbone(bb, hk.pop("window_size", 14), hk.pop("global_blocks", None))
+        vitdet_backbone(bb, hk.pop("window_size", 14), hk.pop("global_blocks", None), hk.pop("rel_pos", False))
     if indices is None:
         indices = _four(n) if plain and head in ("setr_mla", "dpt") else (
             list(range(n)) if not plain and head in ("setr_mla", "dpt") else [n - 1])
@@ -175,14 +175,16 @@ def create(head: str, backbone: str = "vit_base_patch16_224", num_classes: int |
         dec = DPT(chans, strides, K, task, **hk)
     elif head == "vitdet_sfp":
         out_ch = hk.pop("out_channels", 256)
-        sfp = SimpleFeaturePyramid(chans, out_ch)
+        # the paper's strides 4, 8, 16, 32 whatever the patch (ViT-B/16: scales 4, 2, 1, 1/2)
+        scales = hk.pop("scales", None) or [strides[-1] / t for t in (4, 8, 16, 32)]
+        sfp = SimpleFeaturePyramid(chans, out_ch, scales)
         out_strides = [int(strides[-1] / s) for s in sfp.scales]
         dec = PyramidSegHead(sfp, SemanticFPNHead([out_ch] * 4, out_strides, K, **hk))
     elif head == "vit_adapter":
         if not plain:
             raise ValueError("ViT-Adapter needs a plain ViT backbone")
         adapter = ViTAdapter(bb, interactions=hk.pop("interactions", None), num_heads=hk.pop("num_heads", None),
-                             in_chans=in_chans)
+                             in_chans=in_chans, extra_extractors=hk.pop("extra_extractors", 0))
         dec = SemanticFPNHead([bb.embed_dim] * 4, [4, 8, 16, 32], K, **hk)
     else:  # linear_depth
         dec = LinearDepthHead(chans, use_cls=bool(getattr(bb, "num_prefix_tokens", 0)), **hk)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,7 @@ class SegmentArgs:
     stride: int | None = None                  # sliding-window stride (default 2/3 of the crop)
     shapes_train: int | None = None            # shapes: number of training scenes (default 800)
     shapes_eval: int | None = None             # shapes: validation and test scenes each (default 100)
+    shapes_size: int = 48                      # shapes: scene side in pixels (also the default crop: one window)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class DepthArgs:
     stride: int | None = None
     shapes_train: int | None = None
     shapes_eval: int | None = None
+    shapes_size: int | None = None
 
 
 class _DenseTask:
@@ -94,7 +96,7 @@ class _DenseTask:
         self.data = build_dense(data_cfg, self.kind, mean, std,
                                 num_classes=getattr(a, "num_classes", None),
                                 depth_scale=getattr(a, "depth_scale", 1000.0), shapes_train=a.shapes_train,
-                                shapes_eval=a.shapes_eval)
+                                shapes_eval=a.shapes_eval, shapes_size=a.shapes_size)
         b = self.data
         spec = {"task": self.kind, "img_size": b.img_size}
         if self.kind == "segment":
@@ -128,7 +130,8 @@ class _DenseTask:
         return {"model": self.cfg.model, "task": self.kind, "dense": self.spec, "num_classes": b.num_classes,
                 "class_names": b.class_names, "in_chans": 3, "img_size": b.img_size, "mean": list(b.mean),
                 "std": list(b.std), "data": b.config.to_dict(), "params": self.num_params,
-                "depth_scale": getattr(self.args, "depth_scale", 1000.0), "shapes_eval": self.args.shapes_eval}
+                "depth_scale": getattr(self.args, "depth_scale", 1000.0), "shapes_eval": self.args.shapes_eval,
+                "shapes_size": self.args.shapes_size}
 
     def summary(self) -> dict:
         b = self.data
@@ -158,6 +161,14 @@ class _DenseTask:
 class SegmentTask(_DenseTask):
     """Semantic segmentation: cross-entropy with ignore_index; mIoU picks the best checkpoint."""
 
+    # what ``vitlab train --task segment`` defaults to (vitlab.cli.train.task_recipe; flags override it): the
+    # embedded demo's recipe, measured by benchmarks/dense_demo.py (docs/benchmarks.md)
+    recipe: ClassVar[dict] = {
+        "model": "vit_pico_patch4_32", "epochs": 20, "batch_size": 16, "lr": 6.4e-2, "warmup_epochs": 0.5,
+        "drop_path": 0.0, "eval_every": 5, "data.dataset": "shapes", "data.img_size": 48,
+        "data.scale": [0.5, 1.0],
+        "task_args.head": "vitdet_sfp",
+        "task_args.head_kwargs": {"out_channels": 64, "channels": 64, "window_size": 6, "global_blocks": [1, 3]}}
     monitor = "miou"
     kind = "segment"
     args_cls = SegmentArgs
