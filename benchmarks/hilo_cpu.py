@@ -117,7 +117,6 @@ def main() -> None:
     cpu_info.rerun_under(args.isa)
 
     import torch
-    import torch._inductor.config as inductor_config
 
     import vitlab.attention as A
     from vitlab.optimize import kernels
@@ -141,10 +140,10 @@ def main() -> None:
     if swapped:
         variants["hilo_kernels"] = lambda x: kern(x, hw)
     if not args.no_compile:
-        inductor_config.freezing = True  # as vitlab.optimize's compile backend: weights folded as constants
-        c_hilo = torch.compile(copy.deepcopy(hilo))
-        c_paper = torch.compile(copy.deepcopy(paper))
-        c_msa = torch.compile(copy.deepcopy(msa))
+        opts = cpu_info.inductor_options()  # as vitlab.optimize's compile backend: freezing, the SIMD width stated
+        c_hilo = torch.compile(copy.deepcopy(hilo), options=opts)
+        c_paper = torch.compile(copy.deepcopy(paper), options=opts)
+        c_msa = torch.compile(copy.deepcopy(msa), options=opts)
         variants["hilo_compiled"] = lambda x: c_hilo(x, hw)
         variants["paper_compiled"] = lambda x: c_paper(x, H, W)
         variants["msa_compiled"] = lambda x: c_msa(x, hw)

@@ -3,10 +3,12 @@ plain eager model against timm eager; same weights, paired timing in one process
 
 For each model: our model and timm's twin carry the same weights (checked by a state-dict round trip);
 ``vitlab.optimize(model, x)`` measures its candidates on this batch (``--cache`` to reuse a cached choice) and
-timm's twin is compiled with ``torch.compile(twin, options={"freezing": True})``. Four implementations are then
-timed in round robin (``--runs`` runs after ``--warmup``, the order reversed every other run) under
-``torch.no_grad()``; each ratio is the median over the runs of the paired ratio peer time / our time (> 1: ours is
-faster), with its min, max and quartiles. ``--repeat`` repeats the round robin (fresh blocks, same models).
+timm's twin is compiled with ``torch.compile(twin, options={"freezing": True, "cpp.simdlen": ...})``
+(``vitlab.optimize.cpu.inductor_options``: the SIMD width Inductor picks anyway, stated so it keys the cache).
+Four implementations are then timed in round robin (``--runs`` runs after ``--warmup``, the order reversed every
+other run) under ``torch.no_grad()``; each ratio is the median over the runs of the paired ratio peer time / our
+time (> 1: ours is faster), with its min, max and quartiles. ``--repeat`` repeats the round robin (fresh blocks,
+same models).
 
 ``--isa avx2`` emulates an AVX2 machine on an AVX-512 one (``vitlab.optimize.cpu.AVX2_ENV``: ATen, oneDNN and MKL
 capped at AVX2, Inductor's C++ built for ``x86-64-v3``, an Inductor cache of its own; set before torch starts: the
@@ -44,6 +46,7 @@ def bench_model(name: str, batch_size: int, warmup: int, runs: int, repeat: int,
     import vitlab
     from vitlab.bench.models import _timm_twin
     from vitlab.bench.timing import round_robin_times
+    from vitlab.optimize.cpu import inductor_options
     from vitlab.registry import get_model_config
 
     torch.manual_seed(0)
@@ -57,7 +60,7 @@ def bench_model(name: str, batch_size: int, warmup: int, runs: int, repeat: int,
     fast = vitlab.optimize(ours, x, cache=cache)
     t_opt = time.perf_counter() - t0
     t0 = time.perf_counter()
-    timm_c = torch.compile(copy.deepcopy(twin), options={"freezing": True})
+    timm_c = torch.compile(copy.deepcopy(twin), options=inductor_options())  # freezing, as vitlab.optimize
     with torch.no_grad():
         ref = twin(x)
         diff_peer = vitlab.optimize.max_abs_diff(timm_c(x), ref)  # the peer must compute the function too

@@ -86,6 +86,29 @@ def test_compile_backends_equal_eager_and_keep_inductor_config(backend):
         assert any(isinstance(m, OneDNNLinear) and m.in_graph for m in model.modules())
 
 
+def test_inductor_options_state_the_simd_width_of_the_isa_in_use(monkeypatch):
+    """The SIMD width goes into Inductor's cache key only when stated: it must follow ATEN_CPU_CAPABILITY, as
+    Inductor's own choice does, so a graph compiled under the AVX2 caps is never served to a native process."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    widths = {isa.bit_width() for isa in valid_vec_isa_list()}
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    native = cpu.inductor_options()
+    assert native["freezing"] is True and native["cpp.simdlen"] == (max(widths) if widths else 0)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert cpu.inductor_options()["cpp.simdlen"] == 0  # scalar code, as Inductor picks under that cap
+    if {256, 512} <= widths:  # an AVX-512 machine: the emulated AVX2 gets another key
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+        assert cpu.inductor_options()["cpp.simdlen"] == 256
+
+
+def test_compile_backend_passes_the_inductor_options(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda model, options=None, **kw: seen.append(options) or model)
+    vo.optimize(tiny("deit_tiny_patch16_224"), backend="compile")
+    assert seen == [cpu.inductor_options()]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["levit_128s", "swin_tiny_patch4_window7_224", "cait_xxs24_224", "litv2_s"])
 @pytest.mark.parametrize("backend", ["compile", "onednn+compile"])

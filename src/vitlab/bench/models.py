@@ -103,7 +103,9 @@ def _prepare(model: nn.Module, device, channels_last: bool, compile_: bool, mode
     if not compile_:
         return model
     if mode == "infer" and torch.device(device).type == "cpu":
-        return torch.compile(model.eval(), options={"freezing": True})  # inference_mode in the step
+        from vitlab.optimize.cpu import inductor_options
+
+        return torch.compile(model.eval(), options=inductor_options())  # inference_mode in the step
     return torch.compile(model)
 
 

@@ -138,7 +138,7 @@ def _swap_kernels(model: nn.Module, notes: list[str]) -> int:
 
 def _compile(model: nn.Module, device: torch.device, options: dict | None = None) -> CompiledInference:
     if device.type == "cpu":
-        opts = {"freezing": True, **(options or {})}
+        opts = {**cpuinfo.inductor_options(), **(options or {})}
         compiled = torch.compile(model, options=opts)
     else:
         compiled = torch.compile(model, options=options) if options else torch.compile(model)

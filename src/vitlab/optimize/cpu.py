@@ -26,6 +26,17 @@ ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
             "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"}
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def inductor_options() -> dict:
+    """``torch.compile`` options for CPU inference: freezing, and the SIMD width Inductor picks under this
+    environment (it follows ``ATEN_CPU_CAPABILITY``) stated explicitly as ``cpp.simdlen``. Stated, it enters
+    Inductor's cache key, which the environment does not: without it, a graph compiled under
+    ``ATEN_CPU_CAPABILITY=avx2`` was served to a later native AVX-512 process (same cache directory), whose
+    kernels then wrote past their buffers (glibc: "double free or corruption"; Swin-T, torch 2.14)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return {"freezing": True, "cpp.simdlen": pick_vec_isa().bit_width()}
 _KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
               "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 
