@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -69,6 +70,7 @@ def main() -> None:
     p.add_argument("--out", default="docs/bench/export_speed_cpu_fp32_b32.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    loadavg = list(os.getloadavg())  # say how busy the machine was: paired ratios do not cancel every effect of load
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -78,7 +80,7 @@ def main() -> None:
                                     args.optimize_backend))
             out = {"machine": machine(), "batch": args.batch, "threads": args.threads, "warmup": args.warmup,
                    "runs": args.runs, "torch": torch.__version__, "onnxruntime": __import__("onnxruntime").__version__,
-                   "note": "shared machine, busy with other jobs during the run", "rows": rows}
+                   "loadavg_start": loadavg, "rows": rows}
             atomic_write(args.out, json.dumps(out, indent=2).encode())  # after every model: partial results survive
     print(f"written {args.out}")
 
