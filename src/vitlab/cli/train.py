@@ -52,8 +52,10 @@ def task_recipe(task: str, flags: dict, extra: dict) -> dict:
     TrainConfig keys, e.g. ``--task segment``'s embedded demo recipe). Its ``task_args.*`` keys travel together
     (the decoder options belong to its head): they are left out when the command line names ``task_args.head``
     or ``task_args.head_kwargs``."""
-    from vitlab.train.task import create_task
+    from vitlab.train.task import create_task, list_tasks
 
+    if task not in list_tasks():  # an unknown task is refused later, by the command that knows its own words
+        return {}
     recipe = dict(getattr(create_task(task), "recipe", {}))
     if any(k.split(".")[:2] in (["task_args", "head"], ["task_args", "head_kwargs"]) for k in (*flags, *extra)):
         recipe = {k: v for k, v in recipe.items() if not k.startswith("task_args.")}
