@@ -225,9 +225,7 @@ def frozen_copy(module: nn.Module) -> nn.Module:
     t = copy.deepcopy(module)
     t.requires_grad_(False)
     for m in t.modules():
-        if isinstance(m, DropPath):
-            m.p = 0.0
-        elif isinstance(m, nn.Dropout):
+        if isinstance(m, (DropPath, nn.Dropout)):
             m.p = 0.0
     return t
 

@@ -74,6 +74,8 @@ class Task(Protocol):
 
     # optional ``after_step(step, total_steps, steps_per_epoch)``: called after each optimiser step (0-based
     # ``step``), for schedules that move with the step (a self-supervised task's EMA teacher)
+    # optional ``before_optimizer_step()``: called after backward and gradient clipping, before the optimiser
+    # step, for a task that drops gradients (DINO's frozen last layer in the first epochs)
 
 
 TASKS: dict[str, type] = {}
