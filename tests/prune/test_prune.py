@@ -187,6 +187,7 @@ def test_remove_restores_and_bad_input():
 
 @pytest.mark.parametrize("spec", [
     {"prune": "dynamicvit:0.7"},
+    {"prune": "dynamicvit:0.7", "prune_shrink_epochs": 1},  # a warm-up child checkpointed beside the predictors
     pytest.param({"prune": "evit:0.5"}, marks=pytest.mark.slow),
     pytest.param({"prune": "adaptive:0.7"}, marks=pytest.mark.slow),
     pytest.param({"tome_r": 2}, marks=pytest.mark.slow),

@@ -25,6 +25,7 @@ from vitlab.models.vision_transformer import VisionTransformer
 from vitlab.profile import count_macs
 from vitlab.prune.patch import apply as prune_apply
 from vitlab.prune.patch import remove as prune_remove
+from vitlab.prune.patch import set_keep_rate
 from vitlab.prune.tasks import parse_spec
 from vitlab.registry import create_model, get_model_config
 from vitlab.tome.cost import tome_gmacs
@@ -50,7 +51,7 @@ def _patched(base: nn.Module, spec: dict) -> nn.Module:
     model = copy.deepcopy(base)
     trained = getattr(model, "_prune", None)
     if trained is not None and trained.method == spec.get("prune"):
-        trained.keep_rate = spec["keep_rate"]
+        set_keep_rate(model, spec["keep_rate"])
         return model.eval()
     if trained is not None:
         prune_remove(model)

@@ -25,7 +25,8 @@ def dynamicvit_loss(info: PruneInfo, logits: torch.Tensor, tokens: torch.Tensor,
     """Ratio + distillation terms of one training forward (``info.aux`` from it); ``tokens`` / ``teacher_tokens``
     are the final normalised patch tokens (B, N, C) of the pruned and the full model."""
     stages = info.aux["stages"]
-    ratio = sum(((d.mean(dim=1) - info.keep_rate ** (s + 1)) ** 2).mean() for s, d in enumerate(stages))
+    rho = info.rate(training=True)  # the warm-up's current rate, when one runs
+    ratio = sum(((d.mean(dim=1) - rho ** (s + 1)) ** 2).mean() for s, d in enumerate(stages))
     cls_kl = F.kl_div(F.log_softmax(logits.float(), dim=-1), F.log_softmax(teacher_logits.float(), dim=-1),
                       reduction="batchmean", log_target=True)
     keep = info.aux["mask"].reshape(-1) > 0.5
@@ -42,5 +43,5 @@ def adaptive_loss(info: PruneInfo) -> torch.Tensor:
     terms = []
     for imp, threshold in info.aux["stages"]:
         frac = torch.sigmoid((imp - torch.sigmoid(threshold)) / ADAPTIVE_TAU).mean(dim=1)
-        terms.append(((frac - info.keep_rate) ** 2).mean())
+        terms.append(((frac - info.rate(training=True)) ** 2).mean())
     return RATIO_WEIGHT * sum(terms) / len(terms)

@@ -21,7 +21,9 @@
 
 Class / distillation / register tokens are never pruned and stay first. ``locations`` are 0-based block indices
 (default 3, 6, 9 for 12 blocks -- EViT's "4th, 7th and 10th layers", DynamicViT's stages -- and the same
-relative depths for other depths). ``remove`` restores the model.
+relative depths for other depths). ``set_keep_rate`` changes the rate of a pruned model in place (for training
+forwards only with ``train_only``: :mod:`vitlab.prune.warmup`'s EViT keep-rate warm-up); ``remove`` restores the
+model.
 """
 
 from __future__ import annotations
@@ -54,7 +56,12 @@ class PruneInfo:
     locations: list[int]
     protected: int
     min_keep: float = 0.5  # adaptive: the least fraction kept at inference (the seed's min_keep_ratio)
+    train_keep_rate: float | None = None  # the rate of training forwards when it differs (a warm-up); else keep_rate
     aux: dict = field(default_factory=dict, repr=False)
+
+    def rate(self, training: bool) -> float:
+        """The keep rate a forward in training (``True``) or inference mode uses."""
+        return self.train_keep_rate if training and self.train_keep_rate is not None else self.keep_rate
 
 
 def check_keep_rate(keep_rate: float) -> float:
@@ -179,7 +186,7 @@ def run_pruned(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if i in info.locations:
             s = info.locations.index(i)
             if info.method in ("evit", "topk"):
-                keep = info.keep_rate
+                keep = info.rate(train)
             elif info.method == "dynamicvit":
                 if prev is None:
                     prev = x.new_ones(B, x.shape[1] - p, 1)
@@ -252,6 +259,27 @@ def apply(model: nn.Module, method: str = "evit", keep_rate: float = 0.7, locati
         with torch.device(device):
             model.prune_predictors = nn.ModuleList([make(model.embed_dim) for _ in locs])
     install(model, blocks, PrunedVisionTransformer, PrunedBlock, "_prune", info)
+    return model
+
+
+def pruned_info(model: nn.Module) -> PruneInfo:
+    info = getattr(model, "_prune", None)
+    if info is None:
+        raise ValueError("the model is not patched with token pruning; vitlab.prune.apply(model, ...) first")
+    return info
+
+
+def set_keep_rate(model: nn.Module, keep_rate: float, train_only: bool = False) -> nn.Module:
+    """Set the keep rate of a pruned ``model`` in place; the next forward uses it (EViT / top-k: the fraction kept
+    at each location; DynamicViT: ``keep_rate ** (s + 1)`` at inference and its keep-ratio loss's targets;
+    adaptive: its keep-ratio loss's target). ``train_only``: forwards in training mode use it, inference keeps the
+    rate the model was pruned with (a warm-up: :class:`vitlab.prune.warmup.KeepRateWarmup`). Returns the model."""
+    info = pruned_info(model)
+    keep_rate = check_keep_rate(keep_rate)
+    if train_only:
+        info.train_keep_rate = keep_rate
+    else:
+        info.keep_rate, info.train_keep_rate = keep_rate, None
     return model
 
 

@@ -3,7 +3,11 @@
 EViT and top-k train with the pruning in place and the task's own loss. DynamicViT trains through
 :class:`PruneStudent`, which adds its keep-ratio and distillation losses against the full model (a frozen copy
 of the model as built, i.e. the pretrained weights when fine-tuning from ``--model_kwargs.checkpoint_path``);
-the adaptive method adds the loss that learns its thresholds."""
+the adaptive method adds the loss that learns its thresholds.
+
+``shrink=(start, epochs)`` (``TrainConfig.prune_shrink_start`` / ``prune_shrink_epochs``) adds EViT's keep-rate
+warm-up (:mod:`vitlab.prune.warmup`): a :class:`KeepRateWarmup` child of the trained module, moved after each
+optimiser step and checkpointed with the run."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch.nn as nn
 
 from vitlab.prune.losses import adaptive_loss, dynamicvit_loss
 from vitlab.prune.patch import METHODS, apply, check_keep_rate
+from vitlab.prune.warmup import KeepRateWarmup
 from vitlab.train.task import register_model_transform
 
 
@@ -30,16 +35,22 @@ def parse_spec(spec: str) -> tuple[str, list[float]]:
 
 
 class PruneStudent(nn.Module):
-    """The pruned model as the trained module: ``forward(x)`` is the model's; ``forward(x, with_loss=True)``
-    returns (output, the method's extra loss). The full-model teacher is held outside the module tree (it is
-    neither trained, nor checkpointed, nor wrapped by the strategy)."""
+    """The pruned model as the trained module: ``forward(x)`` is the model's; for DynamicViT and adaptive
+    (``adds_loss``) ``forward(x, with_loss=True)`` returns (output, the method's extra loss). The full-model teacher
+    is held outside the module tree (it is neither trained, nor checkpointed, nor wrapped by the strategy); a
+    keep-rate ``warmup`` is a child (its rate is checkpointed in the trainer state) moved by :meth:`after_step`."""
 
-    adds_loss = True
-
-    def __init__(self, model: nn.Module, teacher: nn.Module | None = None):
+    def __init__(self, model: nn.Module, teacher: nn.Module | None = None, warmup: KeepRateWarmup | None = None):
         super().__init__()
         self.model = model
         self._teacher = (teacher,)
+        self.adds_loss = model._prune.method in ("dynamicvit", "adaptive")
+        if warmup is not None:
+            self.warmup = warmup
+
+    def after_step(self, step: int, total_steps: int, steps_per_epoch: int) -> None:
+        if "warmup" in self._modules:
+            self.warmup.after_step(step, total_steps, steps_per_epoch)
 
     def shard_units(self) -> list[nn.Module]:
         from vitlab.train.strategy import shard_units
@@ -64,7 +75,8 @@ class PruneStudent(nn.Module):
 
 
 @register_model_transform("prune")
-def prune_transform(model: nn.Module, spec: str, training: bool) -> nn.Module:
+def prune_transform(model: nn.Module, spec: str, training: bool,
+                    shrink: tuple[float, float] = (0.0, 0.0)) -> nn.Module:
     method, keep = parse_spec(spec)
     if len(keep) != 1:
         raise ValueError(f"prune {spec!r}: training takes one keep rate")
@@ -74,4 +86,7 @@ def prune_transform(model: nn.Module, spec: str, training: bool) -> nn.Module:
         if hasattr(teacher, "distilled_training"):
             teacher.distilled_training = False
     apply(model, method, keep[0])
-    return PruneStudent(model, teacher) if training and method in ("dynamicvit", "adaptive") else model
+    warmup = KeepRateWarmup(model, *shrink) if training and any(shrink) else None
+    if training and (warmup is not None or method in ("dynamicvit", "adaptive")):
+        return PruneStudent(model, teacher, warmup)
+    return model

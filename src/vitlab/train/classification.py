@@ -73,14 +73,16 @@ def create_from_description(meta: dict, **overrides) -> nn.Module:
     return model
 
 
-def reduce_tokens(model: nn.Module, spec: dict, training: bool) -> nn.Module:
+def reduce_tokens(model: nn.Module, spec: dict, training: bool,
+                  prune_shrink: tuple[float, float] = (0.0, 0.0)) -> nn.Module:
     """Token merging / pruning of a run (``{"tome_r": r, "prune": "evit:0.7"}``) applied to ``model`` through
-    the registered model transforms; returns the module to train (the model, or a wrapper that adds a loss)."""
+    the registered model transforms; returns the module to train (the model, or a wrapper that adds a loss or
+    moves a keep-rate warm-up, ``prune_shrink`` = (start, epochs), after each step)."""
     module = model
     if spec.get("tome_r"):
         module = model_transform("tome")(model, spec["tome_r"], training)
     if spec.get("prune"):
-        module = model_transform("prune")(model, spec["prune"], training)
+        module = model_transform("prune")(model, spec["prune"], training, shrink=prune_shrink)
     return module
 
 
@@ -224,7 +226,8 @@ class ClassificationTask:
             self.init_method = meta.get("ssl_method")
         self.model = prepare_model(model, cfg, device)
         reduction = {k: v for k, v in (("tome_r", cfg.tome_r), ("prune", cfg.prune)) if v}
-        self.module = reduce_tokens(model, reduction, training=True)
+        self.module = reduce_tokens(model, reduction, training=True,
+                                    prune_shrink=(cfg.prune_shrink_start, cfg.prune_shrink_epochs))
         self._description = model_description(cfg, bundle, model_cfg, self.num_params)
         if reduction:
             self._description["token_reduction"] = reduction
@@ -278,6 +281,10 @@ class ClassificationTask:
             out, extra = forward(x, with_loss=True)
             return deit_loss(out, y, smoothing, d.kind, t_logits, d.alpha, d.tau) + extra, {}
         return deit_loss(forward(x), y, smoothing, d.kind, t_logits, d.alpha, d.tau), {}
+
+    def after_step(self, step: int, total_steps: int, steps_per_epoch: int) -> None:
+        if hasattr(self.module, "after_step"):  # a token-pruning keep-rate warm-up
+            self.module.after_step(step, total_steps, steps_per_epoch)
 
     def validation_step(self, batch, forward) -> dict[str, torch.Tensor]:
         x, y = self._batch(batch, train=False)

@@ -79,6 +79,8 @@ class TrainConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
     tome_r: int = 0                    # ToMe: tokens merged per block (vitlab.tome; 0 = off)
     prune: str | None = None           # token pruning METHOD:KEEP_RATE (evit, dynamicvit, topk, adaptive): evit:0.7
+    prune_shrink_start: float = 0.0    # keep-rate warm-up (EViT): epochs at keep rate 1 before it shrinks (paper: 10)
+    prune_shrink_epochs: float = 0.0   # epochs of the cosine from keep rate 1 to --prune's (paper: 100; 0 = none)
     strategy: StrategyName = "none"    # ddp / fsdp (FSDP2) under torchrun
     output_dir: str | None = None      # None -> runs/<model>-<dataset>-<timestamp>
     resume: str | None = None          # a run directory to continue (its model, data and recipe)
@@ -117,6 +119,14 @@ class TrainConfig:
             (self.distill.kind == "none" or self.distill.teacher,
              f"distill.kind={self.distill.kind!r} needs a teacher (--teacher MODEL|CHECKPOINT)"),
             (self.tome_r >= 0, f"tome_r must be >= 0, got {self.tome_r}"),
+            (self.prune_shrink_start >= 0 and self.prune_shrink_epochs >= 0,
+             f"prune_shrink_start and prune_shrink_epochs must be >= 0 epochs, got {self.prune_shrink_start} and "
+             f"{self.prune_shrink_epochs}"),
+            (self.prune or not (self.prune_shrink_start or self.prune_shrink_epochs),
+             "prune_shrink_start / prune_shrink_epochs warm up a pruning keep rate; they need --prune METHOD:KEEP"),
+            (self.prune_shrink_start + self.prune_shrink_epochs <= self.epochs,
+             f"the pruning keep-rate warm-up ends at epoch {self.prune_shrink_start + self.prune_shrink_epochs:g}, "
+             f"after the run's {self.epochs} epochs (the model would never train at its keep rate)"),
             (self.stop_after is None or self.stop_after >= 1, f"stop_after must be >= 1, got {self.stop_after}"),
             (self.layer_decay is None or 0.0 < self.layer_decay <= 1.0,
              f"layer_decay must be in (0, 1], got {self.layer_decay}"),
