@@ -8,10 +8,12 @@ transforms that keep image and target aligned (torchvision v2, the target a ``tv
 - ``depthfolder:PATH``: ``PATH/images/<name>.*`` and ``PATH/depth/<name>.png`` (16-bit, depth = value /
   ``depth_scale``, e.g. 1000 for millimetres; 0 = invalid) or ``<name>.npy`` (float metres; 0, inf = invalid;
   NaN refused). Same split rule.
-- ``shapes`` (the default): real shapes -- scikit-image's horse silhouette, scikit-learn's handwritten digits,
-  the coins of its coins photograph (Otsu-thresholded) -- filled with crops of scikit-image's colour photographs and
-  composited at random places, sizes and flips on crops of its textures (brick, grass, gravel), with exact
-  masks; a deterministic function of (seed, split, index). Classes: background, horse, digit, coin.
+- ``shapes`` (the default): real objects, each with its own look as in a photograph -- scikit-image's horse
+  silhouette filled with a crop of its colour photographs, scikit-learn's handwritten digits drawn as ink (the
+  digit's grey level is the ink's opacity), the coins of its coins photograph with their own pixels (Otsu-
+  thresholded, hole-filled) -- composited at random places, sizes and flips on crops of its textures (brick,
+  grass, gravel), with exact masks; a deterministic function of (seed, split, index). Classes: background,
+  horse, digit, coin.
   Its depth twin puts each shape on a fronto-parallel plane at a random depth (size ~ 1 / depth, as a pinhole
   camera sees it) in front of a receding textured ground plane, so the depth map is exact.
 - The real depth sample: scikit-image's Middlebury 2014 Motorcycle stereo pair (left view) with its ground-truth
@@ -231,7 +233,10 @@ def _gray(a: np.ndarray) -> np.ndarray:
 
 
 class ShapeAssets:
-    """The real pictures the synthetic scenes are cut from (:func:`shape_assets` loads them once a process)."""
+    """The real pictures the synthetic scenes are cut from (:func:`shape_assets` loads them once a process).
+
+    ``shapes[cls]`` lists ``(mask, look)`` pairs: the horse's look is ``None`` (a photograph crop is drawn per
+    scene), a digit's its 0..1 grey levels (ink opacity), a coin's its own grey pixels."""
 
     def __init__(self):
         import skimage.data as sk
@@ -240,13 +245,13 @@ class ShapeAssets:
         self.textures = [sk.brick(), sk.grass(), sk.gravel()]
         self.photos = [sk.astronaut(), sk.chelsea(), sk.coffee(), sk.rocket()]
         horse = ~sk.horse()  # the silhouette is False on True
-        digits = load_digits().images  # (1797, 8, 8) in 0..16
-        self.shapes = {1: [horse], 2: [d >= 6 for d in digits[:300]], 3: coin_masks(sk.coins())}
+        digits = load_digits().images[:300] / 16.0  # (300, 8, 8) grey levels in 0..1
+        self.shapes = {1: [(horse, None)], 2: [(d >= 6 / 16, d) for d in digits], 3: coin_masks(sk.coins())}
 
 
-def coin_masks(coins: np.ndarray) -> list[np.ndarray]:
-    """The coins of scikit-image's coins photograph as exact binary masks (Otsu threshold, hole-filled,
-    connected components of a coin's size)."""
+def coin_masks(coins: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The coins of scikit-image's coins photograph: (exact binary mask, the coin's grey pixels) per coin (Otsu
+    threshold, hole-filled, connected components of a coin's size)."""
     from scipy import ndimage
     from skimage.filters import threshold_otsu
 
@@ -256,7 +261,7 @@ def coin_masks(coins: np.ndarray) -> list[np.ndarray]:
     for sl, i in zip(ndimage.find_objects(lab), range(1, n + 1), strict=True):
         m = lab[sl] == i
         if m.sum() > 600:
-            out.append(m)
+            out.append((m, coins[sl]))
     return out
 
 
@@ -270,13 +275,13 @@ def _crop(rng, a: np.ndarray, h: int, w: int) -> np.ndarray:
     return a[y:y + h, x:x + w]
 
 
-def _resize_mask(m: np.ndarray, h: int, w: int) -> np.ndarray:
-    return np.array(Image.fromarray(m.astype(np.uint8) * 255).resize((w, h), Image.BILINEAR)) > 127
+def _resize(a: np.ndarray, h: int, w: int) -> np.ndarray:
+    return np.asarray(Image.fromarray(a.astype(np.float32)).resize((w, h), Image.BILINEAR))
 
 
-def _bbox(m: np.ndarray) -> np.ndarray:
+def _bbox(m: np.ndarray) -> tuple[slice, slice]:
     ys, xs = np.nonzero(m)
-    return m[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+    return slice(ys.min(), ys.max() + 1), slice(xs.min(), xs.max() + 1)
 
 
 def _texture_rgb(rng, assets, h, w) -> np.ndarray:
@@ -300,19 +305,26 @@ def shapes_scene(seed: int, size: int, assets: ShapeAssets, depth: bool = False)
     objs.sort(key=lambda o: -o[1])  # far first, so nearer shapes occlude
     for cls, z in objs:
         bank = assets.shapes[cls]
-        shape = _bbox(bank[rng.integers(len(bank))])
+        shape, look = bank[rng.integers(len(bank))]
+        box = _bbox(shape)
+        shape, look = shape[box], None if look is None else look[box]
         if rng.random() < 0.5:
-            shape = shape[:, ::-1]
+            shape, look = shape[:, ::-1], None if look is None else look[:, ::-1]
         extent = int(size * (0.9 / z if depth else rng.uniform(0.3, 0.6)))
         ar = shape.shape[1] / shape.shape[0]
         h, w = (extent, max(4, int(extent * ar))) if ar <= 1 else (max(4, int(extent / ar)), extent)
         h, w = min(h, size), min(w, size)
-        m = _resize_mask(shape, h, w)
+        m = _resize(shape, h, w) > 0.5
         y, x = int(rng.integers(0, size - h + 1)), int(rng.integers(0, size - w + 1))
-        photo = assets.photos[rng.integers(len(assets.photos))]
-        fill = _crop(rng, photo, h, w).astype(np.float32)
         region = img[y:y + h, x:x + w]
-        region[m] = fill[m]
+        if cls == 1:  # the horse: a crop of a colour photograph
+            fill = _crop(rng, assets.photos[rng.integers(len(assets.photos))], h, w).astype(np.float32)
+        elif cls == 2:  # a digit: ink of a random dark colour, its grey level the opacity
+            alpha = np.clip(_resize(look, h, w), 0, 1)[..., None]
+            fill = (1 - alpha) * region + alpha * rng.uniform(0, 60, size=3)
+        else:  # a coin: its own pixels, lit a little warmer or cooler
+            fill = _resize(look, h, w)[..., None] * rng.uniform(0.8, 1.2, size=3)
+        region[m] = np.clip(fill, 0, 255)[m]
         mask[y:y + h, x:x + w][m] = cls
         dep[y:y + h, x:x + w][m] = z
     image = torch.from_numpy(np.ascontiguousarray(img.astype(np.uint8))).permute(2, 0, 1).contiguous()
