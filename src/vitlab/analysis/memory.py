@@ -49,6 +49,17 @@
   state a first forward maps (a constant 15-20 MB on the CPU there). :func:`measure_memory` reports the
   allocator-independent peak of live tensor storage as well (``tensor_peak_gb``, tracked op by op), so a
   difference from the resident-set peak splits into formula error and allocator / library overhead.
+* Every other family (Swin, CaiT, PVT, LITv2, LeViT, MobileViT, EfficientFormer, HaLViT, ...) mixes
+  windows, class-attention, spatial reduction, convolutions and BatchNorm; rather than one formula each,
+  :func:`trace_activations` derives the term for any model from its own code: one step replayed on fake
+  tensors (``FakeTensorMode``: shapes, dtypes and devices, no storage, so the kernels a real run would pick,
+  and nothing allocated at any batch), counting the storages that stay referenced between ops, and, for a
+  training step, what autograd saves, by block. It is the activation term :func:`measure_memory` reports for
+  every model (``activation_gb``); for a plain ViT it equals the closed form above (``closed_form_gb``, kept
+  beside it as the explanation: equal at inference, within 1% for a training step, which the tests check), and
+  for every family it equals the live tensors of a real step (tested on small configurations). Like the
+  closed form it leaves out a kernel's internal scratch (on the CPU, e.g., oneDNN's convolution workspace),
+  the allocator's overhead, and the constant code pages and kernel state.
 """
 
 from __future__ import annotations
@@ -163,9 +174,9 @@ def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device:
     """Build ``name`` on ``device`` and run one ``mode`` step ('infer' or 'train') at ``batch_size``; return the
     measured peak growth beside seed 004's estimate, and ``loaded_gb``, the growth once the model and the input
     batch are in memory, before the step (what the estimate's "loading" covers); the live-tensor peak
-    (``tensor_peak_gb``) and weights + input + the activation term (``analytic_gb``, :func:`analytic_memory`)
-    where it applies. ``sdpa='math'`` forces SDPA's math kernel for the step and the term. Random-init weights
-    (memory does not depend on the values)."""
+    (``tensor_peak_gb``) and weights + input + the activation term (``analytic_gb``, :func:`analytic_memory`,
+    traced on a 'meta' copy before the measured span). ``sdpa='math'`` forces SDPA's math kernel for the step
+    and the term. Random-init weights (memory does not depend on the values)."""
     import vitlab
     from vitlab.profile import count_params, memory_estimate_gb
 
@@ -363,7 +374,9 @@ def trace_activations(model: nn.Module, input_shape: tuple[int, ...], mode: str,
             live = _LocatedLiveTensors(existing, lambda: stack[-1] if stack else "backward")
             with live:
                 if mode == "infer":
-                    with torch.inference_mode():
+                    # no_grad, not inference_mode: the same tensors live, but a composite op (SDPA's math
+                    # kernel) is then seen as the ops it runs, its N x N maps included, not as one opaque op
+                    with torch.no_grad():
                         torch.func.functional_call(model, {**params, **buffers}, (x,))
                 else:
                     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -242,7 +242,8 @@ def cmd_memory(args) -> int:
             rows.append(measure_memory_isolated(args.model, batch_size=b, mode=mode, device=args.device,
                                                 dtype=args.dtype, img_size=args.img_size, sdpa=args.sdpa,
                                                 malloc_mmap_threshold=args.malloc_mmap_threshold, **extra))
-    table = complexity_table(**_vit_shape(args.model, {**extra, **({'img_size': args.img_size} if args.img_size else {})}))
+    size = {"img_size": args.img_size} if args.img_size else {}
+    table = complexity_table(**_vit_shape(args.model, {**extra, **size}))
     for r in rows:
         est = "  ".join(f"Q={q}: {v:.3f}" for q, v in r["estimate_gb"].items())
         console.print(f"{r['mode']:>5} b{r['batch_size']}: seed 004 (weights only) GB {est} | measured: loaded "
