@@ -149,7 +149,7 @@ def test_trace_equals_the_vit_closed_form():
     t = trace_activations(vit_b, (64, 3, 224, 224), "infer")
     assert t["peak_bytes"] == 13 * 64 * 197 * 768 * 4 and t["peak_at"].endswith("mlp.act")  # fc1 -> GELU
     a = analytic_memory(vit_b, 64, "infer")
-    assert a["activation_gb"] == a["closed_form_gb"] == t["peak_bytes"] / 1e9
+    assert a["activation_source"] == "closed form" and a["activation_gb"] == a["traced_gb"] == t["peak_bytes"] / 1e9
     s = _shape("deit_small_patch16_224", training=True)
     with torch.device("meta"):
         deit_s = vitlab.create_model("deit_small_patch16_224")

@@ -252,10 +252,10 @@ def cmd_memory(args) -> int:
         if r["activation_gb"] is None:
             console.print(f"       no activation term: {r['activation_note']}", highlight=False)
             continue
-        closed = (f"; ViT closed form {r['closed_form_gb']:.3f} (SDPA {r['sdpa_kernel']}, map materialised: "
-                  f"{r['attention_map_materialised']})" if "closed_form_gb" in r else "")
+        how = (f"closed form, SDPA {r['sdpa_kernel']}, map materialised: {r['attention_map_materialised']}; "
+               f"traced: {r['traced_gb']:.3f}" if r["activation_source"] == "closed form" else "traced")
         console.print(f"       weights {r['weights_gb']:.3f} + input {r['input_gb']:.3f} + activations "
-                      f"{r['activation_gb']:.3f} (traced, peak in {r['activation_trace']['peak_at']}{closed}) = "
+                      f"{r['activation_gb']:.3f} ({how}; peak in {r['activation_trace']['peak_at']}) = "
                       f"{r['analytic_gb']:.3f} GB; measured / that = {r['measured_over_analytic']:.2f}; live "
                       f"tensors peaked at {r['tensor_peak_gb']:.3f} GB", highlight=False)
     for t in table:
