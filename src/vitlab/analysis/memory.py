@@ -42,7 +42,9 @@
     the two LayerNorms' float mean and rstd, and flash's log-sum-exp (math kernel instead: scaled q and k
     (2 U) and the softmax (S)); after the blocks the final norm's input and, with class-token pooling, its
     output (the head holds a view of it). ViT-B: ``16 U`` a block, ``194 U`` in all. (The math-kernel
-    terms of a training step are derived from what its autograd graph saves, not measured in docs/analysis.md.)
+    terms of a training step are derived from what its autograd graph saves, not measured; the replay below,
+    which equals the live tensors of a real step, finds about 2 U a block less there, so for the math kernel in
+    training :func:`trace_activations` is the figure to trust.)
 
   What it leaves out: logits and loss (B x classes), the attention kernels' per-thread scratch, LayerNorm
   statistics at inference (each under 1% at the sizes in docs/analysis.md), and the code pages and kernel
