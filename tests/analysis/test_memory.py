@@ -205,7 +205,7 @@ def test_a_forward_that_reads_values_has_no_traced_term():
 
 TRACED = [
     ("swin_tiny_patch4_window7_224", dict(img_size=32, window_size=4, depths=(1, 1), num_heads=(1, 2), embed_dim=16)),
-    ("litv2_s", dict(img_size=64, embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8))),
+    ("litv2_s", dict(img_size=32, embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8))),
     pytest.param("pvt_tiny", dict(img_size=64, depths=(1, 1, 1, 1)), marks=pytest.mark.slow),
     pytest.param("cait_xxs24_224", dict(img_size=32, depth=2), marks=pytest.mark.slow),
     pytest.param("levit_128s", dict(img_size=64), marks=pytest.mark.slow),
