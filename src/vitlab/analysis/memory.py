@@ -42,13 +42,27 @@
     the two LayerNorms' float mean and rstd, and flash's log-sum-exp (math kernel instead: scaled q and k
     (2 U) and the softmax (S)); after the blocks the final norm's input and, with class-token pooling, its
     output (the head holds a view of it). ViT-B: ``16 U`` a block, ``194 U`` in all. (The math-kernel
-    terms of a training step are derived from what its autograd graph saves, not measured in docs/analysis.md.)
+    terms of a training step are derived from what its autograd graph saves, not measured; the replay below,
+    which equals the live tensors of a real step, finds about 2 U a block less there, so for the math kernel in
+    training :func:`trace_activations` is the figure to trust.)
 
   What it leaves out: logits and loss (B x classes), the attention kernels' per-thread scratch, LayerNorm
   statistics at inference (each under 1% at the sizes in docs/analysis.md), and the code pages and kernel
   state a first forward maps (a constant 15-20 MB on the CPU there). :func:`measure_memory` reports the
   allocator-independent peak of live tensor storage as well (``tensor_peak_gb``, tracked op by op), so a
   difference from the resident-set peak splits into formula error and allocator / library overhead.
+* Every other family (Swin, CaiT, PVT, LITv2, LeViT, MobileViT, EfficientFormer, HaLViT, ...) mixes
+  windows, class-attention, spatial reduction, convolutions and BatchNorm; rather than one formula each,
+  :func:`trace_activations` derives the term for any model from its own code: one step replayed on fake
+  tensors (``FakeTensorMode``: shapes, dtypes and devices, no storage, so the kernels a real run would pick,
+  and nothing allocated at any batch), counting the storages that stay referenced between ops, and, for a
+  training step, what autograd saves, by block. It is the activation term :func:`measure_memory` reports for
+  every model that is not a plain ViT (``activation_gb``); for a plain ViT, where the closed form above is
+  reported, the replay runs beside it (``traced_gb``) and agrees (equal at inference, within 1% for a training
+  step with the flash kernel, which the tests check); for every family it equals the live tensors of a real
+  step (tested on small configurations). Like the
+  closed form it leaves out a kernel's internal scratch (on the CPU, e.g., oneDNN's convolution workspace),
+  the allocator's overhead, and the constant code pages and kernel state.
 """
 
 from __future__ import annotations
@@ -96,7 +110,8 @@ class LiveTensors(TorchDispatchMode):
 
     def __init__(self, existing: list[torch.Tensor]):
         super().__init__()
-        self._skip = {t.untyped_storage().data_ptr() for t in existing}
+        # keyed by the storage object (its StorageImpl), not its data pointer: fake and meta tensors have none
+        self._skip = {t.untyped_storage()._cdata for t in existing}
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = 0
 
@@ -106,7 +121,7 @@ class LiveTensors(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
-                key = st.data_ptr()
+                key = st._cdata
                 if key not in self._skip and key not in self._live:
                     self._live[key] = (StorageWeakRef(st), st.nbytes())
         self.peak = max(self.peak, sum(n for _, n in self._live.values()))
@@ -162,9 +177,9 @@ def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device:
     """Build ``name`` on ``device`` and run one ``mode`` step ('infer' or 'train') at ``batch_size``; return the
     measured peak growth beside seed 004's estimate, and ``loaded_gb``, the growth once the model and the input
     batch are in memory, before the step (what the estimate's "loading" covers); the live-tensor peak
-    (``tensor_peak_gb``) and weights + input + the activation term (``analytic_gb``, :func:`analytic_memory`)
-    where it applies. ``sdpa='math'`` forces SDPA's math kernel for the step and the term. Random-init weights
-    (memory does not depend on the values)."""
+    (``tensor_peak_gb``) and weights + input + the activation term (``analytic_gb``, :func:`analytic_memory`,
+    traced on a 'meta' copy before the measured span). ``sdpa='math'`` forces SDPA's math kernel for the step
+    and the term. Random-init weights (memory does not depend on the values)."""
     import vitlab
     from vitlab.profile import count_params, memory_estimate_gb
 
@@ -175,6 +190,11 @@ def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device:
     if img_size is not None:
         create_kwargs["img_size"] = img_size
     tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    with torch.device("meta"):  # the estimate first, outside the measured span: its imports take memory too
+        shape_only = vitlab.create_model(name, **create_kwargs).to(tdtype)
+    with _sdpa_context(sdpa):
+        act = analytic_memory(shape_only, batch_size, mode, tdtype, device, (cfg.input_size[0], size, size))
+    del shape_only
     with LiveTensors([]):  # its first use imports dispatch machinery (~80 MB here): not the step's memory
         torch.ones(2, device=dev) + 1
     gc.collect()
@@ -205,8 +225,6 @@ def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device:
     input_bytes = x.numel() * x.element_size()
     q = 32 if dtype == "fp32" else 16
     weights = params * (q // 8)
-    with _sdpa_context(sdpa):
-        act = analytic_memory(model, batch_size, mode, tdtype, device)
     del model, x, step, existing
     est = {b: memory_estimate_gb(params, b) for b in BITS}
     r = {"model": name, "mode": mode, "device": device, "dtype": dtype, "sdpa": sdpa, "batch_size": batch_size,
@@ -221,18 +239,189 @@ def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device:
 
 
 def analytic_memory(model: nn.Module, batch_size: int, mode: str, dtype: torch.dtype = torch.float32,
-                    device: str = "cpu") -> dict:
-    """The activation term of ``model`` (:func:`activation_estimate`, GB) with its itemised terms and the SDPA
-    kernel it assumes; ``activation_gb`` None and the reason in ``activation_note`` for models it does not
-    cover."""
+                    device: str = "cpu", input_size: tuple[int, int, int] | None = None) -> dict:
+    """The activation term of any model, in GB (``activation_gb``): for a plain ViT / DeiT the closed form
+    :func:`activation_estimate` (``activation_source`` 'closed form'; its terms in ``activation_terms_gb``), for
+    any other model :func:`trace_activations`, one step replayed on fake tensors ('traced'). The replay runs for
+    a ViT too (``traced_gb``, ``activation_trace``: where the peak is, what each block saved): the two agree,
+    which the tests check. ``input_size`` (C, H, W) defaults to the model's own. ``activation_gb`` None and the
+    reason in ``activation_note`` where the replay cannot run."""
+    input_size = input_size or _model_input_size(model)
+    try:
+        trace = trace_activations(model, (batch_size, *input_size), mode, dtype, device)
+    except (RuntimeError, NotImplementedError) as e:  # a forward that needs values (.item()) cannot be replayed
+        return {"activation_gb": None, "activation_note": f"the fake-tensor replay of {type(model).__name__} "
+                                                          f"failed: {type(e).__name__}: {str(e).splitlines()[0]}"}
+    r = {"traced_gb": trace["peak_bytes"] / 1e9, "activation_trace": {
+        k: {u: n / 1e9 for u, n in v.items()} if isinstance(v, dict) else v / 1e9 if isinstance(v, int) else v
+        for k, v in trace.items()}}
     try:
         shape = block_shape(model, training=mode == "train")
     except ValueError as e:
-        return {"activation_gb": None, "activation_note": str(e)}
+        return {**r, "activation_gb": r["traced_gb"], "activation_source": "traced", "closed_form_note": str(e)}
     kernel, materialised = sdpa_kernel_choice(dtype, device, shape.heads, shape.dim // shape.heads)
     terms = activation_estimate(shape, batch_size, mode, torch.finfo(dtype).bits // 8, materialised, device)
-    return {"activation_gb": terms["peak_bytes"] / 1e9, "sdpa_kernel": kernel, "attention_map_materialised":
-            materialised, "block_shape": asdict(shape), "activation_terms_gb": {k: v / 1e9 for k, v in terms.items()}}
+    return {**r, "activation_gb": terms["peak_bytes"] / 1e9, "activation_source": "closed form",
+            "sdpa_kernel": kernel, "attention_map_materialised": materialised, "block_shape": asdict(shape),
+            "activation_terms_gb": {k: v / 1e9 for k, v in terms.items()}}
+
+
+def _model_input_size(model: nn.Module) -> tuple[int, int, int]:
+    """(C, H, W) a model was built for: its ``in_chans`` and ``img_size`` (or its patch embedding's)."""
+    size = getattr(model, "img_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if size is None:
+        raise ValueError(f"{type(model).__name__} does not say its input size: pass input_size")
+    h, w = (size, size) if isinstance(size, int) else size
+    return getattr(model, "in_chans", 3), int(h), int(w)
+
+
+def _unit(path: str, model: nn.Module) -> str:
+    """The top-level part of ``model`` a module path belongs to: ``blocks.3`` for an entry of a ModuleList /
+    Sequential child (blocks, stages, layers), else the child's name (``patch_embed``, ``head``)."""
+    parts = path.split(".")
+    child = getattr(model, parts[0], None) if parts[0] else None
+    if len(parts) > 1 and isinstance(child, (nn.ModuleList, nn.Sequential)):
+        return ".".join(parts[:2])
+    return parts[0] or "(model)"
+
+
+class _LocatedLiveTensors(LiveTensors):
+    """:class:`LiveTensors` that also records where its peak happened (``where()`` at that op)."""
+
+    def __init__(self, existing: list[torch.Tensor], where):
+        super().__init__(existing)
+        self._where = where
+        self.peak_at = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.peak
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.peak > before:
+            self.peak_at = self._where()
+        return out
+
+
+def trace_activations(model: nn.Module, input_shape: tuple[int, ...], mode: str, dtype: torch.dtype = torch.float32,
+                      device: str = "cpu") -> dict:
+    """The activation term of any model, in bytes, from one step replayed on fake tensors.
+
+    ``model`` (built on any device, 'meta' included: only shapes are read) runs one inference forward
+    (``mode='infer'``) or forward + cross-entropy + backward (``'train'``) under PyTorch's ``FakeTensorMode``:
+    its weights, buffers and input are replaced (``torch.func.functional_call``) by fake ``device`` tensors,
+    which carry shape, dtype, stride and device but no storage, so every op dispatches to the kernel a real run
+    on ``device`` would use (SDPA's flash kernel on the CPU, say) and nothing is allocated, at any batch. Its
+    code runs as written, so the Python references that keep a tensor alive (a module's arguments until it
+    returns, a local until it is rebound, autograd's saved tensors until their backward) act as in the real
+    step; :class:`LiveTensors` counts the storages alive between ops. Returned (bytes unless named otherwise):
+
+    - ``peak_bytes``: the activation term. Inference: the peak of live storage besides weights, buffers and
+      input. Training: the larger of that peak over forward and backward (``backward_phase``: saved activations,
+      the gradients made so far, the backward's transients) and the AdamW step (``step_phase``,
+      :func:`adamw_step_bytes`: gradients, both moments, the step's temporaries; the replay stops before it).
+    - ``peak_at``: the module running when the peak was reached (its dotted path, or 'backward').
+    - ``saved_bytes`` and ``saved_by_unit``: training only; what autograd saved for the backward (distinct
+      storages, weights and input excluded), in all and by the top-level part of the model that saved it first
+      (``blocks.3``, ``stages.1``, ``patch_embed``): what each block keeps alive for the backward.
+
+    Not seen, as in :class:`LiveTensors`: storage a kernel allocates and frees inside one op (its scratch; on
+    the CPU, e.g., oneDNN's convolution workspace), and the allocator's own overhead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if mode not in ("infer", "train"):
+        raise ValueError(f"mode must be 'infer' or 'train', got {mode!r}")
+    dev = torch.device(device)
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    # the dotted paths of the module calls in progress; through the global hooks (for the replay only), since a
+    # hook on a module can change its path (PatchEmbed runs a hooked projection as a conv, not as its GEMM)
+    paths = {id(m): p for p, m in model.named_modules() if p}
+    stack: list[str] = []
+
+    def enter(m, _a) -> None:
+        if id(m) in paths:
+            stack.append(paths[id(m)])
+
+    def leave(m, _a, _o) -> None:  # returns None: a forward hook's return value would replace the output
+        if id(m) in paths:
+            stack.pop()
+
+    hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    saved: dict[int, tuple[str, int]] = {}
+    # a module may cache tensors in plain attributes (Swin's window masks): the replay must neither use a real
+    # cache (it would not be counted, nor rebuilt) nor leave fake ones behind, so each module's own attributes
+    # are set aside and put back afterwards (dicts copied, as a cache may be filled in place)
+    internal = set(vars(nn.Module()))
+    state = [(m, {k: v.copy() if type(v) is dict else v for k, v in vars(m).items() if k not in internal})
+             for m in model.modules()]
+    was_training = model.training
+    try:
+        for m, own in state:
+            for k, v in own.items():
+                if type(v) is dict and any(isinstance(t, torch.Tensor) for t in tree_flatten(v)[0]):
+                    setattr(m, k, {})  # a cache of tensors starts empty, as in a fresh model
+        with FakeTensorMode(allow_non_fake_inputs=True):  # other real tensors (constants) are read as fake
+            def fake(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+                return torch.empty_strided(t.shape, t.stride(), dtype=dt, device=dev)
+
+            params = {k: fake(p, p.dtype).requires_grad_(p.requires_grad) for k, p in model.named_parameters()}
+            buffers = {k: fake(b, b.dtype) for k, b in model.named_buffers()}
+            x = torch.empty(input_shape, dtype=dtype, device=dev)
+            existing = [x, *params.values(), *buffers.values()]
+            skip = {t.untyped_storage()._cdata for t in existing}
+
+            def pack(t: torch.Tensor):
+                key = t.untyped_storage()._cdata
+                if key not in skip and key not in saved:
+                    saved[key] = (_unit(stack[-1] if stack else "", model), t.untyped_storage().nbytes())
+                return t
+
+            model.train(mode == "train")
+            live = _LocatedLiveTensors(existing, lambda: stack[-1] if stack else "backward")
+            with live:
+                if mode == "infer":
+                    # no_grad, not inference_mode: the same tensors live, but a composite op (SDPA's math
+                    # kernel) is then seen as the ops it runs, its N x N maps included, not as one opaque op
+                    with torch.no_grad():
+                        torch.func.functional_call(model, {**params, **buffers}, (x,))
+                else:
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        out = torch.func.functional_call(model, {**params, **buffers}, (x,))
+                    logits = sum(out) / len(out) if isinstance(out, tuple) else out  # distilled: two heads
+                    # the target inline: its last reference is then the loss's graph, as in a training loop
+                    F.cross_entropy(logits.float(), torch.zeros(len(logits), dtype=torch.long, device=dev)).backward()
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, own in state:
+            for k in set(vars(m)) - internal - set(own):
+                delattr(m, k)
+            for k, v in own.items():
+                setattr(m, k, v)
+        model.train(was_training)
+    if mode == "infer":
+        return {"peak_bytes": live.peak, "peak_at": live.peak_at}
+    by_unit: dict[str, int] = {}
+    for unit, n in saved.values():
+        by_unit[unit] = by_unit.get(unit, 0) + n
+    ps = list(model.parameters())
+    step = adamw_step_bytes(sum(p.numel() for p in ps), max(p.numel() for p in ps), len(ps),
+                            torch.finfo(dtype).bits // 8, device)["step_phase"]
+    return {"peak_bytes": max(live.peak, step), "peak_at": live.peak_at if live.peak >= step else "AdamW step",
+            "backward_phase": live.peak, "step_phase": step, "saved_bytes": sum(by_unit.values()),
+            "saved_by_unit": by_unit}
+
+
+def adamw_step_bytes(params: int, largest: int, tensors: int, bytes_per: int = 4, device: str = "cpu") -> dict:
+    """Bytes alive in the first AdamW step besides weights and input, for ``params`` parameters in ``tensors``
+    tensors, the largest of ``largest``: the gradients (``gradients``, W), exp_avg and exp_avg_sq and a float32
+    step count a tensor (``adamw_state``, 2 W + 4 B a tensor), and the step's temporaries
+    (``step_temporaries``: on the CPU PyTorch's per-parameter loop, ``sqrt(v)`` and its quotient alive at once,
+    2 x the largest parameter; on CUDA its multi-tensor path, one weight-sized ``sqrt(v)`` list); their sum is
+    ``step_phase``."""
+    grads = params * bytes_per
+    tmp = grads if torch.device(device).type == "cuda" else 2 * largest * bytes_per
+    moments = 2 * grads + 4 * tensors
+    return {"gradients": grads, "adamw_state": moments, "step_temporaries": tmp, "step_phase": grads + moments + tmp}
 
 
 @dataclass(frozen=True)
@@ -333,14 +522,10 @@ def activation_estimate(shape: BlockShape, batch_size: int, mode: str, bytes_per
     # (a) at the last block's GELU backward; again at the first block's, L - 1 blocks later
     backward = max(saved + g_tail + transient,
                    saved - (L - 1) * saved_block + g_tail + (L - 1) * g_block + transient)
-    grads = shape.params * bytes_per
-    step_tmp = grads if torch.device(device).type == "cuda" else 2 * shape.largest_param * bytes_per
-    moments = 2 * grads + 4 * shape.param_tensors  # exp_avg, exp_avg_sq, and a float32 step count a tensor
-    step = grads + moments + step_tmp  # (b)
+    step = adamw_step_bytes(shape.params, shape.largest_param, shape.param_tensors, bytes_per, device)  # (b)
     return {"unit_U": U, "unit_Hf": Hf, "unit_S": S, "saved_per_block": saved_block,
             "saved_after_blocks": saved_head, "saved_activations": saved, "backward_transient": transient,
-            "backward_phase": backward, "gradients": grads, "adamw_state": moments,
-            "step_temporaries": step_tmp, "step_phase": step, "peak_bytes": max(backward, step)}
+            "backward_phase": backward, **step, "peak_bytes": max(backward, step["step_phase"])}
 
 
 def complexity_table(embed_dim: int = 768, num_heads: int = 12, patch_size: int = 16,

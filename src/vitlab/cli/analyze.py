@@ -242,7 +242,8 @@ def cmd_memory(args) -> int:
             rows.append(measure_memory_isolated(args.model, batch_size=b, mode=mode, device=args.device,
                                                 dtype=args.dtype, img_size=args.img_size, sdpa=args.sdpa,
                                                 malloc_mmap_threshold=args.malloc_mmap_threshold, **extra))
-    table = complexity_table(**_vit_shape(args.model, extra))
+    size = {"img_size": args.img_size} if args.img_size else {}
+    table = complexity_table(**_vit_shape(args.model, {**extra, **size}))
     for r in rows:
         est = "  ".join(f"Q={q}: {v:.3f}" for q, v in r["estimate_gb"].items())
         console.print(f"{r['mode']:>5} b{r['batch_size']}: seed 004 (weights only) GB {est} | measured: loaded "
@@ -251,11 +252,12 @@ def cmd_memory(args) -> int:
         if r["activation_gb"] is None:
             console.print(f"       no activation term: {r['activation_note']}", highlight=False)
             continue
+        how = (f"closed form, SDPA {r['sdpa_kernel']}, map materialised: {r['attention_map_materialised']}; "
+               f"traced: {r['traced_gb']:.3f}" if r["activation_source"] == "closed form" else "traced")
         console.print(f"       weights {r['weights_gb']:.3f} + input {r['input_gb']:.3f} + activations "
-                      f"{r['activation_gb']:.3f} (SDPA {r['sdpa_kernel']}, map materialised: "
-                      f"{r['attention_map_materialised']}) = {r['analytic_gb']:.3f} GB; measured / that = "
-                      f"{r['measured_over_analytic']:.2f}; live tensors peaked at {r['tensor_peak_gb']:.3f} GB",
-                      highlight=False)
+                      f"{r['activation_gb']:.3f} ({how}; peak in {r['activation_trace']['peak_at']}) = "
+                      f"{r['analytic_gb']:.3f} GB; measured / that = {r['measured_over_analytic']:.2f}; live "
+                      f"tensors peaked at {r['tensor_peak_gb']:.3f} GB", highlight=False)
     for t in table:
         console.print(f"{t['img_size']:>5} px: N = {t['tokens']:>5}, {t['scores_per_head_m']:.2f} M scores/head "
                       f"(seed 001: {t['seed001_printed_m']}), {t['attention_gmacs_per_layer']:.3f} GMACs/layer, "
