@@ -102,17 +102,23 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
     sd, ck = load_weights(path)
     trained = int(ck["img_size"])
     desc = {**ck, "model_kwargs": {**ck.get("model_kwargs", {}), **extra}}
-    if size is not None:
+    build = create_from_description
+    if "clip" in ck:  # a run of vitlab train --task clip: the CLIP is described apart (its text tower's size)
+        from vitlab.clip.zeroshot import model_from_description as build
+
+        desc["clip"] = {**ck["clip"], **({"img_size": size} if size is not None else {})}
+    elif size is not None:
         desc["img_size"] = size
     try:
-        model = create_from_description(desc)
+        model = build(desc)
     except (TypeError, ValueError) as e:
         raise _build_error(ck["model"], e) from None
     load_state_dict(model, sd, source=str(path))  # resamples position embeddings to the new grid
+    model, output = image_model(model)
     meta = ExportMeta(model=ck["model"], img_size=size or (trained, trained), in_chans=int(ck["in_chans"]),
                       mean=tuple(ck["mean"]), std=tuple(ck["std"]), crop_pct=ck.get("crop_pct") or 1.0,
                       num_classes=int(ck["num_classes"]), class_names=list(ck.get("class_names") or []),
-                      dynamic_img_size=dynamic_img_size)
+                      dynamic_img_size=dynamic_img_size, output=output)
     return model.eval(), meta
 
 
