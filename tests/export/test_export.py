@@ -34,6 +34,17 @@ def test_fallback_to_torchscript_exporter_is_stated(tmp_path, monkeypatch):
     assert dim0.dim_param == "batch"
 
 
+def test_weights_over_the_protobuf_limit_go_to_external_data(tmp_path, monkeypatch):
+    # ViT-H/14's 2.5 GB of weights, in small: every model counts as one over the 2 GiB limit of a single protobuf
+    monkeypatch.setattr("vitlab.export._export._EXTERNAL_DATA_ABOVE", 0)
+    r = ex.onnx("vit_pico_patch8_32", tmp_path / "m.onnx", **PICO)
+    assert r.ok, r.lines()  # ONNX Runtime loads the weights from m.onnx.data
+    data = tmp_path / "m.onnx.data"
+    assert data.stat().st_size > (tmp_path / "m.onnx").stat().st_size and r.size_bytes == sum(
+        f.stat().st_size for f in tmp_path.iterdir())
+    assert ex.read_onnx_meta(tmp_path / "m.onnx").model == "vit_pico_patch8_32"
+
+
 class BakedBatch(nn.Module):
     """Right at the traced batch only: ``int(...)`` turns the batch size into a trace constant."""
 

@@ -23,7 +23,8 @@ from vitlab.export._validate import FP32_ATOL, ExportReport, check_inputs, compa
 EXTRA = "vitlab[export]"
 TRACE_BATCH = 2  # > 1, so torch.export keeps the batch symbolic instead of specialising a size-1 dimension
 MAX_BATCH = 4096
-_PROTOBUF_LIMIT = 2**31 - 2**24  # a single ONNX protobuf must stay under 2 GiB; bigger models use external data
+# a single ONNX protobuf must stay under 2 GiB: models whose weights come near it keep them in external data
+_EXTERNAL_DATA_ABOVE = 2**31 - 2**27
 
 
 def require_onnx() -> None:
@@ -174,7 +175,8 @@ def write_onnx(proto, path: Path, meta: ExportMeta | None = None) -> int:
     if meta is not None:
         onnx.helper.set_model_props(proto, {META_KEY: meta.to_json()})
     path.parent.mkdir(parents=True, exist_ok=True)
-    if proto.ByteSize() < _PROTOBUF_LIMIT:
+    # the weights' size, tensor by tensor: ByteSize() of a whole model over 2 GiB fails to encode (EncodeError)
+    if sum(t.ByteSize() for t in proto.graph.initializer) < _EXTERNAL_DATA_ABOVE:
         atomic_write(path, proto.SerializeToString())
         return path.stat().st_size
     tmp = make_temp_dir(path.parent)
