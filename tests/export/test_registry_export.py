@@ -101,8 +101,10 @@ def _dynamic(name: str, tmp_path, **kw) -> None:
 @pytest.mark.parametrize("name", [n for n in SMALLEST if vitlab.get_model_config(n).family in DYNAMIC])
 def test_dynamic_img_size_every_family(name, tmp_path):
     family = vitlab.get_model_config(name).family
-    _dynamic(name, tmp_path, **_kwargs(name, smoke=True),
-             **({"img_size": SMOKE_DYNAMIC_SIZE[family]} if family in SMOKE_DYNAMIC_SIZE else {}))
+    kw = _kwargs(name, smoke=True)
+    if family in SMOKE_DYNAMIC_SIZE:
+        kw["img_size"] = SMOKE_DYNAMIC_SIZE[family]
+    _dynamic(name, tmp_path, **kw)
 
 
 @pytest.mark.slow
