@@ -1,5 +1,5 @@
 """``vitlab export`` and ``vitlab predict --onnx``: files written and validated, int8 with the accuracy change, one
-line and exit 2 on bad input or without the export extra."""
+line and exit 2 on bad input or without the export extra; a CLIP run exports its image tower."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import numpy as np
 import onnx
 import pytest
 import skimage.data
+import torch
 from PIL import Image
 
 import vitlab.export as ex
 from vitlab.cli import main
+from vitlab.clip.zeroshot import load_clip
 from vitlab.train import predict
 
 
@@ -75,3 +77,23 @@ def test_missing_extra_names_it(tmp_path, monkeypatch, capsys):
 def test_predict_needs_one_source(capsys):
     assert main(["predict", "x.png"]) == 2
     assert "exactly one of --checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # 15 s: a CLIP trained for one epoch, its image tower exported with a dynamic image size
+def test_clip_run_exports_its_image_tower(tmp_path, capsys):
+    run, out = tmp_path / "run", tmp_path / "clip.onnx"
+    assert main(["train", "--task", "clip", "--output_dir", str(run), "--model", "clip_vit_pico_patch8",
+                 "--model_kwargs.image_depth", "1", "--model_kwargs.text_depth", "1", "--epochs", "1",
+                 "--batch_size", "128", "--threads", "1", "--quiet"]) == 0
+    assert main(["export", str(run), "--format", "onnx", "--dynamic-img-size", "--out", str(out)]) == 0
+    assert "exported its image tower" in capsys.readouterr().out
+    meta = ex.read_onnx_meta(out)
+    assert meta.output == "image_embedding" and meta.class_names[7] == "seven"
+    x = ex.real_images(meta)
+    got = ex.onnx_session(out).run(None, {"image": x.numpy()})[0]
+    with torch.no_grad():  # the run's trained weights, as vitlab zeroshot loads them
+        want = load_clip(str(run))[0].encode_image(x)
+    torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=0)
+    assert main(["predict", "--onnx", str(out), "x.png"]) == 2
+    err = capsys.readouterr().err
+    assert "not class scores" in err and err.count("\n") == 1

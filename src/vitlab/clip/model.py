@@ -198,9 +198,12 @@ class CLIP(nn.Module):
 
 
 def build_clip(embed_dim: int, image_model: str, image_kwargs: dict, text_kwargs: dict, quick_gelu: bool = False,
-               img_size=None, in_chans: int | None = None, drop_path_rate: float = 0.0, **kwargs) -> CLIP:
+               img_size=None, in_chans: int | None = None, drop_path_rate: float = 0.0,
+               dynamic_img_size: bool = False, **kwargs) -> CLIP:
     """A CLIP of a registered image model and a text configuration; ``kwargs`` go to :class:`CLIP` except
-    ``text_*`` (to the text tower: ``text_depth=2``) and ``image_*`` (to the image model: ``image_depth=2``)."""
+    ``text_*`` (to the text tower: ``text_depth=2``) and ``image_*`` (to the image model: ``image_depth=2``).
+    ``img_size``, ``in_chans``, ``drop_path_rate`` and ``dynamic_img_size`` (``create_model``'s) are the image
+    model's."""
     image_kwargs, text_kwargs = dict(image_kwargs), dict(text_kwargs)
     for key in list(kwargs):
         if key.startswith("text_") and key != "text_kwargs":
@@ -214,6 +217,8 @@ def build_clip(embed_dim: int, image_model: str, image_kwargs: dict, text_kwargs
             image_kwargs[key] = value
     if drop_path_rate:
         image_kwargs["drop_path_rate"] = drop_path_rate
+    if dynamic_img_size:
+        image_kwargs["dynamic_img_size"] = True
     return CLIP(embed_dim, image_model, image_kwargs, text_kwargs=text_kwargs, **kwargs)
 
 

@@ -24,9 +24,17 @@ from vitlab.export._export import (
     torchscript,
 )
 from vitlab.export._quantize import predict_onnx, quantize_onnx
-from vitlab.export._source import ExportMeta, load_source, real_images, smallest_per_family
+from vitlab.export._source import (
+    ExportMeta,
+    image_model,
+    load_source,
+    num_params,
+    real_images,
+    smallest_per_family,
+    too_big_to_export,
+)
 from vitlab.export._validate import FP32_ATOL, ExportReport
 
-__all__ = ["FP32_ATOL", "ExportMeta", "ExportReport", "exported_program", "load_exported", "load_source", "onnx",
-           "onnx_session", "predict_onnx", "quantize_onnx", "read_onnx_meta", "real_images", "require_onnx",
-           "smallest_per_family", "torchscript"]
+__all__ = ["FP32_ATOL", "ExportMeta", "ExportReport", "exported_program", "image_model",
+           "load_exported", "load_source", "num_params", "onnx", "onnx_session", "predict_onnx", "quantize_onnx",
+           "read_onnx_meta", "real_images", "require_onnx", "smallest_per_family", "too_big_to_export", "torchscript"]

@@ -17,13 +17,14 @@ import torch.nn as nn
 from torch.export import Dim
 
 from vitlab._io import atomic_write, make_temp_dir
-from vitlab.export._source import META_KEY, ExportMeta, load_source
+from vitlab.export._source import META_KEY, ExportMeta, image_model, load_source
 from vitlab.export._validate import FP32_ATOL, ExportReport, check_inputs, compare, outputs
 
 EXTRA = "vitlab[export]"
 TRACE_BATCH = 2  # > 1, so torch.export keeps the batch symbolic instead of specialising a size-1 dimension
 MAX_BATCH = 4096
-_PROTOBUF_LIMIT = 2**31 - 2**24  # a single ONNX protobuf must stay under 2 GiB; bigger models use external data
+# a single ONNX protobuf must stay under 2 GiB: models whose weights come near it keep them in external data
+_EXTERNAL_DATA_ABOVE = 2**31 - 2**27
 
 
 def require_onnx() -> None:
@@ -41,13 +42,15 @@ def require_onnx() -> None:
 def _prepare(model: nn.Module | str | os.PathLike, meta: ExportMeta | None, img_size, dynamic_batch: bool,
              dynamic_img_size: bool, model_kwargs: dict) -> tuple[nn.Module, ExportMeta]:
     if isinstance(model, nn.Module):
+        module, output = image_model(model)
         if meta is None:
             if img_size is None:
                 raise ValueError("exporting an nn.Module needs img_size=(H, W) or meta=ExportMeta(...)")
             h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
             meta = ExportMeta(model=type(model).__name__, img_size=(int(h), int(w)),
-                              num_classes=int(getattr(model, "num_classes", 0)))
-        module = model.eval()
+                              num_classes=int(getattr(module, "num_classes", 0)))
+        meta = replace(meta, output=output)
+        module = module.eval()
     else:
         module, loaded = load_source(model, img_size=img_size, dynamic_img_size=dynamic_img_size, **model_kwargs)
         meta = meta or loaded
@@ -59,6 +62,7 @@ def _prepare(model: nn.Module | str | os.PathLike, meta: ExportMeta | None, img_
 
 def _check_dynamic_size(model: nn.Module, meta: ExportMeta) -> None:
     """Refuse a dynamic image size for a model built for one resolution."""
+    model = getattr(model, "trunk", model)  # a CLIP image tower: its ViT decides
     if getattr(model, "dynamic_img_size", None) is False:  # families that are size-agnostic keep no flag
         raise ValueError(f"{meta.model} has no dynamic image size: export it at a fixed --img-size H W")
 
@@ -119,6 +123,14 @@ def _quiet():
             yield buf
 
 
+def _notes(meta: ExportMeta) -> list[str]:
+    """What the report says before any check: which part of the model was exported, when not all of it."""
+    if meta.output == "image_embedding":
+        return [f"{meta.model} is a CLIP: exported its image tower (encode_image, unnormalised embeddings); the "
+                "text tower takes token ids, not images, and is not part of the file"]
+    return []
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
@@ -127,7 +139,7 @@ def _first_line(e: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------------- ONNX
 
 
-def _onnx_bytes(model: nn.Module, x: torch.Tensor, dims: dict, opset: int, notes: list[str]):
+def _onnx_bytes(model: nn.Module, x: torch.Tensor, dims: dict, opset: int, output: str, notes: list[str]):
     """(onnx ModelProto, exporter name): the dynamo exporter, else the TorchScript-based one (said in notes)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -137,7 +149,7 @@ def _onnx_bytes(model: nn.Module, x: torch.Tensor, dims: dict, opset: int, notes
         # the exporter runs later, and window attention's reshapes then meet an impossible view (Swin)
         with _quiet(), sdpa_kernel(SDPBackend.MATH), torch.no_grad():
             prog = torch.onnx.export(model, (x,), dynamo=True, opset_version=opset, dynamic_shapes=shapes,
-                                     input_names=["image"], output_names=["logits"], verbose=False)
+                                     input_names=["image"], output_names=[output], verbose=False)
         return prog.model_proto, "dynamo (torch.export + onnxscript)"
     except Exception as e:  # noqa: BLE001  any exporter failure: try the other exporter, and say so
         notes.append(f"the dynamo exporter failed ({_first_line(e)}); fell back to the TorchScript-based exporter")
@@ -151,7 +163,7 @@ def _onnx_bytes(model: nn.Module, x: torch.Tensor, dims: dict, opset: int, notes
     buf = io.BytesIO()
     with _quiet(), torch.no_grad():
         torch.onnx.export(model, (x,), buf, dynamo=False, opset_version=opset, input_names=["image"],
-                          output_names=["logits"], dynamic_axes={"image": axes} if axes else None)
+                          output_names=[output], dynamic_axes={"image": axes} if axes else None)
     return onnx.load_from_string(buf.getvalue()), "TorchScript-based torch.onnx exporter (fall-back)"
 
 
@@ -163,7 +175,8 @@ def write_onnx(proto, path: Path, meta: ExportMeta | None = None) -> int:
     if meta is not None:
         onnx.helper.set_model_props(proto, {META_KEY: meta.to_json()})
     path.parent.mkdir(parents=True, exist_ok=True)
-    if proto.ByteSize() < _PROTOBUF_LIMIT:
+    # the weights' size, tensor by tensor: ByteSize() of a whole model over 2 GiB fails to encode (EncodeError)
+    if sum(t.ByteSize() for t in proto.graph.initializer) < _EXTERNAL_DATA_ABOVE:
         atomic_write(path, proto.SerializeToString())
         return path.stat().st_size
     tmp = make_temp_dir(path.parent)
@@ -226,8 +239,8 @@ def onnx(model: nn.Module | str | os.PathLike, path: str | os.PathLike, *, img_s
     t0 = time.perf_counter()
     module, meta = _prepare(model, meta, img_size, dynamic_batch, dynamic_img_size, model_kwargs)
     x, dims, others = _trace_plan(module, meta)
-    notes: list[str] = []
-    proto, exporter = _onnx_bytes(module, x, dims, opset, notes)
+    notes = _notes(meta)
+    proto, exporter = _onnx_bytes(module, x, dims, opset, meta.output, notes)
     size = write_onnx(proto, Path(path), meta)
     report = ExportReport(str(path), "onnx", exporter, size, meta, notes=notes, atol=atol)
     if validate:
@@ -253,7 +266,8 @@ def exported_program(model: nn.Module | str | os.PathLike, path: str | os.PathLi
     buf = io.BytesIO()
     torch.export.save(ep, buf, extra_files={f"{META_KEY}.json": meta.to_json()})
     atomic_write(path, buf.getvalue())
-    report = ExportReport(str(path), "exported", "torch.export", Path(path).stat().st_size, meta, atol=atol)
+    report = ExportReport(str(path), "exported", "torch.export", Path(path).stat().st_size, meta, atol=atol,
+                          notes=_notes(meta))
     if validate:
         loaded = load_exported(path)[0]
         report.diffs = compare(module, lambda t: outputs(loaded(t)), check_inputs(meta, x.shape[0], others),
@@ -286,7 +300,8 @@ def torchscript(model: nn.Module | str | os.PathLike, path: str | os.PathLike, *
     with _quiet():  # torch.jit's deprecation warnings: TorchScript is the format asked for
         torch.jit.save(traced, buf, _extra_files={f"{META_KEY}.json": meta.to_json()})
     atomic_write(path, buf.getvalue())
-    report = ExportReport(str(path), "torchscript", "torch.jit.trace", Path(path).stat().st_size, meta, atol=atol)
+    report = ExportReport(str(path), "torchscript", "torch.jit.trace", Path(path).stat().st_size, meta, atol=atol,
+                          notes=_notes(meta))
     if validate:
         with _quiet():
             loaded = torch.jit.load(str(path))

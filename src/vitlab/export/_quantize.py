@@ -9,6 +9,7 @@ Neural Networks for Efficient Integer-Arithmetic-Only Inference", Section 2: r =
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -33,9 +34,16 @@ def quantize_onnx(src: str | os.PathLike, dst: str | os.PathLike, data: str | No
 
     src, dst = Path(src), Path(dst)
     meta = read_onnx_meta(src)
+    if data is not None:
+        _need_classifier(meta, src, "a top-1 accuracy")
     tmp = make_temp_dir(dst.parent if dst.parent.exists() else Path.cwd())
     try:
-        quantize_dynamic(src, tmp / "q.onnx", weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"])
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)  # onnxruntime logs advice (pre-process the graph); the result is measured
+        try:
+            quantize_dynamic(src, tmp / "q.onnx", weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"])
+        finally:
+            logging.disable(previous)
         size = write_onnx(onnx.load(str(tmp / "q.onnx")), dst, meta)
     finally:
         for f in tmp.iterdir():
@@ -54,6 +62,12 @@ def quantize_onnx(src: str | os.PathLike, dst: str | os.PathLike, data: str | No
                       top1_int8=b["top1"], top1_change=b["top1"] - a["top1"],
                       prediction_agreement=float(np.mean(a["pred"] == b["pred"])) * 100)
     return result
+
+
+def _need_classifier(meta: ExportMeta, path, what: str) -> None:
+    if meta.output != "logits":
+        raise ValueError(f"{path} returns {meta.output.replace('_', ' ')}s ({meta.model}), not class scores: "
+                         f"{what} needs a classifier")
 
 
 def onnx_top1(sess, meta: ExportMeta, data: str, split: str = "test", batch_size: int = 64,
@@ -87,6 +101,7 @@ def predict_onnx(path: str | os.PathLike, images: list[str | os.PathLike], topk:
     from vitlab.data import load_image
 
     meta = read_onnx_meta(path)
+    _need_classifier(meta, path, "predict")
     for p in images:
         if not Path(p).is_file():
             raise FileNotFoundError(f"image not found: {p}")

@@ -4,7 +4,9 @@ exported files are validated on."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,8 @@ class ExportMeta:
     crop_pct: float = 0.9
     num_classes: int = 1000
     class_names: list[str] = field(default_factory=list)  # empty: labels are the class indices
+    # what the file returns: 'logits' (a classifier) or 'image_embedding' (a CLIP's image tower, unnormalised)
+    output: str = "logits"
     dynamic_batch: bool = True
     dynamic_img_size: bool = False
     vitlab_version: str = vitlab.__version__
@@ -82,10 +86,11 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
             model = vitlab.create_model(str(source), **kw)
         except (TypeError, ValueError) as e:  # a family without the keyword (e.g. dynamic_img_size), or refusing it
             raise _build_error(str(source), e) from None
-        grid = size or _model_img_size(model, cfg.input_size[1:])
+        model, output = image_model(model)
+        grid = size or _model_img_size(getattr(model, "trunk", model), cfg.input_size[1:])  # CLIP: in the trunk
         meta = ExportMeta(model=str(source), img_size=grid, in_chans=cfg.input_size[0], mean=tuple(cfg.mean),
                           std=tuple(cfg.std), crop_pct=cfg.crop_pct, num_classes=_num_classes(model, cfg.num_classes),
-                          dynamic_img_size=dynamic_img_size)
+                          dynamic_img_size=dynamic_img_size, output=output)
         return model.eval(), meta
     path = Path(source)
     if not path.exists():
@@ -97,18 +102,36 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
     sd, ck = load_weights(path)
     trained = int(ck["img_size"])
     desc = {**ck, "model_kwargs": {**ck.get("model_kwargs", {}), **extra}}
-    if size is not None:
+    build = create_from_description
+    if "clip" in ck:  # a run of vitlab train --task clip: the CLIP is described apart (its text tower's size)
+        from vitlab.clip.zeroshot import model_from_description as build
+
+        desc["clip"] = {**ck["clip"], **({"img_size": size} if size is not None else {})}
+    elif size is not None:
         desc["img_size"] = size
     try:
-        model = create_from_description(desc)
+        model = build(desc)
     except (TypeError, ValueError) as e:
         raise _build_error(ck["model"], e) from None
     load_state_dict(model, sd, source=str(path))  # resamples position embeddings to the new grid
+    model, output = image_model(model)
     meta = ExportMeta(model=ck["model"], img_size=size or (trained, trained), in_chans=int(ck["in_chans"]),
                       mean=tuple(ck["mean"]), std=tuple(ck["std"]), crop_pct=ck.get("crop_pct") or 1.0,
                       num_classes=int(ck["num_classes"]), class_names=list(ck.get("class_names") or []),
-                      dynamic_img_size=dynamic_img_size)
+                      dynamic_img_size=dynamic_img_size, output=output)
     return model.eval(), meta
+
+
+def image_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """(the module an image goes through, what it returns). A CLIP (Radford et al., 2021) is two towers whose
+    ``forward`` takes an image and a text; its deployable image part is the image tower, ``encode_image`` without
+    normalisation (what open_clip's ``encode_image`` returns and timm's CLIP image models give with their
+    projection head), so that is what is exported. Any other model is exported as it is (logits)."""
+    from vitlab.clip.model import CLIP
+
+    if isinstance(model, CLIP):
+        return model.visual, "image_embedding"
+    return model, "logits"
 
 
 def _build_error(name: str, e: TypeError | ValueError) -> ValueError:
@@ -119,19 +142,34 @@ def _build_error(name: str, e: TypeError | ValueError) -> ValueError:
     return ValueError(f"{name} cannot be built with these arguments: {e}")
 
 
-def smallest_per_family() -> list[str]:
-    """The registered model with the fewest parameters of each family (counted on the meta device), sorted."""
+def num_params(name: str, **model_kwargs) -> int:
+    """Parameters of a registered model, counted on the meta device (shapes only, no memory)."""
     from vitlab.profile import count_params
 
+    with torch.device("meta"):
+        return count_params(vitlab.create_model(name, **model_kwargs))[0]
+
+
+def smallest_per_family() -> list[str]:
+    """The registered model with the fewest parameters of each family, sorted."""
     fams: dict[str, list[str]] = {}
     for name in vitlab.list_models():
         fams.setdefault(vitlab.get_model_config(name).family, []).append(name)
+    return sorted(min(names, key=num_params) for names in fams.values())
 
-    def params(name: str) -> int:
-        with torch.device("meta"):  # shapes only, no memory
-            return count_params(vitlab.create_model(name))[0]
 
-    return sorted(min(names, key=params) for names in fams.values())
+def too_big_to_export(name: str, **model_kwargs) -> str | None:
+    """Why exporting and validating a registered model would not fit in this machine's available memory, or None.
+    The peak is about five copies of its fp32 weights (eager, the traced program, the ONNX protobuf, its serialised
+    bytes, the ONNX Runtime session)."""
+    need = 5 * 4 * num_params(name, **model_kwargs)
+    avail = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with contextlib.suppress(OSError):  # Linux: what a new job can take without swapping others out
+        meminfo = Path("/proc/meminfo").read_text().split()
+        avail = int(meminfo[meminfo.index("MemAvailable:") + 1]) * 1024
+    if need <= avail:
+        return None
+    return f"{name} needs ~{need / 2**30:.0f} GiB to export and validate; {avail / 2**30:.0f} GiB are available"
 
 
 def _model_img_size(model: nn.Module, default) -> tuple[int, int]:
