@@ -177,6 +177,31 @@ def test_equals_authors_tome_on_timm(name, r, prop_attn, tmp_path):
     assert torch.equal(ours._tome.source, source)  # the same patches ended in the same tokens
 
 
+def test_avg_pool_weights_tokens_by_size_as_authors_mae_patch(tmp_path):
+    """The authors' MAE patch pools "proportional to token size": sum(s x) over the patch tokens, divided by the
+    token count T before fc_norm; restated as the size-weighted mean (a constant that the LayerNorm cancels)."""
+    torch.manual_seed(0)
+    kw = dict(KW, global_pool="avg")
+    ref = timm.create_model("vit_tiny_patch16_224", **kw).double().eval()
+    torch.save(ref.state_dict(), tmp_path / "w.pth")
+    ours = vitlab.create_model("vit_tiny_patch16_224", checkpoint_path=str(tmp_path / "w.pth"), **kw).double().eval()
+    x = torch.randn(3, 3, 64, 64, dtype=torch.float64)
+    ref_apply_patch(ref, 8, trace_source=True)
+    tome.apply(ours, r=8, trace_source=True)
+    with torch.no_grad():
+        ref._tome_info.update(r=ref_parse_r(len(ref.blocks), ref.r), size=None, source=None)
+        feats = ref.forward_features(x)
+        size = ref._tome_info["size"]
+        pooled = (feats * size)[:, 1:].sum(dim=1) / size[:, 1:].sum(dim=1)
+        want = ref.head(ref.fc_norm(pooled))
+        got, got_pooled = ours(x), ours.forward_head(ours.forward_features(x), pre_logits=True)
+        # the same vector as the plain mean over every input patch of its token's features (un-merged)
+        unmerged = (ours._tome.source[:, 1:, 1:].transpose(1, 2) @ ours.forward_features(x)[:, 1:]).mean(dim=1)
+    assert feats.shape[1] == 65 - 4 * 8  # tokens were merged
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got_pooled, ours.fc_norm(unmerged), rtol=1e-9, atol=1e-9)
+
+
 def test_r0_equals_unpatched_and_remove_restores_exactly():
     model = vitlab.create_model("deit_tiny_distilled_patch16_224", **KW).eval()
     x = torch.randn(2, 3, 64, 64)

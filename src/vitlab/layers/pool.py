@@ -1,6 +1,11 @@
 """Turning a token sequence into one vector (seed 001, "alternative pooling strategies"): the CLS token
 ('token'), the mean or max of the patch tokens ('avg', 'max'), or a learned attention pooling ('attn':
-softmax over a linear score per token, then the weighted sum)."""
+softmax over a linear score per token, then the weighted sum).
+
+Token reduction (vitlab.tome, vitlab.prune) leaves tokens that stand for several patches; given their ``size``
+(B, N, 1) the pools weight each token by it -- the mean of the merged tokens is then the mean over the patches,
+as ToMe's authors pool their MAE models ("global average pool proportional to token size"), and the attention
+pool adds ``log size`` to its scores as ToMe's proportional attention does (Bolya et al. 2023, Eq. 1)."""
 
 from __future__ import annotations
 
@@ -18,9 +23,11 @@ class AttentionPool(nn.Module):
         super().__init__()
         self.attention = nn.Linear(dim, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, C) -> (B, C)
-        weights = F.softmax(self.attention(x), dim=1)  # (B, N, 1)
-        return (weights * x).sum(dim=1)
+    def forward(self, x: torch.Tensor, size: torch.Tensor | None = None) -> torch.Tensor:  # (B, N, C) -> (B, C)
+        scores = self.attention(x)  # (B, N, 1)
+        if size is not None:
+            scores = scores + size.log()
+        return (F.softmax(scores, dim=1) * x).sum(dim=1)
 
 
 def check_pool_type(pool_type: str, has_class_token: bool) -> str:
@@ -31,15 +38,18 @@ def check_pool_type(pool_type: str, has_class_token: bool) -> str:
     return pool_type
 
 
-def pool_tokens(x: torch.Tensor, pool_type: str, num_prefix_tokens: int, attn_pool: nn.Module | None = None):
-    """Pool (B, N, C) tokens; the statistics pools see only the patch tokens (prefix tokens excluded)."""
+def pool_tokens(x: torch.Tensor, pool_type: str, num_prefix_tokens: int, attn_pool: nn.Module | None = None,
+                size: torch.Tensor | None = None):
+    """Pool (B, N, C) tokens; the statistics pools see only the patch tokens (prefix tokens excluded). ``size``
+    (B, N, 1): how many patches each token stands for (None: one each); 'max' ignores it."""
     if pool_type == "token":
         return x[:, 0]
     patches = x[:, num_prefix_tokens:]
+    size = None if size is None else size[:, num_prefix_tokens:]
     if pool_type == "avg":
-        return patches.mean(dim=1)
+        return patches.mean(dim=1) if size is None else (patches * size).sum(dim=1) / size.sum(dim=1)
     if pool_type == "max":
         return patches.amax(dim=1)
     if pool_type == "attn":
-        return attn_pool(patches)
+        return attn_pool(patches, size)
     return x

@@ -10,6 +10,8 @@ original classes back, so the model is again exactly what it was. In each block 
   ``scaled_dot_product_attention`` as an additive (B, 1, 1, N) mask so the fused kernels keep running;
 - between the attention and the MLP, bipartite soft matching on the keys (mean over heads) merges ``r`` tokens
   (:mod:`vitlab.tome.merge`), size-weighted, and the sizes add up;
+- the model's average (or attention) pool weights each token by its size, as the authors pool their MAE
+  models, so the pooled vector stays the mean over the patches;
 - with ``trace_source`` the (B, N', N0) source map (which input patches each token holds) is kept as
   ``model._tome.source`` after every forward (the paper's visualisation, :func:`vitlab.tome.merge_png`).
 
@@ -31,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from vitlab.layers import intermediates_plan
+from vitlab.layers import intermediates_plan, pool_tokens
 from vitlab.models.cait import Cait, LayerScaleBlockClassAttn
 from vitlab.models.vision_transformer import VisionTransformer
 from vitlab.tome.blocks import add_attention, add_mlp, attention_input, check_block, sdpa
@@ -54,6 +56,7 @@ class ToMeInfo:
     trace_source: bool
     protected: int  # leading tokens never merged
     source: torch.Tensor | None = field(default=None, repr=False)  # last forward's (B, N', N0), trace_source only
+    size: torch.Tensor | None = field(default=None, repr=False)  # last forward's (B, N', 1) token sizes, for pooling
 
 
 def _prop_mask(size: torch.Tensor | None, info: ToMeInfo) -> torch.Tensor | None:
@@ -121,6 +124,7 @@ def run_blocks(model: nn.Module, blocks, x: torch.Tensor, take: list[int] | None
             maps.append(y if source is None else unmerge_tokens(y, source))
     if info.trace_source:
         info.source = source
+    info.size = size
     return x, size, maps
 
 
@@ -132,6 +136,14 @@ class ToMeVisionTransformer:
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self._pos_embed(self.patch_embed(x), self._grid(x))
         return self.norm(run_blocks(self, self.blocks, x)[0])
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's pool, each token weighted by its size (the mean over the patches, as the authors pool
+        MAE models): without the weights a merged background token would count as much as one object patch."""
+        size = self._tome.size
+        if size is not None and size.shape[:2] != x.shape[:2]:
+            size = None  # features of another input than the last forward's: their sizes are unknown
+        return pool_tokens(x, self.global_pool, self.num_prefix_tokens, self.attn_pool, size)
 
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
                               output_fmt: str = "NCHW", intermediates_only: bool = False,
