@@ -32,8 +32,9 @@ def _explicit_attention(attn, x):
     return attn.proj((a @ v).transpose(1, 2).reshape(B, N, C)), a
 
 
-def ref_evit_features(model, x, keep_rate, locs):
-    """The authors' EViT block (fuse_token=True) on our model's modules."""
+def ref_evit_features(model, x, keep_rate, locs, fuse_mean=False):
+    """The authors' EViT block (fuse_token=True) on our model's modules; ``fuse_mean``: the fused token divided by
+    its attention mass (our variant for patch-pooled models)."""
     x = model._pos_embed(model.patch_embed(x), model._grid(x))
     for i, blk in enumerate(model.blocks):
         B, N, C = x.shape
@@ -51,6 +52,8 @@ def ref_evit_features(model, x, keep_rate, locs):
             non_topk = torch.gather(non_cls, dim=1, index=compl.unsqueeze(-1).expand(-1, -1, C))
             non_topk_attn = torch.gather(cls_attn, dim=1, index=compl)
             extra_token = torch.sum(non_topk * non_topk_attn.unsqueeze(-1), dim=1, keepdim=True)
+            if fuse_mean:
+                extra_token = extra_token / non_topk_attn.sum(dim=1)[:, None, None]
             x = torch.cat([x[:, 0:1], x_others, extra_token], dim=1)
         x = x + blk.mlp(blk.norm2(x))
     return model.norm(x)
@@ -65,6 +68,21 @@ def test_evit_equals_authors_forward():
         got = model.forward_features(x)
     assert got.shape[1] == 1 + math.ceil(0.7 * (math.ceil(0.7 * 64) + 1)) + 1
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_evit_on_an_avg_pooled_model_fuses_a_mean_counted_by_size():
+    model = _model("vit_tiny_patch16_224", global_pool="avg")
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    with torch.no_grad():
+        want = ref_evit_features(model, x, 0.7, [1, 3], fuse_mean=True)
+        prune.apply(model, "evit", keep_rate=0.7, locations=[1, 3])
+        got = model.forward_features(x)
+        pooled = model.forward_head(got, pre_logits=True)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    size = model._prune.size
+    kept = math.ceil(0.7 * (math.ceil(0.7 * 64) + 1))
+    assert size.shape == (2, 1 + kept + 1, 1) and torch.all(size[:, 1:].sum(dim=1) == 64)  # every patch counted once
+    torch.testing.assert_close(pooled, model.fc_norm((got[:, 1:] * size[:, 1:]).sum(dim=1) / 64))
 
 
 def ref_dynamicvit(model, x, locs, ratios, train, policy_hook=None):

@@ -3,7 +3,11 @@
 - ``"evit"`` -- EViT (Liang et al., "Not All Patches are What You Need", ICLR 2022, Sec. 3.1-3.2): in the chosen
   blocks, between the attention and the MLP, keep the ``ceil(keep_rate * n)`` tokens the class token attends to
   most (its attention row, mean over heads) and **fuse** the others into one token, their sum weighted by that
-  attention (Eq. 3 / the authors' ``extra_token``), placed last.
+  attention (Eq. 3 / the authors' ``extra_token``), placed last. EViT classifies from the class token; a model
+  that pools its patch tokens instead ('avg', 'max', 'attn') gets the attention-weighted **mean** of the
+  inattentive tokens, counted in the pool as the number of patches it absorbed (as ToMe weights merged tokens,
+  :func:`vitlab.tome.patch.sized_pool`), so the pooled vector stays a mean over the patches (the paper's sum,
+  weighted or not, shifts it: measured in docs/benchmarks.md).
 - ``"dynamicvit"`` -- DynamicViT (Rao et al., NeurIPS 2021, Sec. 3.2-3.4): before the chosen blocks a prediction
   module (``PredictorLG``: local features and a policy-weighted global mean, an MLP, log-softmax over
   keep / drop) scores the tokens. Training: a Gumbel-softmax hard mask (straight-through) multiplies the
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 
 from vitlab.models.vision_transformer import VisionTransformer
 from vitlab.tome.blocks import add_attention, add_mlp, attention_input, attn_dropout, attn_scale, output, project, sdpa
-from vitlab.tome.patch import install, merging_stage, uninstall
+from vitlab.tome.patch import install, merging_stage, sized_pool, uninstall
 
 METHODS = ("evit", "dynamicvit", "topk", "adaptive")
 
@@ -58,6 +62,8 @@ class PruneInfo:
     min_keep: float = 0.5  # adaptive: the least fraction kept at inference (the seed's min_keep_ratio)
     train_keep_rate: float | None = None  # the rate of training forwards when it differs (a warm-up); else keep_rate
     aux: dict = field(default_factory=dict, repr=False)
+    size: torch.Tensor | None = field(default=None, repr=False)  # EViT: (B, N, 1) patches per token, last forward
+    fuse_mean: bool = False  # EViT on a patch-pooled model: the fused token is a mean and carries a size
 
     def rate(self, training: bool) -> float:
         """The keep rate a forward in training (``True``) or inference mode uses."""
@@ -146,7 +152,14 @@ def select_by_cls_attention(x: torch.Tensor, score: torch.Tensor, keep_rate: flo
     if info.method == "evit":
         mask = torch.ones_like(score, dtype=torch.bool).scatter(1, idx, False)  # the inattentive tokens
         w = (score * mask)[..., None]
-        parts.append((tokens * w).sum(dim=1, keepdim=True))  # sum of a_i x_i over them: one fused token
+        fused = (tokens * w).sum(dim=1, keepdim=True)  # sum of a_i x_i over them: one fused token
+        if info.fuse_mean:
+            fused = fused / w.sum(dim=1, keepdim=True)
+            size = x.new_ones(x.shape[0], x.shape[1], 1) if info.size is None else info.size
+            rest = size[:, p:]
+            info.size = torch.cat([size[:, :p], rest.gather(1, idx[..., None]),
+                                   (rest * mask[..., None]).sum(dim=1, keepdim=True)], dim=1)
+        parts.append(fused)
     return torch.cat(parts, dim=1)
 
 
@@ -179,6 +192,7 @@ def run_pruned(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     p, B = info.protected, x.shape[0]
     train = model.training
     n0 = x.shape[1] - p
+    info.size, info.fuse_mean = None, info.method == "evit" and model.global_pool != "token"
     policy = prev = None
     stages: list[torch.Tensor] = []
     for i, blk in enumerate(model.blocks):
@@ -227,6 +241,9 @@ class PrunedVisionTransformer:
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self._pos_embed(self.patch_embed(x), self._grid(x))
         return self.norm(run_pruned(self, x))
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        return sized_pool(self, x, self._prune.size)
 
     def forward_intermediates(self, *args, **kwargs):
         raise ValueError("a pruned model drops tokens, so it has no dense maps; vitlab.prune.remove(model) first "

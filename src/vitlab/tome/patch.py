@@ -128,6 +128,15 @@ def run_blocks(model: nn.Module, blocks, x: torch.Tensor, take: list[int] | None
     return x, size, maps
 
 
+def sized_pool(model: nn.Module, x: torch.Tensor, size: torch.Tensor | None) -> torch.Tensor:
+    """``model``'s pool of its reduced tokens ``x``, each weighted by its ``size`` (B, N, 1) from the last forward
+    (the mean over the patches, as the authors pool MAE models): unweighted, a merged background token would
+    count as much as one object patch."""
+    if size is not None and size.shape[:2] != x.shape[:2]:
+        size = None  # features of another input than the last forward's: their sizes are unknown
+    return pool_tokens(x, model.global_pool, model.num_prefix_tokens, model.attn_pool, size)
+
+
 class ToMeVisionTransformer:
     """ViT / DeiT / HaLViT with token merging (mixed in before the model's class)."""
 
@@ -138,12 +147,7 @@ class ToMeVisionTransformer:
         return self.norm(run_blocks(self, self.blocks, x)[0])
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's pool, each token weighted by its size (the mean over the patches, as the authors pool
-        MAE models): without the weights a merged background token would count as much as one object patch."""
-        size = self._tome.size
-        if size is not None and size.shape[:2] != x.shape[:2]:
-            size = None  # features of another input than the last forward's: their sizes are unknown
-        return pool_tokens(x, self.global_pool, self.num_prefix_tokens, self.attn_pool, size)
+        return sized_pool(self, x, self._tome.size)
 
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
                               output_fmt: str = "NCHW", intermediates_only: bool = False,
