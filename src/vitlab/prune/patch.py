@@ -192,7 +192,7 @@ def run_pruned(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     p, B = info.protected, x.shape[0]
     train = model.training
     n0 = x.shape[1] - p
-    info.size, info.fuse_mean = None, info.method == "evit" and model.global_pool != "token"
+    info.size, info.fuse_mean = None, info.method == "evit" and model.global_pool in ("avg", "max", "attn")
     policy = prev = None
     stages: list[torch.Tensor] = []
     for i, blk in enumerate(model.blocks):
