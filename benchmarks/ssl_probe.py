@@ -56,14 +56,20 @@ def raw_pixel_logreg(dataset: str) -> float:
     return 100.0 * clf.score(xte, yte)
 
 
-def probes(ckpt: str, data: str, out_dir: Path, linear_epochs: int) -> dict:
+def probes(ckpt: str, data: str, out_dir: Path, linear_epochs: int, blocks: list[int],
+           have: dict | None = None) -> dict:
+    """{protocol[_lastN]: {top1, top5}}: linear, linear+BN and k-NN on the pre-logits of the last N blocks for each
+    N in ``blocks`` (N = 1: the plain pre-logits, no suffix); entries already in ``have`` are kept."""
     tag = ckpt.replace(":", "-").replace("/", "_")
-    r = {}
-    for name, kw in (("linear", dict(protocol="linear", epochs=linear_epochs)),
-                     ("linear_bn", dict(protocol="linear", epochs=linear_epochs, bn=True)),
-                     ("knn", dict(protocol="knn"))):
-        res = probe(ckpt, data, output=out_dir / f"probe-{tag}-{name}.json", **kw)
-        r[name] = {"top1": res["top1"], "top5": res["top5"]}
+    r = dict(have or {})
+    for n in blocks:
+        for name, kw in (("linear", dict(protocol="linear", epochs=linear_epochs)),
+                         ("linear_bn", dict(protocol="linear", epochs=linear_epochs, bn=True)),
+                         ("knn", dict(protocol="knn"))):
+            key = name if n == 1 else f"{name}_last{n}"
+            if key not in r:
+                res = probe(ckpt, data, output=out_dir / f"probe-{tag}-{key}.json", blocks=n, **kw)
+                r[key] = {"top1": res["top1"], "top5": res["top5"]}
     return r
 
 
@@ -88,8 +94,12 @@ def main() -> None:
     ap.add_argument("--data", default="digits")
     ap.add_argument("--methods", nargs="+", default=list(RECIPES))
     ap.add_argument("--epochs", nargs="*", default=[], help="method=N (default 10)")
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--model_kwargs", type=json.loads, default={}, help='JSON, e.g. \'{"embed_dim": 96}\'')
     ap.add_argument("--batch_size", type=int, default=128)
     ap.add_argument("--linear_epochs", type=int, default=100)
+    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 4],
+                    help="probe the pre-logits of the last N blocks for each N (4: DINO's protocol for ViT-S)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", default="/tmp/vitlab-ssl-runs")
     ap.add_argument("--out", required=True)
@@ -102,8 +112,9 @@ def main() -> None:
     out = Path(args.out)
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
-    result = {"data": args.data, "model": MODEL, "batch_size": args.batch_size, "threads": args.threads,
-              "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "methods": {}}
+    result = {"data": args.data, "model": args.model, "model_kwargs": args.model_kwargs, "batch_size": args.batch_size,
+              "threads": args.threads, "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "methods": {}}
 
     def save():
         out.write_text(json.dumps(result, indent=2))
@@ -113,16 +124,20 @@ def main() -> None:
         prev = json.loads(Path(args.baselines_from).read_text())
         if prev["data"] != args.data:
             raise SystemExit(f"{args.baselines_from} holds {prev['data']}, not {args.data}")
-        result.update({k: prev[k] for k in ("raw_pixel_logreg_top1", "random_init", "baseline_s")})
+        if (prev["model"], prev.get("model_kwargs", {})) != (args.model, args.model_kwargs):
+            raise SystemExit(f"{args.baselines_from} holds baselines of another backbone")
+        result.update({k: prev[k] for k in ("raw_pixel_logreg_top1", "random_init")})
     else:
         result["raw_pixel_logreg_top1"] = raw_pixel_logreg(args.data)
-        result["random_init"] = probes(f"random:{MODEL}", args.data, runs, args.linear_epochs)
-        result["baseline_s"] = time.perf_counter() - t0
+    result["random_init"] = probes(f"random:{args.model}", args.data, runs, args.linear_epochs, args.blocks,
+                                   result.get("random_init"))
+    result["baseline_s"] = time.perf_counter() - t0
     save()
     for m in args.methods:
         rec = RECIPES[m]
         run = runs / f"{m}-{args.data.split(':')[0]}"
-        cfg = TrainConfig(task=m, task_args=dict(rec["task_args"]), model=MODEL, data=DataConfig(dataset=args.data),
+        cfg = TrainConfig(task=m, task_args=dict(rec["task_args"]), model=args.model,
+                          model_kwargs=dict(args.model_kwargs), data=DataConfig(dataset=args.data),
                           epochs=epochs.get(m, 10), batch_size=args.batch_size, lr=rec["lr"], warmup_epochs=1,
                           drop_path=0.0, threads=args.threads, quiet=True, output_dir=str(run))
         wall, done = pretrain_within(cfg, run, args.budget_min * 60 if args.budget_min else None)
@@ -130,8 +145,8 @@ def main() -> None:
         monitors = {k: rows[-1][k] for k in rows[-1] if k.startswith("val_")}
         result["methods"][m] = {"epochs": cfg.epochs, "epochs_done": done, "lr": cfg.lr, "task_args": rec["task_args"],
                                 "pretrain_wall_s": wall, "final_train_loss": rows[-1]["train_loss"],
-                                "monitors_last_epoch": monitors, **probes(str(run), args.data, runs,
-                                                                          args.linear_epochs)}
+                                "monitors_last_epoch": monitors,
+                                **probes(str(run), args.data, runs, args.linear_epochs, args.blocks)}
         save()
         print(m, json.dumps(result["methods"][m]), flush=True)
 

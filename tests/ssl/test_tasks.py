@@ -141,6 +141,11 @@ def test_cli_pretrain_then_probe(tmp_path, capsys):
     assert main(["probe", "--checkpoint", str(run), "--protocol", "linear", "--epochs", "3", "--bn",
                  "--output", str(tmp_path / "lin.json")]) == 0
     assert json.loads((tmp_path / "lin.json").read_text())["bn"] is True
+    assert main(["probe", "--checkpoint", str(run), "--protocol", "knn", "--blocks", "1"]) == 0
+    assert main(["probe", "--checkpoint", "random:vit_pico_patch8_32", "--data", "digits", "--protocol", "linear",
+                 "--epochs", "2", "--blocks", "2", "--output", str(tmp_path / "last2.json")]) == 0
+    assert "last 2 blocks" in capsys.readouterr().out
+    assert json.loads((tmp_path / "last2.json").read_text())["feature_dim"] == 2 * 64
     assert main(["probe", "--checkpoint", "random:vit_pico_patch8_32", "--data", "digits", "--protocol", "knn",
                  "--output", str(tmp_path / "rand.json")]) == 0
 
@@ -182,6 +187,8 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
            (["pretrain", "--method", "mae", *COMMON, "--task_args.local_crops", "x"], "local_crops"),
            (["probe", "--checkpoint", str(tmp_path)], "holds no backbone"),
            (["probe", "--checkpoint", "random:nope", "--data", "digits"], "not a registered model"),
+           (["probe", "--checkpoint", "random:vit_pico_patch8_32", "--data", "digits", "--blocks", "9"],
+            "blocks must be in 1..4"),
            (["pretrain", *COMMON], "--method is required")]
     for argv, msg in bad:
         assert main(argv) == 2, argv

@@ -38,12 +38,14 @@ def cmd_probe(args) -> int:
 
     r = probe(args.checkpoint, args.data, protocol=args.protocol, output=args.output, epochs=args.epochs,
               lr=args.lr, bn=args.bn, k=args.k, temperature=args.temperature, batch_size=args.batch_size,
-              device=args.device, seed=args.seed, split=args.split)
+              device=args.device, seed=args.seed, split=args.split, blocks=args.blocks)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
     what = f"k={r['k']}, T={r['temperature']}" if r["protocol"] == "knn" else \
         f"{r['epochs']} epochs{', BN' if r['bn'] else ''}"
+    if r["blocks"] > 1:
+        what += f", last {r['blocks']} blocks"
     kind = "random init" if r["checkpoint"].startswith("random:") else r["ssl_method"] or "supervised"
     console.print(f"{r['model']} ({kind}) "
                   f"{r['protocol']} probe ({what}) on {r['dataset']} {r['split']}: top-1 {r['top1']:.2f}%  "
@@ -75,6 +77,8 @@ def register(sub) -> None:
     p.add_argument("--epochs", type=int, default=100, help="linear: epochs over the frozen features")
     p.add_argument("--lr", type=float, default=0.1, help="linear: SGD lr at batch 256 (momentum 0.9, cosine)")
     p.add_argument("--bn", action="store_true", help="linear: MAE's BatchNorm without affine before the classifier")
+    p.add_argument("--blocks", type=int, default=1,
+                   help="concatenate the pre-logits of the last N blocks (DINO's n_last_blocks; 4 for ViT-S)")
     p.add_argument("--k", type=int, default=20, help="knn: neighbours")
     p.add_argument("--temperature", type=float, default=0.07, help="knn: vote weight exp(sim / T)")
     p.add_argument("--batch-size", type=int, default=256)

@@ -6,6 +6,11 @@
 - ``knn``: DINO's weighted k-NN (Caron et al., 2021, section 4.1 and appendix; ``eval_knn.py``): L2-normalised
   features, the k = 20 nearest training images by cosine similarity vote with weight ``exp(sim / 0.07)``.
 
+The features are the backbone's pre-logits; ``blocks=n`` concatenates them over the last n blocks (DINO's
+``n_last_blocks``, Caron et al., 2021, appendix, ``eval_linear.py``: 4 for ViT-S): each block's output goes through
+the final norm and the model's own pooling (class token or average of the patch tokens, then ``fc_norm``), so
+``blocks=1`` is the plain pre-logits.
+
 ``probe(checkpoint, data, protocol)`` writes JSON (top-1, top-5, per-class top-1) and returns it; a checkpoint
 ``random:MODEL`` probes MODEL as a pre-training run with the same ``seed`` initialises it, the baseline a
 pre-trained backbone must beat.
@@ -31,14 +36,40 @@ from vitlab.ssl.methods import pooled_features
 PROTOCOLS = ("linear", "knn")
 
 
+def check_blocks(model: nn.Module, blocks: int) -> None:
+    """A one-line ValueError unless ``model``'s pre-logits can be taken over its last ``blocks`` blocks."""
+    if blocks == 1:
+        return
+    if not (hasattr(model, "forward_intermediates") and getattr(model, "num_prefix_tokens", None) is not None):
+        raise ValueError(f"blocks={blocks} needs a plain ViT backbone (ViT, DeiT, HaLViT): "
+                         f"{type(model).__name__} has no single stack of blocks")
+    depth = len(model.blocks)
+    if not 1 <= blocks <= depth:
+        raise ValueError(f"blocks must be in 1..{depth} (the backbone's depth), got {blocks}")
+
+
+def last_blocks_features(model: nn.Module, x: torch.Tensor, blocks: int = 1) -> torch.Tensor:
+    """(B, blocks * D): ``model``'s pre-logits computed from each of its last ``blocks`` blocks, concatenated
+    (earliest first); ``blocks=1`` is :func:`vitlab.ssl.methods.pooled_features`."""
+    check_blocks(model, blocks)
+    if blocks == 1:
+        return pooled_features(model, x)
+    inter = model.forward_intermediates(x, indices=blocks, norm=True, output_fmt="NLC", intermediates_only=True,
+                                        return_prefix_tokens=True)
+    return torch.cat([model.forward_head(torch.cat([prefix, patches], 1), pre_logits=True)
+                      for patches, prefix in inter], 1)
+
+
 @torch.no_grad()
-def extract_features(model: nn.Module, loader, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features (N, D) float32 on CPU, labels (N,)) of ``model``'s pre-logits over ``loader``."""
+def extract_features(model: nn.Module, loader, device: torch.device,
+                     blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features (N, D) float32 on CPU, labels (N,)) of ``model``'s pre-logits (over its last ``blocks`` blocks)
+    over ``loader``."""
     was = model.training
     model.eval()
     feats, labels = [], []
     for x, y in loader:
-        feats.append(pooled_features(model, x.to(device)).float().cpu())
+        feats.append(last_blocks_features(model, x.to(device), blocks).float().cpu())
         labels.append(y)
     model.train(was)
     return torch.cat(feats), torch.cat(labels)
@@ -134,17 +165,19 @@ def load_backbone(checkpoint: str, device: torch.device, seed: int = 0) -> tuple
 
 def probe(checkpoint: str, data: str | None = None, protocol: str = "knn", output: str | Path | None = None,
           epochs: int = 100, lr: float = 0.1, bn: bool = False, k: int = 20, temperature: float = 0.07,
-          batch_size: int = 256, device: str = "cpu", seed: int = 0, split: str = "test") -> dict:
+          batch_size: int = 256, device: str = "cpu", seed: int = 0, split: str = "test", blocks: int = 1) -> dict:
     """Probe ``checkpoint``'s frozen backbone on ``data`` (default: the data it was trained on) with ``protocol``
-    ('linear' or 'knn'): train on the train split, score ``split``; writes the JSON to ``output`` (default
+    ('linear' or 'knn') on its pre-logits over the last ``blocks`` blocks: train on the train split, score
+    ``split``; writes the JSON to ``output`` (default
     RUN/probe-<protocol>.json, or ./probe-random-MODEL-<protocol>.json for a random backbone)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
-    if k < 1 or temperature <= 0 or epochs < 1 or lr <= 0:
-        raise ValueError("k, epochs must be >= 1 and temperature, lr > 0")
+    if k < 1 or temperature <= 0 or epochs < 1 or lr <= 0 or blocks < 1:
+        raise ValueError("k, epochs, blocks must be >= 1 and temperature, lr > 0")
     t0 = time.perf_counter()
     dev = torch.device(device)
     model, meta = load_backbone(checkpoint, dev, seed)
+    check_blocks(model, blocks)
     dataset = data or (meta.get("data") or {}).get("dataset")
     if not dataset:
         raise ValueError("--data is needed: the checkpoint does not record its dataset")
@@ -154,8 +187,8 @@ def probe(checkpoint: str, data: str | None = None, protocol: str = "knn", outpu
         raise ValueError(f"dataset {dataset} has no {split} split")
     train_loader = bundle.loader("train", batch_size, shuffle=False, drop_last=False)
     train_loader.dataset.transform = bundle.eval_transform  # frozen features: no augmentation
-    ftr, ytr = extract_features(model, train_loader, dev)
-    fte, yte = extract_features(model, bundle.loader(split, batch_size), dev)
+    ftr, ytr = extract_features(model, train_loader, dev, blocks)
+    fte, yte = extract_features(model, bundle.loader(split, batch_size), dev, blocks)
     if protocol == "knn":
         r = knn_eval(ftr, ytr, fte, yte, bundle.num_classes, k=k, temperature=temperature)
         settings = {"k": k, "temperature": temperature}
@@ -164,20 +197,22 @@ def probe(checkpoint: str, data: str | None = None, protocol: str = "knn", outpu
         settings = {"epochs": epochs, "lr": lr, "momentum": 0.9, "schedule": "cosine", "bn": bn}
     names = bundle.class_names
     result = {"checkpoint": str(checkpoint), "model": meta["model"], "ssl_method": meta.get("ssl_method"),
-              "dataset": bundle.name, "split": split, "protocol": protocol, **settings,
+              "dataset": bundle.name, "split": split, "protocol": protocol, "blocks": blocks, **settings,
               "top1": r["top1"], "top5": r["top5"],
               "per_class_top1": {names[c]: v for c, v in r["per_class_top1"].items()},
               "train_images": int(ftr.shape[0]), "test_images": int(fte.shape[0]), "feature_dim": int(ftr.shape[1]),
               "wall_time_s": time.perf_counter() - t0}
     if output is None:
+        tag = protocol if blocks == 1 else f"{protocol}-last{blocks}"
         if checkpoint.startswith("random:"):
-            output = Path(f"probe-random-{meta['model']}-{protocol}.json")
+            output = Path(f"probe-random-{meta['model']}-{tag}.json")
         else:
             run = Path(checkpoint)
-            output = (run if run.is_dir() else run.parent) / f"probe-{protocol}.json"
+            output = (run if run.is_dir() else run.parent) / f"probe-{tag}.json"
     result["json_path"] = str(output)
     atomic_write(output, json.dumps(result, indent=2).encode())
     return result
 
 
-__all__ = ["PROTOCOLS", "extract_features", "knn_eval", "linear_probe", "load_backbone", "probe"]
+__all__ = ["PROTOCOLS", "check_blocks", "extract_features", "knn_eval", "last_blocks_features", "linear_probe",
+           "load_backbone", "probe"]
