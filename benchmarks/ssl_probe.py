@@ -1,11 +1,13 @@
 """Self-supervised pre-training then frozen-feature probes (issue 13's table): for each method, ``vitlab.train.fit``
 of the pre-training task for a fixed wall-clock budget (``--epochs`` per method), then the linear probe (seed
 001's recipe, plain and MAE's BatchNorm variant) and DINO's k-NN on the test split; the same probes of the
-randomly initialised backbone; and the raw-pixel logistic regression (scikit-learn, the floor).
+randomly initialised backbone; and the raw-pixel logistic regression (scikit-learn, the floor). Each probe reads
+the pre-logits of the last N blocks for each N of ``--blocks`` (1: the plain pre-logits; 4: DINO's protocol).
 
     python benchmarks/ssl_probe.py --data digits --out docs/bench/ssl_digits.json
-    python benchmarks/ssl_probe.py --data fashion-mnist:/usr/share/datasets/fashion-mnist --methods simclr \\
-        --epochs simclr=10 --budget_min 30 --threads 1 --out docs/bench/ssl_fashion_mnist.json
+    python benchmarks/ssl_probe.py --data fashion-mnist:/usr/share/datasets/fashion-mnist --methods mocov3 \\
+        --epochs mocov3=30 --budget_min 30 --threads 1 --workers 1 --out docs/bench/ssl_fashion_mnist_mocov3_30.json
+    python benchmarks/ssl_probe.py --reprobe --runs RUNS --out OLD.json     (add the probes OLD.json lacks)
 
 Every method runs with the options in ``RECIPES``. Writes the JSON
 after every method, so a cut-short run keeps what it finished.
@@ -101,11 +103,14 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 4],
                     help="probe the pre-logits of the last N blocks for each N (4: DINO's protocol for ViT-S)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=0, help="data-loader worker processes (the views' augmentation)")
     ap.add_argument("--runs", default="/tmp/vitlab-ssl-runs")
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget_min", type=float, default=None,
                     help="cap each method's pre-training at this many minutes (stops after the last epoch that fits)")
     ap.add_argument("--baselines_from", default=None, help="a previous JSON of the same data: reuse its baselines")
+    ap.add_argument("--reprobe", action="store_true",
+                    help="no pre-training: add the probes --out lacks (e.g. a new --blocks) to its methods' runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     epochs = {k: int(v) for k, v in (e.split("=") for e in args.epochs)}
@@ -113,12 +118,21 @@ def main() -> None:
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
     result = {"data": args.data, "model": args.model, "model_kwargs": args.model_kwargs, "batch_size": args.batch_size,
-              "threads": args.threads, "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "methods": {}}
+              "threads": args.threads, "workers": args.workers, "cpu": platform.processor() or platform.machine(),
+              "torch": torch.__version__, "methods": {}}
 
     def save():
         out.write_text(json.dumps(result, indent=2))
 
+    if args.reprobe:
+        result = json.loads(out.read_text())
+        result["random_init"] = probes(f"random:{result['model']}", result["data"], runs, args.linear_epochs,
+                                       args.blocks, result["random_init"])
+        for m, row in result["methods"].items():
+            row.update(probes(str(runs / f"{m}-{result['data'].split(':')[0]}"), result["data"], runs,
+                              args.linear_epochs, args.blocks, row))
+        save()
+        return
     t0 = time.perf_counter()
     if args.baselines_from:
         prev = json.loads(Path(args.baselines_from).read_text())
@@ -137,7 +151,8 @@ def main() -> None:
         rec = RECIPES[m]
         run = runs / f"{m}-{args.data.split(':')[0]}"
         cfg = TrainConfig(task=m, task_args=dict(rec["task_args"]), model=args.model,
-                          model_kwargs=dict(args.model_kwargs), data=DataConfig(dataset=args.data),
+                          model_kwargs=dict(args.model_kwargs),
+                          data=DataConfig(dataset=args.data, num_workers=args.workers),
                           epochs=epochs.get(m, 10), batch_size=args.batch_size, lr=rec["lr"], warmup_epochs=1,
                           drop_path=0.0, threads=args.threads, quiet=True, output_dir=str(run))
         wall, done = pretrain_within(cfg, run, args.budget_min * 60 if args.budget_min else None)
