@@ -59,7 +59,7 @@ def raw_pixel_logreg(dataset: str) -> float:
 
 
 def probes(ckpt: str, data: str, out_dir: Path, linear_epochs: int, blocks: list[int],
-           have: dict | None = None) -> dict:
+           have: dict | None = None, model_kwargs: dict | None = None) -> dict:
     """{protocol[_lastN]: {top1, top5}}: linear, linear+BN and k-NN on the pre-logits of the last N blocks for each
     N in ``blocks`` (N = 1: the plain pre-logits, no suffix); entries already in ``have`` are kept."""
     tag = ckpt.replace(":", "-").replace("/", "_")
@@ -70,7 +70,8 @@ def probes(ckpt: str, data: str, out_dir: Path, linear_epochs: int, blocks: list
                          ("knn", dict(protocol="knn"))):
             key = name if n == 1 else f"{name}_last{n}"
             if key not in r:
-                res = probe(ckpt, data, output=out_dir / f"probe-{tag}-{key}.json", blocks=n, **kw)
+                res = probe(ckpt, data, output=out_dir / f"probe-{tag}-{key}.json", blocks=n,
+                            model_kwargs=model_kwargs, **kw)
                 r[key] = {"top1": res["top1"], "top5": res["top5"]}
     return r
 
@@ -127,7 +128,7 @@ def main() -> None:
     if args.reprobe:
         result = json.loads(out.read_text())
         result["random_init"] = probes(f"random:{result['model']}", result["data"], runs, args.linear_epochs,
-                                       args.blocks, result["random_init"])
+                                       args.blocks, result["random_init"], result.get("model_kwargs"))
         for m, row in result["methods"].items():
             row.update(probes(str(runs / f"{m}-{result['data'].split(':')[0]}"), result["data"], runs,
                               args.linear_epochs, args.blocks, row))
@@ -144,7 +145,7 @@ def main() -> None:
     else:
         result["raw_pixel_logreg_top1"] = raw_pixel_logreg(args.data)
     result["random_init"] = probes(f"random:{args.model}", args.data, runs, args.linear_epochs, args.blocks,
-                                   result.get("random_init"))
+                                   result.get("random_init"), args.model_kwargs)
     result["baseline_s"] = time.perf_counter() - t0
     save()
     for m in args.methods:

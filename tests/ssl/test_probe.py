@@ -43,3 +43,12 @@ def test_blocks_out_of_range_or_hierarchical_is_one_line():
     check_blocks(swin, 1)
     with pytest.raises(ValueError, match="needs a plain ViT backbone"):
         check_blocks(swin, 2)
+
+
+def test_random_baseline_takes_model_kwargs(tmp_path):
+    from vitlab.ssl.probe import load_backbone
+
+    model, meta = load_backbone("random:vit_pico_patch8_32", torch.device("cpu"), model_kwargs={"embed_dim": 96})
+    assert model.num_features == 96 and meta["model_kwargs"] == {"embed_dim": 96}
+    with pytest.raises(ValueError, match="only applies to a random:MODEL"):
+        load_backbone(str(tmp_path), torch.device("cpu"), model_kwargs={"embed_dim": 96})

@@ -189,6 +189,7 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
            (["probe", "--checkpoint", "random:nope", "--data", "digits"], "not a registered model"),
            (["probe", "--checkpoint", "random:vit_pico_patch8_32", "--data", "digits", "--blocks", "9"],
             "blocks must be in 1..4"),
+           (["probe", "--checkpoint", "random:vit_pico_patch8_32", "--model_kwargs", "[1]"], "expected a JSON object"),
            (["pretrain", *COMMON], "--method is required")]
     for argv, msg in bad:
         assert main(argv) == 2, argv

@@ -134,15 +134,20 @@ def linear_probe(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Ten
         return _scores(clf(test_f), test_y, num_classes)
 
 
-def load_backbone(checkpoint: str, device: torch.device, seed: int = 0) -> tuple[nn.Module, dict]:
-    """(backbone without classifier, description) of a run / checkpoint, or of ``random:MODEL``: the weights a
-    pre-training run with ``--seed seed`` starts from (drawn under a forked RNG: the caller's stream is kept)."""
+def load_backbone(checkpoint: str, device: torch.device, seed: int = 0,
+                  model_kwargs: dict | None = None) -> tuple[nn.Module, dict]:
+    """(backbone without classifier, description) of a run / checkpoint, or of ``random:MODEL`` built with
+    ``model_kwargs``: the weights a pre-training run with ``--seed seed`` (and those ``--model_kwargs``) starts from
+    (drawn under a forked RNG: the caller's stream is kept)."""
+    if model_kwargs and not checkpoint.startswith("random:"):
+        raise ValueError("model_kwargs only applies to a random:MODEL baseline (a checkpoint records its own)")
     if checkpoint.startswith("random:"):
         name = checkpoint[len("random:"):]
         if not vitlab.is_model(name):
             raise ValueError(f"random:{name}: {name!r} is not a registered model (vitlab models)")
         cfg = vitlab.get_model_config(name)
-        meta = {"model": name, "model_kwargs": {}, "in_chans": cfg.input_size[0], "img_size": cfg.input_size[-1],
+        meta = {"model": name, "model_kwargs": dict(model_kwargs or {}), "in_chans": cfg.input_size[0],
+                "img_size": cfg.input_size[-1],
                 "mean": list(cfg.mean), "std": list(cfg.std), "data": None, "random_init": True}
     else:
         from vitlab.train import checkpoint as ck
@@ -165,7 +170,8 @@ def load_backbone(checkpoint: str, device: torch.device, seed: int = 0) -> tuple
 
 def probe(checkpoint: str, data: str | None = None, protocol: str = "knn", output: str | Path | None = None,
           epochs: int = 100, lr: float = 0.1, bn: bool = False, k: int = 20, temperature: float = 0.07,
-          batch_size: int = 256, device: str = "cpu", seed: int = 0, split: str = "test", blocks: int = 1) -> dict:
+          batch_size: int = 256, device: str = "cpu", seed: int = 0, split: str = "test", blocks: int = 1,
+          model_kwargs: dict | None = None) -> dict:
     """Probe ``checkpoint``'s frozen backbone on ``data`` (default: the data it was trained on) with ``protocol``
     ('linear' or 'knn') on its pre-logits over the last ``blocks`` blocks: train on the train split, score
     ``split``; writes the JSON to ``output`` (default
@@ -176,7 +182,7 @@ def probe(checkpoint: str, data: str | None = None, protocol: str = "knn", outpu
         raise ValueError("k, epochs, blocks must be >= 1 and temperature, lr > 0")
     t0 = time.perf_counter()
     dev = torch.device(device)
-    model, meta = load_backbone(checkpoint, dev, seed)
+    model, meta = load_backbone(checkpoint, dev, seed, model_kwargs)
     check_blocks(model, blocks)
     dataset = data or (meta.get("data") or {}).get("dataset")
     if not dataset:
