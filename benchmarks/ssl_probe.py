@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from vitlab.data import DataConfig, build
+from vitlab.optimize import cpu
 from vitlab.ssl.probe import probe
 from vitlab.train import TrainConfig, fit
 
@@ -76,6 +76,39 @@ def probes(ckpt: str, data: str, out_dir: Path, linear_epochs: int, blocks: list
     return r
 
 
+def plot(jsons: list[Path], png: Path) -> None:
+    """Grouped bars of linear+BN and k-NN top-1 (plain pre-logits and last 4 blocks) for every method in ``jsons``
+    (the same data; a method in several files: each file's row, labelled with its epochs), with the random-init
+    and raw-pixel levels as lines."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    keys = ("linear_bn", "knn", "linear_bn_last4", "knn_last4")
+    rows, base = [], None
+    for j in jsons:
+        d = json.loads(j.read_text())
+        base = base or d
+        for m, r in d["methods"].items():
+            rows.append((f"{m}\n{r.get('epochs_done') or r['epochs']} ep, {r['pretrain_wall_s'] / 60:.0f} min", r))
+    fig = Figure(figsize=(1.6 * len(rows) + 2, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    w = 0.8 / len(keys)
+    for i, k in enumerate(keys):
+        xs = [x + (i - 1.5) * w for x in range(len(rows))]
+        ax.bar(xs, [r[k]["top1"] if k in r else 0 for _, r in rows], w, label=k.replace("_", " "))
+        ax.hlines(base["random_init"][k]["top1"], -0.5, len(rows) - 0.5, colors=f"C{i}", linestyles=":", lw=1)
+    ax.axhline(base["raw_pixel_logreg_top1"], color="k", lw=1, ls="--", label="raw pixels, logistic regression")
+    ax.set_xticks(range(len(rows)), [n for n, _ in rows], fontsize=8)
+    ax.set_ylabel("test top-1 (%)")
+    ax.set_ylim(max(0, min(base["random_init"][k]["top1"] for k in keys) - 10), 100)
+    ax.set_title(f"{base['model']} on {base['data'].split(':')[0]}: frozen-feature probes (dotted: random init)",
+                 fontsize=9)
+    ax.legend(fontsize=7, ncol=3, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def pretrain_within(cfg: TrainConfig, run: Path, budget_s: float | None) -> tuple[float, int]:
     """Pre-train ``cfg`` (its schedule spans ``cfg.epochs``) one epoch per ``fit`` call (exact resume), stopping
     before an epoch that would end past ``budget_s`` seconds (the longest epoch so far as the estimate). Returns
@@ -110,17 +143,21 @@ def main() -> None:
     ap.add_argument("--budget_min", type=float, default=None,
                     help="cap each method's pre-training at this many minutes (stops after the last epoch that fits)")
     ap.add_argument("--baselines_from", default=None, help="a previous JSON of the same data: reuse its baselines")
+    ap.add_argument("--plot", nargs="+", type=Path, default=None,
+                    help="no pre-training: draw these result JSONs (same data) as bars into --out (a .png)")
     ap.add_argument("--reprobe", action="store_true",
                     help="no pre-training: add the probes --out lacks (e.g. a new --blocks) to its methods' runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     epochs = {k: int(v) for k, v in (e.split("=") for e in args.epochs)}
     out = Path(args.out)
+    if args.plot:
+        return plot(args.plot, out)
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
     result = {"data": args.data, "model": args.model, "model_kwargs": args.model_kwargs, "batch_size": args.batch_size,
-              "threads": args.threads, "workers": args.workers, "cpu": platform.processor() or platform.machine(),
-              "torch": torch.__version__, "methods": {}}
+              "threads": args.threads, "workers": args.workers, "cpu": cpu.cpu_model(),
+              "isa": cpu.isa(), "torch": torch.__version__, "methods": {}}
 
     def save():
         out.write_text(json.dumps(result, indent=2))
