@@ -78,8 +78,8 @@ def probes(ckpt: str, data: str, out_dir: Path, linear_epochs: int, blocks: list
 
 def plot(jsons: list[Path], png: Path) -> None:
     """Grouped bars of linear+BN and k-NN top-1 (plain pre-logits and last 4 blocks) for every method in ``jsons``
-    (the same data; a method in several files: each file's row, labelled with its epochs), with the random-init
-    and raw-pixel levels as lines."""
+    (the same data; a method in several files: each file's row, labelled with its epochs and model kwargs), with
+    the first file's random-init and raw-pixel levels as lines."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -89,7 +89,8 @@ def plot(jsons: list[Path], png: Path) -> None:
         d = json.loads(j.read_text())
         base = base or d
         for m, r in d["methods"].items():
-            rows.append((f"{m}\n{r.get('epochs_done') or r['epochs']} ep, {r['pretrain_wall_s'] / 60:.0f} min", r))
+            kw = "".join(f", {k}={v}" for k, v in d.get("model_kwargs", {}).items())
+            rows.append((f"{m}{kw}\n{r.get('epochs_done') or r['epochs']} ep, {r['pretrain_wall_s'] / 60:.0f} min", r))
     fig = Figure(figsize=(1.6 * len(rows) + 2, 4.2))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
