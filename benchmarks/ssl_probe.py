@@ -6,7 +6,7 @@ the pre-logits of the last N blocks for each N of ``--blocks`` (1: the plain pre
 
     python benchmarks/ssl_probe.py --data digits --out docs/bench/ssl_digits.json
     python benchmarks/ssl_probe.py --data fashion-mnist:/usr/share/datasets/fashion-mnist --methods mocov3 \\
-        --epochs mocov3=30 --budget_min 30 --threads 1 --workers 1 --out docs/bench/ssl_fashion_mnist_mocov3_30.json
+        --epochs mocov3=30 --budget_min 30 --threads 1 --workers 1 --out docs/bench/ssl_fashion_mnist_mocov3_30ep.json
     python benchmarks/ssl_probe.py --reprobe --runs RUNS --out OLD.json     (add the probes OLD.json lacks)
 
 Every method runs with the options in ``RECIPES``. Writes the JSON

@@ -143,9 +143,10 @@ def test_cli_pretrain_then_probe(tmp_path, capsys):
     assert json.loads((tmp_path / "lin.json").read_text())["bn"] is True
     assert main(["probe", "--checkpoint", str(run), "--protocol", "knn", "--blocks", "1"]) == 0
     assert main(["probe", "--checkpoint", "random:vit_pico_patch8_32", "--data", "digits", "--protocol", "linear",
-                 "--epochs", "2", "--blocks", "2", "--output", str(tmp_path / "last2.json")]) == 0
+                 "--epochs", "2", "--blocks", "2", "--model-arg", "embed_dim=32", "--model-arg", "num_heads=2",
+                 "--output", str(tmp_path / "last2.json")]) == 0
     assert "last 2 blocks" in capsys.readouterr().out
-    assert json.loads((tmp_path / "last2.json").read_text())["feature_dim"] == 2 * 64
+    assert json.loads((tmp_path / "last2.json").read_text())["feature_dim"] == 2 * 32
     assert main(["probe", "--checkpoint", "random:vit_pico_patch8_32", "--data", "digits", "--protocol", "knn",
                  "--output", str(tmp_path / "rand.json")]) == 0
 
@@ -189,7 +190,8 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
            (["probe", "--checkpoint", "random:nope", "--data", "digits"], "not a registered model"),
            (["probe", "--checkpoint", "random:vit_pico_patch8_32", "--data", "digits", "--blocks", "9"],
             "blocks must be in 1..4"),
-           (["probe", "--checkpoint", "random:vit_pico_patch8_32", "--model_kwargs", "[1]"], "expected a JSON object"),
+           (["probe", "--checkpoint", "random:vit_pico_patch8_32", "--model-arg", "embed_dim"], "takes KEY=VALUE"),
+           (["probe", "--checkpoint", str(tmp_path), "--model-arg", "embed_dim=96"], "only applies to a random:MODEL"),
            (["pretrain", *COMMON], "--method is required")]
     for argv, msg in bad:
         assert main(argv) == 2, argv

@@ -137,3 +137,17 @@ def add_aliases(parser: argparse.ArgumentParser, aliases: dict[str, str], keys: 
 def given(ns: argparse.Namespace, keys) -> dict[str, object]:
     """The config flags given on the command line: {dotted key: raw value}."""
     return {k: v for k, v in vars(ns).items() if k in keys}
+
+
+def model_arg_pairs(pairs: list[str] | None) -> dict:
+    """``--model-arg KEY=VALUE`` pairs (repeatable) as create_model kwargs; values read as YAML
+    (``depths=[2,2,6,2]``)."""
+    import yaml
+
+    out = {}
+    for pair in pairs or []:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--model-arg takes KEY=VALUE, got {pair!r}")
+        out[key.replace("-", "_")] = yaml.safe_load(value)
+    return out

@@ -22,25 +22,13 @@ import json
 from pathlib import Path
 
 from vitlab._console import console
-
-
-def _model_kwargs(pairs: list[str] | None) -> dict:
-    """``--model-arg KEY=VALUE`` pairs as create_model kwargs; values read as YAML (``depths=[2,2,6,2]``)."""
-    import yaml
-
-    out = {}
-    for pair in pairs or []:
-        key, eq, value = pair.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--model-arg takes KEY=VALUE, got {pair!r}")
-        out[key.replace("-", "_")] = yaml.safe_load(value)
-    return out
+from vitlab.cli._dataclass_args import model_arg_pairs
 
 
 def _model(args):
     import vitlab
 
-    kw = _model_kwargs(args.model_arg)
+    kw = model_arg_pairs(args.model_arg)
     if args.img_size is not None:
         kw["img_size"] = args.img_size
     try:
@@ -230,7 +218,7 @@ def cmd_memory(args) -> int:
     from vitlab.analysis.plots import memory_png
 
     modes = ["infer", "train"] if args.mode == "both" else [args.mode]
-    extra = _model_kwargs(args.model_arg)
+    extra = model_arg_pairs(args.model_arg)
     rows = []
     for b in args.batch_size:
         if b < 1:
@@ -282,7 +270,7 @@ def cmd_window_study(args) -> int:
                      batch_size=args.batch_size, warmup=args.warmup, runs=args.runs, memory=not args.no_memory,
                      epochs=args.epochs, dataset=args.data, train_img_size=args.train_img_size,
                      train_batch_size=args.train_batch_size, lr=args.lr, output_dir=str(Path(args.out) / "runs"),
-                     model_kwargs=_model_kwargs(args.model_arg),
+                     model_kwargs=model_arg_pairs(args.model_arg),
                      progress=lambda msg: console.print(msg, highlight=False))
     for row in r["rows"]:
         console.print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
@@ -301,7 +289,7 @@ def cmd_pooled_queries(args) -> int:
 
     torch.manual_seed(args.seed)
     r = pooled_queries_study(model=args.model, img_size=args.img_size or 224, batch_size=args.batch_size,
-                             warmup=args.warmup, runs=args.runs, model_kwargs=_model_kwargs(args.model_arg))
+                             warmup=args.warmup, runs=args.runs, model_kwargs=model_arg_pairs(args.model_arg))
     for row in r["rows"]:
         console.print(f"{row['variant']:>15}: {row['params_m']:.2f} M params, {row['gmacs']:.3f} GMACs, "
                       f"{row['img_per_s']:.2f} img/s", highlight=False)

@@ -18,6 +18,7 @@ import argparse
 import json
 
 from vitlab._console import console
+from vitlab.cli._dataclass_args import model_arg_pairs
 
 METHODS = ("mae", "simclr", "mocov3", "dino", "dinov2")
 
@@ -33,23 +34,13 @@ def cmd_pretrain(args) -> int:
     return cmd_train(args)
 
 
-def _json_dict(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"embed_dim\": 96}'")
-    return value
-
-
 def cmd_probe(args) -> int:
     from vitlab.ssl.probe import probe
 
     r = probe(args.checkpoint, args.data, protocol=args.protocol, output=args.output, epochs=args.epochs,
               lr=args.lr, bn=args.bn, k=args.k, temperature=args.temperature, batch_size=args.batch_size,
               device=args.device, seed=args.seed, split=args.split, blocks=args.blocks,
-              model_kwargs=args.model_kwargs)
+              model_kwargs=model_arg_pairs(args.model_arg))
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
@@ -82,8 +73,8 @@ def register(sub) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="a run directory (its last epoch), checkpoint directory or .safetensors; random:MODEL for "
                         "the baseline (the initialisation of a run with the same --seed)")
-    p.add_argument("--model_kwargs", type=_json_dict, default=None,
-                   help="random:MODEL only: create_model kwargs as JSON, e.g. '{\"embed_dim\": 96}'")
+    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
+                   help="random:MODEL only: a create_model argument (e.g. embed_dim=96), repeatable")
     p.add_argument("--data", default=None, help="default: the data the checkpoint was trained on")
     p.add_argument("--protocol", default="knn", choices=["linear", "knn"])
     p.add_argument("--split", default="test", choices=["val", "test"], help="the split scored")
