@@ -5,12 +5,13 @@ randomly initialised backbone; and the raw-pixel logistic regression (scikit-lea
 the pre-logits of the last N blocks for each N of ``--blocks`` (1: the plain pre-logits; 4: DINO's protocol).
 
     python benchmarks/ssl_probe.py --data digits --out docs/bench/ssl_digits.json
-    python benchmarks/ssl_probe.py --data fashion-mnist:/usr/share/datasets/fashion-mnist --methods mocov3 \\
-        --epochs mocov3=30 --budget_min 30 --threads 1 --workers 1 --out docs/bench/ssl_fashion_mnist_mocov3_30ep.json
+    python benchmarks/ssl_probe.py --data fashion-mnist:/usr/share/datasets/fashion-mnist --methods simclr \\
+        --epochs simclr=20 --budget_min 30 --threads 1 --workers 1 --model_kwargs '{"embed_dim": 96}' \\
+        --task_args '{"global_scale": [0.5, 1.0]}' --out docs/bench/ssl_fashion_mnist_simclr_w96_s50.json
     python benchmarks/ssl_probe.py --reprobe --runs RUNS --out OLD.json     (add the probes OLD.json lacks)
 
-Every method runs with the options in ``RECIPES``. Writes the JSON
-after every method, so a cut-short run keeps what it finished.
+Every method runs with the options in ``RECIPES``, updated by ``--task_args`` (above: a milder crop
+scale for 28x28 images). Writes the JSON after every method, so a cut-short run keeps what it finished.
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ def main() -> None:
     ap.add_argument("--epochs", nargs="*", default=[], help="method=N (default 10)")
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--model_kwargs", type=json.loads, default={}, help='JSON, e.g. \'{"embed_dim": 96}\'')
+    ap.add_argument("--task_args", type=json.loads, default={},
+                    help='JSON merged into every method\'s task_args, e.g. \'{"global_scale": [0.5, 1.0]}\'')
+    ap.add_argument("--seed", type=int, default=0, help="pre-training seed (initialisation and augmentation)")
     ap.add_argument("--batch_size", type=int, default=128)
     ap.add_argument("--linear_epochs", type=int, default=100)
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 4],
@@ -157,7 +161,7 @@ def main() -> None:
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
     result = {"data": args.data, "model": args.model, "model_kwargs": args.model_kwargs, "batch_size": args.batch_size,
-              "threads": args.threads, "workers": args.workers, "cpu": cpu.cpu_model(),
+              "seed": args.seed, "threads": args.threads, "workers": args.workers, "cpu": cpu.cpu_model(),
               "isa": cpu.isa(), "torch": torch.__version__, "methods": {}}
 
     def save():
@@ -187,13 +191,13 @@ def main() -> None:
     result["baseline_s"] = time.perf_counter() - t0
     save()
     for m in args.methods:
-        rec = RECIPES[m]
+        rec = dict(RECIPES[m], task_args={**RECIPES[m]["task_args"], **args.task_args})
         run = runs / f"{m}-{args.data.split(':')[0]}"
         cfg = TrainConfig(task=m, task_args=dict(rec["task_args"]), model=args.model,
                           model_kwargs=dict(args.model_kwargs),
                           data=DataConfig(dataset=args.data, num_workers=args.workers),
                           epochs=epochs.get(m, 10), batch_size=args.batch_size, lr=rec["lr"], warmup_epochs=1,
-                          drop_path=0.0, threads=args.threads, quiet=True, output_dir=str(run))
+                          drop_path=0.0, threads=args.threads, seed=args.seed, quiet=True, output_dir=str(run))
         wall, done = pretrain_within(cfg, run, args.budget_min * 60 if args.budget_min else None)
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         monitors = {k: rows[-1][k] for k in rows[-1] if k.startswith("val_")}
