@@ -79,8 +79,9 @@ def probes(ckpt: str, data: str, out_dir: Path, linear_epochs: int, blocks: list
 
 def plot(jsons: list[Path], png: Path) -> None:
     """Grouped bars of linear+BN and k-NN top-1 (plain pre-logits and last 4 blocks) for every method in ``jsons``
-    (the same data; a method in several files: each file's row, labelled with its epochs and model kwargs), with
-    the first file's random-init and raw-pixel levels as lines."""
+    (the same data; a method in several files: each file's row, labelled with its epochs, model kwargs, the
+    task_args that differ from ``RECIPES`` and a non-zero seed), with the first file's random-init and raw-pixel
+    levels as lines."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -90,7 +91,9 @@ def plot(jsons: list[Path], png: Path) -> None:
         d = json.loads(j.read_text())
         base = base or d
         for m, r in d["methods"].items():
-            kw = "".join(f", {k}={v}" for k, v in d.get("model_kwargs", {}).items())
+            extra = {k: v for k, v in r.get("task_args", {}).items() if RECIPES[m]["task_args"].get(k) != v}
+            kw = "".join(f"\n{k}={v}" for k, v in {**d.get("model_kwargs", {}), **extra}.items())
+            kw += f"\nseed {d['seed']}" if d.get("seed") else ""
             rows.append((f"{m}{kw}\n{r.get('epochs_done') or r['epochs']} ep, {r['pretrain_wall_s'] / 60:.0f} min", r))
     fig = Figure(figsize=(1.6 * len(rows) + 2, 4.2))
     FigureCanvasAgg(fig)
