@@ -138,20 +138,21 @@ def profile_model(model_or_name: nn.Module | str, img_size=None, batch_size: int
         memory_estimate_gb={q: round(memory_estimate_gb(total, q), 3) for q in (32, 16, 8, 4)})
 
 
-def model_rows(pattern: str | list[str] = "*") -> list[dict]:
-    """One row per registered model matching ``pattern``: name, family, params (M), GMACs at its default
-    input size, input size, and the published figures — what ``vitlab models`` and the README table show."""
+def model_rows(pattern: str | list[str] = "*", task: str | None = None) -> list[dict]:
+    """One row per registered model matching ``pattern`` (and ``task``, if given): name, family, task, params (M),
+    GMACs at its default input size, input size, and the published figures — what ``vitlab models`` and the
+    README table show."""
     from vitlab.registry import list_models
 
     rows = []
-    for name in list_models(pattern):
+    for name in list_models(pattern, task=task):
         rows.append(profile_row(get_model_config(name), profile_model(name, activations=False)))
     return rows
 
 
 def profile_row(cfg, prof: ModelProfile) -> dict:
     """One row of ``vitlab models``: a model's ModelConfig record beside its measured profile."""
-    return {"name": cfg.name, "family": cfg.family, "params_m": round(prof.params_m, 2),
+    return {"name": cfg.name, "family": cfg.family, "task": cfg.task, "params_m": round(prof.params_m, 2),
             "gmacs": round(prof.gmacs, 3), "input_size": list(cfg.input_size),
             "published_params_m": cfg.published_params_m, "published_gmacs": cfg.published_gmacs,
             "published_top1": cfg.published_top1}

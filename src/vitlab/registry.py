@@ -1,14 +1,24 @@
-"""Model registry: ``register_model``, ``create_model``, ``list_models`` with timm's names and behaviour.
+"""The one model registry: ``register_model``, ``create_model``, ``list_models`` with timm's names and behaviour.
 
-Each registered entrypoint carries a :class:`ModelConfig` record (family, paper, default input, normalisation,
-published figures, hub id) so tools can reason about a model without building it.
+Each registered entrypoint carries a :class:`ModelConfig` record (family, task, paper, default input,
+normalisation, published figures, hub id) so tools can reason about a model without building it. The task says
+what the model predicts: ``classify`` (image classifiers, the default), ``segment`` and ``depth`` (dense maps),
+``contrastive`` (CLIP's image and text embeddings); ``list_models(task=...)`` filters on it.
+
+The core families (:mod:`vitlab.models`) register when ``vitlab`` is imported. A capability package registers its
+models in its ``model_configs`` module (``vitlab.dense.model_configs``, ``vitlab.clip.model_configs``), which is
+imported on the first listing or on a lookup of a name not yet registered: ``import vitlab`` imports no capability.
 """
 
 from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable
+import importlib
+import importlib.util
+import pkgutil
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
@@ -27,6 +37,7 @@ class ModelConfig:
 
     name: str = ""
     family: str = ""
+    task: str = "classify"  # what it predicts: classify, segment, depth, contrastive (see the module docstring)
     paper: str = ""
     input_size: tuple[int, int, int] = (3, 224, 224)
     mean: tuple[float, ...] = IMAGENET_MEAN
@@ -49,6 +60,22 @@ class UnknownModelError(ValueError):
 
 _ENTRYPOINTS: dict[str, Callable[..., nn.Module]] = {}
 _CONFIGS: dict[str, ModelConfig] = {}
+CONFIGS_MODULE = "model_configs"  # vitlab.<capability>.model_configs registers the capability's models
+_discovered = False
+
+
+def _discover() -> None:
+    """Import every ``vitlab.<package>.model_configs`` module (once), so the capabilities' models register. Only
+    the packages that have one are imported; the registry names no capability."""
+    global _discovered
+    if _discovered:
+        return
+    for pkg in pkgutil.iter_modules(sys.modules[__package__].__path__):
+        spec = importlib.util.find_spec(f"{__package__}.{pkg.name}") if pkg.ispkg else None
+        if spec is not None and any(m.name == CONFIGS_MODULE
+                                    for m in pkgutil.iter_modules(spec.submodule_search_locations)):
+            importlib.import_module(f"{__package__}.{pkg.name}.{CONFIGS_MODULE}")
+    _discovered = True
 
 
 def register_model(fn: Callable[..., nn.Module] | None = None, *, config: ModelConfig | None = None):
@@ -65,21 +92,39 @@ def register_model(fn: Callable[..., nn.Module] | None = None, *, config: ModelC
     return _register(fn) if fn is not None else _register
 
 
-def list_models(pattern: str | list[str] = "*", exclude: str | list[str] = "") -> list[str]:
-    """Registered model names matching an fnmatch ``pattern`` (or any of a list), sorted."""
+def model_tasks() -> list[str]:
+    """The tasks of the registered models, sorted."""
+    _discover()
+    return sorted({c.task for c in _CONFIGS.values()})
+
+
+def list_models(pattern: str | list[str] = "*", exclude: str | list[str] = "",
+                task: str | Iterable[str] | None = None) -> list[str]:
+    """Registered model names matching an fnmatch ``pattern`` (or any of a list) and, if given, of ``task`` (or
+    any of several), sorted. An unknown task raises ``ValueError`` naming the known ones."""
+    _discover()
     pats = [pattern] if isinstance(pattern, str) else list(pattern)
     excl = [exclude] if isinstance(exclude, str) and exclude else list(exclude or [])
     names = {n for n in _ENTRYPOINTS for p in pats if fnmatch.fnmatch(n, p)}
     names = {n for n in names if not any(fnmatch.fnmatch(n, e) for e in excl)}
+    if task is not None:
+        tasks = {task} if isinstance(task, str) else set(task)
+        unknown = sorted(tasks - set(model_tasks()))
+        if unknown:
+            raise ValueError(f"unknown model task {', '.join(map(repr, unknown))}; "
+                             f"known tasks: {', '.join(model_tasks())}")
+        names = {n for n in names if _CONFIGS[n].task in tasks}
     return sorted(names)
 
 
 def is_model(name: str) -> bool:
+    if name not in _ENTRYPOINTS:
+        _discover()
     return name in _ENTRYPOINTS
 
 
 def _check_name(name: str) -> None:
-    if name not in _ENTRYPOINTS:
+    if not is_model(name):
         close = difflib.get_close_matches(name, list(_ENTRYPOINTS), n=5, cutoff=0.6)
         hint = f"; close matches: {', '.join(close)}" if close else "; see vitlab.list_models()"
         raise UnknownModelError(f"unknown model {name!r}{hint}")

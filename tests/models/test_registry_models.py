@@ -11,7 +11,7 @@ import torch
 import vitlab
 from tests.conftest import as_logits, smoke_model
 
-ALL = vitlab.list_models(exclude="clip_*")  # image classifiers; CLIP (image + text) has tests/clip
+ALL = vitlab.list_models(task="classify")  # image classifiers; CLIP: tests/clip, dense models: tests/dense
 
 
 @pytest.mark.parametrize("name", ALL)

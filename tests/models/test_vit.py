@@ -9,7 +9,7 @@ import vitlab
 
 timm = pytest.importorskip("timm")
 
-VIT_DEIT = [n for n in vitlab.list_models(["vit_*", "deit_*"]) if n in timm.list_models()]  # what timm has
+VIT_DEIT = [n for n in vitlab.list_models(["vit_*", "deit_*"], task="classify") if n in timm.list_models()]  # in timm
 # base and larger: full widths, two blocks deep by default; full depth under -m slow
 BIG = {n for n in VIT_DEIT if "base" in n} | {"vit_large_patch16_224", "vit_huge_patch14_224",
                                               "vit_giant_patch14_224", "vit_gigantic_patch14_224"}

@@ -6,12 +6,16 @@ Each module of this package adds its subcommands through ``register(subparsers)`
     vitlab info NAME                         a model's config record, structure and profile        (models.py)
     vitlab bench attention|models|ladder|tokens   benchmarks                                       (bench.py)
 
-    vitlab train|eval|predict                training and evaluation (any task: classify, ssl, dense, clip)  (train.py)
+    vitlab train|eval|predict                training, and evaluation / prediction by the run's task (train.py)
     vitlab pretrain|probe                    self-supervised pre-training, linear / k-NN probes    (pretrain.py)
     vitlab analyze TOOL                      analysis tools: JSON + PNG                            (analyze.py)
     vitlab export MODEL|RUN --format F       ONNX / .pt2 / TorchScript, validated against eager    (export.py)
     vitlab zeroshot | vitlab retrieval       CLIP zero-shot classification and retrieval           (zeroshot.py,
                                                                                                     retrieval.py)
+
+Plugins: ``vitlab --import MODULE ...`` or ``vitlab train --import MODULE ...`` (repeatable) imports a user's
+module first, so the tasks, datasets, dense heads, SSL methods and models it registers are there; installed
+packages are found through the entry-point group ``vitlab.plugins``.
 
 User errors (bad flags, names, paths, data) print one line ``vitlab: error: ...`` and exit with code 2: the
 parsers raise instead of printing argparse's usage block (``_dataclass_args.Parser``).
@@ -39,8 +43,39 @@ def build_parser() -> Parser:
     return p
 
 
+def import_plugins(argv: list[str]) -> list[str]:
+    """Import the modules named by ``--import MODULE`` / ``--import=MODULE`` anywhere in ``argv`` and the
+    installed ``vitlab.plugins`` entry points; returns ``argv`` without the ``--import`` flags."""
+    from vitlab.train.task import load_plugins
+
+    rest, modules, i = [], [], 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--import":
+            if i + 1 >= len(argv):
+                raise ValueError("--import needs a module name")
+            modules.append(argv[i + 1])
+            i += 2
+            continue
+        if tok.startswith("--import="):
+            modules.append(tok.partition("=")[2])
+        else:
+            rest.append(tok)
+        i += 1
+    if modules:
+        sys.path.insert(0, "")  # a module beside the working directory, as `python -m` finds it
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ValueError(f"--import {name}: {e}") from None
+    load_plugins()
+    return rest
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
+        argv = import_plugins(list(sys.argv[1:] if argv is None else argv))
         args = build_parser().parse_args(argv)
         return args.func(args)
     except USER_ERRORS as e:  # user errors: one line, no traceback

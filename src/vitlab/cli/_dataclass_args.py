@@ -1,4 +1,4 @@
-"""Command-line flags generated from config dataclasses (``TrainConfig``, ``DataConfig``, ``DistillConfig``): the
+"""Command-line flags generated from config dataclasses (``TrainConfig``, ``DataConfig``, a task's ``Args``): the
 dataclasses are the one source of truth.
 
 - every field is a flag named after it; nested dataclasses are dotted (``--data.mixup 0.8``,
@@ -7,11 +7,14 @@ dataclasses are the one source of truth.
 - values are read by :func:`vitlab.train.config.coerce` against the field's type (``none`` for ``None``,
   ``1,1`` or ``[1, 1]`` for tuples and lists, YAML for dicts), booleans also as bare switches (``--quiet``);
 - free-form dict fields take dotted keys as well (``--model_kwargs.depth 6``);
-- a few short aliases (``--data D`` = ``--data.dataset D``, ``--teacher``, ``--distill KIND``...).
+- a few short flags (``--data D`` = ``--data.dataset D``; a task adds its own, e.g. classification's
+  ``--teacher``, ``--distill KIND``, ``--init RUN``).
 
-A small generator over ``dataclasses.fields`` rather than jsonargparse / tyro: it keeps every bad input to one
-line ``vitlab: error: ...`` with exit code 2 (see :class:`Parser`), keeps the historical flags working, and adds
-no dependency.
+A small generator over ``dataclasses.fields`` rather than jsonargparse / tyro: the task's options are typed by
+the task the command line names (``--task``), which needs a two-phase parse (read ``--task``, then add that task's
+flags) that neither library's dataclass front end offers without its own error printing; the generator keeps
+every bad input to one line ``vitlab: error: ...`` with exit code 2 (see :class:`Parser`) and adds no
+dependency.
 """
 
 from __future__ import annotations
@@ -86,17 +89,22 @@ def _bare(tp):
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, prefix: str = "",
-                            metavars: dict[str, str] | None = None) -> dict[str, object]:
-    """One flag per field of dataclass ``cls`` (recursively, dotted), in an argument group per dataclass. Flags
-    default to 'not given' (absent from the namespace). Returns {dotted key: type} of every flag."""
+                            metavars: dict[str, str] | None = None, exclude: tuple[str, ...] = (),
+                            title: str | None = None) -> dict[str, object]:
+    """One flag per field of dataclass ``cls`` (recursively, dotted; but the fields in ``exclude``), in an argument
+    group per dataclass. Flags default to 'not given' (absent from the namespace). Returns {dotted key: type} of
+    every flag."""
     hints = typing.get_type_hints(cls)
     helps = field_help(cls)
-    title = prefix.rstrip(".") or cls.__name__
+    if title is None:
+        title = f"{prefix.rstrip('.')} ({cls.__name__})" if prefix else cls.__name__
     doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-    group = parser.add_argument_group(f"{title} ({cls.__name__})" if prefix else title, doc or None)
+    group = parser.add_argument_group(title, doc or None)
     keys: dict[str, object] = {}
     nested = []
     for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
         tp, key = hints[f.name], prefix + f.name
         if dataclasses.is_dataclass(tp):
             nested.append((tp, key))
@@ -122,9 +130,10 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, prefix: str = 
     return keys
 
 
-def add_aliases(parser: argparse.ArgumentParser, aliases: dict[str, str], keys: dict[str, object]) -> None:
+def add_aliases(parser: argparse.ArgumentParser, aliases: dict[str, str], keys: dict[str, object],
+                title: str = "short flags") -> None:
     """Short flags for dotted keys (``--data D`` for ``--data.dataset D``), read exactly like their targets."""
-    group = parser.add_argument_group("short flags")
+    group = parser.add_argument_group(title)
     for alias, target in aliases.items():
         kw: dict = {"dest": target, "default": argparse.SUPPRESS, "help": f"= --{target}"}
         if _bare(keys[target]) is bool:

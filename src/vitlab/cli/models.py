@@ -15,23 +15,20 @@ def _fmt(v, spec: str) -> str:
 
 
 def cmd_models(args) -> int:
-    from vitlab.dense import model_rows as dense_rows
-
-    pats = args.pattern or "*"
-    rows = vitlab.profile.model_rows(pats)
-    rows += dense_rows(pats)  # the end-to-end configurations of vitlab.dense
+    rows = vitlab.profile.model_rows(args.pattern or "*", task=args.task)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
-        console.print(f"no model matches {args.pattern}")
+        task = f" of task {args.task}" if args.task else ""
+        console.print(f"no model{task} matches {' '.join(args.pattern) or '*'}")
         return 1
     table = Table(title=f"{len(rows)} models (GMACs: one multiply-add = 1, batch 1, default input)")
     table.add_column("name", no_wrap=True)
-    for col in ("family", "params (M)", "GMACs", "input", "paper params", "paper GMACs", "top-1"):
-        table.add_column(col, justify="left" if col == "family" else "right")
+    for col in ("family", "task", "params (M)", "GMACs", "input", "paper params", "paper GMACs", "top-1"):
+        table.add_column(col, justify="left" if col in ("family", "task") else "right")
     for r in rows:
-        table.add_row(r["name"], r["family"], f"{r['params_m']:.2f}", f"{r['gmacs']:.2f}",
+        table.add_row(r["name"], r["family"], r["task"], f"{r['params_m']:.2f}", f"{r['gmacs']:.2f}",
                       "x".join(map(str, r["input_size"][1:])), _fmt(r["published_params_m"], ".2f"),
                       _fmt(r["published_gmacs"], ".2f"), _fmt(r["published_top1"], ".1f"))
     console.print(table)
@@ -59,7 +56,7 @@ def cmd_info(args) -> int:
     with torch.device("meta"):
         model = vitlab.create_model(args.name)
     prof = vitlab.profile_model(args.name, img_size=args.img_size, batch_size=args.batch_size)
-    console.print(f"[bold]{cfg.name}[/bold]  family={cfg.family}  paper: {cfg.paper}")
+    console.print(f"[bold]{cfg.name}[/bold]  family={cfg.family}  task={cfg.task}  paper: {cfg.paper}")
     console.print(f"input {cfg.input_size}  mean {cfg.mean}  std {cfg.std}  crop_pct {cfg.crop_pct}  "
                   f"classes {cfg.num_classes}  hub {cfg.hf_hub_id or '-'}")
     console.print(_structure(model))
@@ -80,6 +77,8 @@ def cmd_info(args) -> int:
 def register(sub) -> None:
     m = sub.add_parser("models", help="list registered models with params, GMACs and input size")
     m.add_argument("pattern", nargs="*", help="fnmatch patterns, e.g. 'deit_*'")
+    m.add_argument("--task", default=None,
+                   help="only the models of this task: classify, segment, depth, contrastive (or a plugin's)")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
     m.set_defaults(func=cmd_models)
 

@@ -20,17 +20,16 @@ import json
 from vitlab._console import console
 from vitlab.cli._dataclass_args import model_arg_pairs
 
-METHODS = ("mae", "simclr", "mocov3", "dino", "dinov2")
-
 
 def cmd_pretrain(args) -> int:
     from vitlab.cli.train import cmd_train, config_from_args
+    from vitlab.ssl import list_methods
 
     if "task" not in vars(args) and "resume" not in vars(args):
-        raise ValueError(f"--method is required: one of {', '.join(METHODS)}")
+        raise ValueError(f"--method is required: one of {', '.join(list_methods())}")
     task = config_from_args(args).task
-    if task not in METHODS:
-        raise ValueError(f"unknown method {task!r}; choose from {', '.join(METHODS)}")
+    if task not in list_methods():
+        raise ValueError(f"unknown method {task!r}; choose from {', '.join(list_methods())}")
     return cmd_train(args)
 
 
@@ -59,14 +58,15 @@ def register(sub) -> None:
     from vitlab.cli.train import add_config_command
 
     t = add_config_command(
-        sub, "pretrain", help="self-supervised pre-training: MAE, SimCLR, MoCo v3, DINO, DINOv2",
+        sub, "pretrain", exclude=("task",), help="self-supervised pre-training: MAE, SimCLR, MoCo v3, DINO, DINOv2",
         description="Self-supervised pre-training of a backbone (vitlab.ssl). Every TrainConfig field is a flag, as "
                     "in vitlab train; the method's options are --task_args.NAME VALUE (e.g. --task_args.mask_ratio "
                     "0.6).",
-        usage="vitlab pretrain --method {" + ",".join(METHODS) + "} [--model M] [--data D] [--FIELD VALUE ...] "
+        usage="vitlab pretrain --method METHOD [--model M] [--data D] [--FIELD VALUE ...] "
               "[--task_args.NAME VALUE ...]")
-    t.add_argument("--method", dest="task", default=argparse.SUPPRESS, metavar="{" + ",".join(METHODS) + "}",
-                   help="the self-supervised method")
+    t.add_argument("--method", dest="task", default=argparse.SUPPRESS, metavar="METHOD",
+                   help="the self-supervised method: mae, simclr, mocov3, dino, dinov2, or one a plugin registers "
+                        "(vitlab.ssl.list_methods())")
     t.set_defaults(func=cmd_pretrain)
 
     p = sub.add_parser("probe", help="linear probe or k-NN on a backbone's frozen features")

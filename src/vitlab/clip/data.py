@@ -27,8 +27,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from vitlab.data import DataBundle, DataConfig, DataError, build, load_image
+from vitlab.data import DataBundle, DataConfig, DataError, build, declare_dataset, load_image
 from vitlab.data.transforms import channel_stats, eval_transform, train_transform
+
+# read by build_clip_data, not vitlab.data.build: a classifier given this name is sent to the clip task
+declare_dataset("captions", read_by="--task clip", needs_root=True)
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 # {w}: the number word, {d}: the numeral

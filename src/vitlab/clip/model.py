@@ -14,6 +14,7 @@ temperature ``t`` (Sec. 2.5 and Fig. 3 of the paper: ``logit_scale``, initialise
 - :class:`CLIP`: ``encode_image``, ``encode_text``, ``forward(image, text) -> (image_features, text_features,
   logit_scale.exp())`` with unit-norm features, as open_clip's ``CLIP``.
 
+The registered configurations (``clip_vit_base_patch16`` ...) are in :mod:`vitlab.clip.model_configs`.
 Module names differ from open_clip's; :func:`vitlab.clip.openclip.convert_openclip_state_dict` maps an open_clip
 state dict (the model's ``checkpoint_filter_fn``, so ``create_model(..., checkpoint_path=FILE)`` loads one).
 """
@@ -32,11 +33,13 @@ from vitlab.attention import Block
 from vitlab.clip.openclip import convert_openclip_state_dict, is_openclip_state_dict, openclip_config
 from vitlab.convert import load_state_dict, read_state_dict
 from vitlab.layers import PatchEmbed, RotaryEmbedding1D, check_heads, checkpoint_seq, get_norm_layer
-from vitlab.registry import ModelConfig, create_model, get_model_config, register_model
+from vitlab.registry import create_model, get_model_config
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's image normalisation (open_clip's OPENAI_DATASET_*)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
-_PAPER = "Radford et al., Learning Transferable Visual Models From Natural Language Supervision, ICML 2021"
+# the tiny text tower (tests, the offline digits demo): 2 layers of width 64 over a word-level vocabulary (the task
+# sets its size)
+PICO_TEXT = dict(vocab_size=64, context_length=16, width=64, depth=2, num_heads=4)
 
 TextStyle = Literal["clip", "llama"]
 
@@ -255,61 +258,5 @@ def clip_for_task(model_name: str, img_size: int, in_chans: int, vocab_size: int
         text_kw = {f"text_{k}": v for k, v in text.items()}
         return create_model(model_name, img_size=img_size, in_chans=in_chans, **text_kw, **model_kwargs)
     drop_path = model_kwargs.pop("drop_path_rate", 0.0)
-    return build_clip(embed_dim, model_name, model_kwargs, {**_PICO_TEXT, **text}, image_pre_norm=False,
+    return build_clip(embed_dim, model_name, model_kwargs, {**PICO_TEXT, **text}, image_pre_norm=False,
                       img_size=img_size, in_chans=in_chans, drop_path_rate=drop_path)
-
-
-# ---------------------------------------------------------------- registered configurations
-
-_CLIP_TEXT = dict(vocab_size=49408, context_length=77, width=512, depth=12, num_heads=8)
-_SMOKE = {"image_depth": 1, "text_depth": 1, "img_size": 32, "text_vocab_size": 512}
-
-
-def _cfg(**kw) -> ModelConfig:
-    base = dict(family="clip", paper=_PAPER, mean=OPENAI_MEAN, std=OPENAI_STD, crop_pct=1.0, num_classes=0,
-                smoke_kwargs=_SMOKE)
-    return ModelConfig(**{**base, **kw})
-
-
-@register_model(config=_cfg(published_params_m=149.62, extra={"openclip": "ViT-B-16"}))
-def clip_vit_base_patch16(**kwargs) -> CLIP:
-    """CLIP ViT-B/16: ViT-B/16 image tower, 12-layer width-512 text tower, 512-d embedding (open_clip ViT-B-16)."""
-    return build_clip(512, "vit_base_patch16_224", clip_vit_kwargs(), _CLIP_TEXT, **kwargs)
-
-
-@register_model(config=_cfg(published_params_m=151.28, smoke_kwargs={**_SMOKE, "img_size": 64},
-                            extra={"openclip": "ViT-B-32"}))
-def clip_vit_base_patch32(**kwargs) -> CLIP:
-    """CLIP ViT-B/32 (open_clip ViT-B-32)."""
-    return build_clip(512, "vit_base_patch32_224", clip_vit_kwargs(), _CLIP_TEXT, **kwargs)
-
-
-@register_model(config=_cfg(published_params_m=427.62, smoke_kwargs={**_SMOKE, "img_size": 28},
-                            extra={"openclip": "ViT-L-14"}))
-def clip_vit_large_patch14(**kwargs) -> CLIP:
-    """CLIP ViT-L/14: ViT-L with 14x14 patches, 12-layer width-768 text tower, 768-d embedding (open_clip ViT-L-14)."""
-    return build_clip(768, "vit_large_patch16_224", {**clip_vit_kwargs(), "patch_size": 14},
-                      {**_CLIP_TEXT, "width": 768, "num_heads": 12}, **kwargs)
-
-
-# Tiny configurations for tests and the offline digits demo: vitlab's ViT-pico (32x32 grayscale digits, 8x8
-# patches, average-pooled patch tokens as the pico classifier: on ~1,300 images it learns far faster than [CLS]
-# pooling, which starts with nearly the same feature for every image) and a 2-layer width-64 text tower over a
-# word-level vocabulary (the task sets text_vocab_size).
-_PICO_IMAGE = {**clip_vit_kwargs(), "global_pool": "avg"}
-_PICO_TEXT = dict(vocab_size=64, context_length=16, width=64, depth=2, num_heads=4)
-_PICO_SMOKE = {"image_depth": 1, "text_depth": 1}
-
-
-@register_model(config=_cfg(input_size=(1, 32, 32), mean=(0.5,), std=(0.5,), smoke_kwargs=_PICO_SMOKE))
-def clip_vit_pico_patch8(**kwargs) -> CLIP:
-    """A tiny CLIP: ViT-pico/8 image tower (pre-norm, average pooling), CLIP text tower of width 64, 64-d
-    embedding."""
-    return build_clip(64, "vit_pico_patch8_32", _PICO_IMAGE, _PICO_TEXT, **kwargs)
-
-
-@register_model(config=_cfg(input_size=(1, 32, 32), mean=(0.5,), std=(0.5,), smoke_kwargs=_PICO_SMOKE,
-                            paper=_PAPER + "; text tower: Touvron et al., Llama 2, 2023 (seed 004)"))
-def clip_vit_pico_patch8_llama(**kwargs) -> CLIP:
-    """A tiny CLIP whose text tower is Llama-style: 1-D RoPE, RMSNorm, SwiGLU, causal mask (seed 004)."""
-    return build_clip(64, "vit_pico_patch8_32", _PICO_IMAGE, {**_PICO_TEXT, "style": "llama"}, **kwargs)

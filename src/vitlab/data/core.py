@@ -1,7 +1,12 @@
 """``DataConfig`` -> ``build`` -> ``DataBundle``: datasets, transforms, batch MixUp/CutMix and loaders.
 
-Knob resolution: a ``DataConfig`` field left at ``None`` takes the dataset's default (``DATASET_DEFAULTS``), else
-the preset's (``PRESETS``); a field set explicitly always wins. ``DataBundle.config`` holds the resolved values.
+Datasets are registered by name (:func:`vitlab.data.register_dataset`); ``build`` reads the train, val and test
+splits of ``DataConfig.dataset`` (``NAME`` or ``NAME:ROOT``), converts each image to the model's channels and applies
+the train or eval transform.
+
+Knob resolution: a ``DataConfig`` field left at ``None`` takes the dataset's registered default (``defaults=``),
+else the preset's (``PRESETS``; the dataset's ``preset=`` unless one is named); a field set explicitly always wins.
+``DataBundle.config`` holds the resolved values.
 
 Presets (train augmentation and eval cropping):
 
@@ -39,32 +44,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from vitlab.data import datasets as ds
-from vitlab.data.datasets import DataError
+from vitlab.data.registry import DATASETS, SPLITS, DataError, DatasetSpec, dataset_spec
 from vitlab.data.transforms import batch_mixup, channel_stats, eval_transform, train_transform
-
-DATASETS = ("digits", "fake", "imagefolder", "cifar10", "cifar100", "mnist", "fashion-mnist")
-# datasets whose targets are not class labels: read by the task that trains on them, never by build()
-TASK_DATASETS = {"captions": "--task clip", "shapes": "--task segment or --task depth",
-                 "segfolder": "--task segment", "depthfolder": "--task depth"}
-NEEDS_PATH = ("imagefolder", "cifar10", "cifar100", "mnist", "fashion-mnist", "captions", "segfolder", "depthfolder")
 
 PRESETS: dict[str, dict] = {
     "imagenet": dict(img_size=224, scale=(0.08, 1.0), hflip=0.5, randaugment=True, color_jitter=0.0,
                      reprob=0.25, mixup=0.8, cutmix=1.0, crop_pct=0.875),
     "tiny": dict(img_size=32, scale=(0.75, 1.0), hflip=0.5, randaugment=True, color_jitter=0.0,
                  reprob=0.25, mixup=0.8, cutmix=1.0, crop_pct=1.0),
-}
-
-# Per-dataset defaults layered over whichever preset: they say what suits the data (a digit must not be mirrored).
-DATASET_DEFAULTS: dict[str, dict] = {
-    "digits": dict(hflip=0.0, randaugment=False, color_jitter=0.0, reprob=0.0, mixup=0.0, cutmix=0.0),
-    "mnist": dict(hflip=0.0),  # a mirrored digit is not that digit (a mirrored shirt is still a shirt)
 }
 
 _KNOBS = ("img_size", "scale", "hflip", "randaugment", "color_jitter", "reprob", "mixup", "cutmix", "crop_pct")
@@ -74,7 +66,7 @@ _KNOBS = ("img_size", "scale", "hflip", "randaugment", "color_jitter", "reprob",
 class DataConfig:
     """Which data and how it is augmented; ``None`` fields are filled from the preset (see module docstring)."""
 
-    dataset: str = "digits"        # digits, fake, or NAME:PATH (imagefolder, cifar10, cifar100, mnist, fashion-mnist)
+    dataset: str = "digits"        # NAME or NAME:PATH: digits, fake, imagefolder:PATH, ... (list_datasets())
     img_size: int | None = None    # None -> the preset's size
     preset: Literal["tiny", "imagenet"] | None = None  # augmentation preset; None -> the dataset's default
     batch_size: int = 64           # the loaders' default batch (training uses TrainConfig.batch_size)
@@ -95,17 +87,14 @@ class DataConfig:
     fake_num_samples: int = 256                # fake: training images
     fake_num_classes: int = 10                 # fake: classes
     fake_img_size: int = 224                   # fake: image size
+    options: dict = field(default_factory=dict)  # the dataset's own keyword options
 
     def __post_init__(self):
         if self.scale is not None:
             self.scale = tuple(float(s) for s in self.scale)  # YAML gives lists
-        name = self.dataset.split(":", 1)[0]
-        if name not in DATASETS and name not in TASK_DATASETS:
-            raise DataError(f"unknown dataset {self.dataset!r}; expected one of: digits, fake, imagefolder:PATH, "
-                            "cifar10:PATH, cifar100:PATH, mnist:PATH, fashion-mnist:PATH (other tasks: captions:PATH, "
-                            "shapes, segfolder:PATH, depthfolder:PATH)")
-        if name in NEEDS_PATH and not self.dataset.partition(":")[2]:
-            raise DataError(f"dataset {name} needs a path: {name}:PATH")
+        # An unknown name is left to build(): a plugin may register it later.
+        if self.name in DATASETS:
+            DATASETS[self.name].check_root(self.dataset.partition(":")[2])
         if self.preset is not None and self.preset not in PRESETS:
             raise DataError(f"unknown preset {self.preset!r}; expected one of: {', '.join(PRESETS)}")
 
@@ -126,14 +115,13 @@ class DataConfig:
         return Path(p).expanduser() if p else None
 
     def resolved(self) -> DataConfig:
-        """A copy with preset, img_size and every augmentation knob filled in."""
-        name = self.name
-        default_preset = {"imagefolder": "imagenet", "fake": "imagenet" if self.fake_img_size >= 64 else "tiny"}
-        preset = self.preset or default_preset.get(name, "tiny")
-        values = dict(PRESETS[preset])
-        values.update(DATASET_DEFAULTS.get(name, {}))
-        if name == "fake":
-            values["img_size"] = self.fake_img_size
+        """A copy with preset, img_size and every augmentation knob filled in from the dataset's registration."""
+        spec = dataset_spec(self.name)
+        preset = self.preset or (spec.preset(self) if callable(spec.preset) else spec.preset)
+        if preset not in PRESETS:
+            raise DataError(f"dataset {self.name} asks for unknown preset {preset!r}; expected one of: "
+                            f"{', '.join(PRESETS)}")
+        values = {**PRESETS[preset], **(spec.defaults(self) if callable(spec.defaults) else spec.defaults)}
         for k in _KNOBS:
             v = getattr(self, k)
             if v is not None:
@@ -204,17 +192,46 @@ def check_num_classes(bundle: DataBundle, n: int, what: str = "the checkpoint") 
         raise DataError(f"dataset {bundle.name} has {bundle.num_classes} classes but {what} has {n}")
 
 
-def _nonempty(split: str, dataset: Dataset | None, where: str) -> None:
-    if dataset is not None and len(dataset) == 0:
-        raise DataError(f"empty split {split}: no images in {where}")
+class ClassImages(Dataset):
+    """A registered dataset's split as (transformed image, int label): each image (PIL or uint8 tensor) is made a
+    uint8 (in_chans, H, W) tensor, then passed through ``transform`` (settable, e.g. to a multi-view transform).
+    Other attributes are the source dataset's (``labels``, ``samples``, ...)."""
+
+    def __init__(self, dataset: Dataset, in_chans: int, transform: Callable | None):
+        self.dataset, self.in_chans, self.transform = dataset, in_chans, transform
+        self.classes: list[str] = list(dataset.classes)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, int]:
+        image, label = self.dataset[i]
+        x = ds.as_uint8(image, self.in_chans)
+        return (self.transform(x) if self.transform else x), int(label)
+
+    def __getattr__(self, name: str):
+        if name == "dataset":  # not yet set (copy / unpickling): no source to look in
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
-def _stratified_holdout(labels: Tensor, n_holdout: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.model_selection import train_test_split
-
-    idx = np.arange(len(labels))
-    keep, hold = train_test_split(idx, test_size=n_holdout, stratify=labels.numpy(), random_state=seed)
-    return np.sort(keep), np.sort(hold)
+def _read(spec: DatasetSpec, cfg: DataConfig, root: str | None, in_chans: int) -> dict[str, Dataset | None]:
+    """The train / val / test splits ``spec``'s function reads for resolved ``cfg``, checked."""
+    given = {k: in_chans if k == "in_chans" else getattr(cfg, k) for k in spec.takes}
+    clash = sorted(set(given) & set(cfg.options))
+    if clash:
+        raise DataError(f"dataset {cfg.name}: options {', '.join(clash)} come from the DataConfig, not options")
+    splits = {}
+    for split in SPLITS:
+        d = spec.fn(split, root, **given, **cfg.options)
+        if d is None and split != "test":
+            raise DataError(f"dataset {cfg.dataset} has no {split} split (build needs train and val)")
+        if d is not None and not hasattr(d, "classes"):
+            raise DataError(f"dataset {cfg.name}'s {split} split has no classes attribute (its class names)")
+        if d is not None and len(d) == 0:
+            raise DataError(f"empty split {split}: no images in {cfg.dataset} ({split})")
+        splits[split] = d
+    return splits
 
 
 def build(cfg: DataConfig, mean: Sequence[float] = (0.5,), std: Sequence[float] = (0.5,),
@@ -222,9 +239,8 @@ def build(cfg: DataConfig, mean: Sequence[float] = (0.5,), std: Sequence[float] 
     """The datasets, transforms and batch mixing for ``cfg``, normalised with the model's ``mean`` / ``std``."""
     if in_chans not in (1, 3):
         raise DataError(f"in_chans must be 1 or 3, got {in_chans}")
-    if cfg.name in TASK_DATASETS:
-        raise DataError(f"dataset {cfg.dataset!r} is not a classification dataset: train on it with "
-                        f"{TASK_DATASETS[cfg.name]}")
+    spec, root = dataset_spec(cfg.name), str(cfg.path) if cfg.path else None
+    spec.check_root(root)
     r = cfg.resolved()
     try:
         mean, std = channel_stats(mean, in_chans), channel_stats(std, in_chans)
@@ -235,43 +251,10 @@ def build(cfg: DataConfig, mean: Sequence[float] = (0.5,), std: Sequence[float] 
                               rand_num_ops=r.rand_num_ops, rand_magnitude=r.rand_magnitude,
                               color_jitter=r.color_jitter, reprob=r.reprob, mean=mean, std=std)
     t_eval = eval_transform(size, crop_pct=r.crop_pct, mean=mean, std=std)
-    name, path = r.name, r.path
-
-    if name == "digits":
-        splits, classes = ds.digits_arrays(size, in_chans)
-        train = ds.TensorImages(*splits["train"], t_train)
-        val = ds.TensorImages(*splits["val"], t_eval)
-        test = ds.TensorImages(*splits["test"], t_eval)
-    elif name == "fake":
-        classes = [str(i) for i in range(r.fake_num_classes)]
-        n_val = max(r.fake_num_classes, r.fake_num_samples // 4)
-        make = lambda n, off, t: ds.FakeImages(n, r.fake_num_classes, r.fake_img_size, in_chans,  # noqa: E731
-                                               r.seed * 7 + off, t)
-        train, val, test = make(r.fake_num_samples, 0, t_train), make(n_val, 1, t_eval), None
-    elif name == "imagefolder":
-        if not path.is_dir():
-            raise DataError(f"missing directory {path}")
-        samples, classes = ds.scan_imagefolder(path / "train", None, r.skip_bad_images)
-        train = ds.ImageFolderSplit(samples, in_chans, t_train, r.skip_bad_images)
-        samples, _ = ds.scan_imagefolder(path / "val", classes, r.skip_bad_images)
-        val = ds.ImageFolderSplit(samples, in_chans, t_eval, r.skip_bad_images)
-        test = None
-        if (path / "test").exists():
-            samples, _ = ds.scan_imagefolder(path / "test", classes, r.skip_bad_images)
-            test = ds.ImageFolderSplit(samples, in_chans, t_eval, r.skip_bad_images)
-    else:  # cifar10 / cifar100 / mnist / fashion-mnist: a stratified validation hold-out of the training set
-        if name in ds.IDX_CLASSES:
-            xtr, ytr, xte, yte, classes = ds.load_idx(name, path, in_chans)
-        else:
-            xtr, ytr, xte, yte, classes = ds.load_cifar(name, path, r.download, in_chans)
-        keep, hold = _stratified_holdout(ytr, ds.CIFAR_VAL_SIZE, seed=0)
-        train = ds.TensorImages(xtr[keep], ytr[keep], t_train)
-        val = ds.TensorImages(xtr[hold], ytr[hold], t_eval)
-        test = ds.TensorImages(xte, yte, t_eval)
-
-    for split, d in (("train", train), ("val", val), ("test", test)):
-        _nonempty(split, d, f"{r.dataset} ({split})")
-    num_classes = len(classes)
-    return DataBundle(train=train, val=val, test=test, num_classes=num_classes, class_names=list(classes),
-                      in_chans=in_chans, img_size=size, mixup=batch_mixup(r.mixup, r.cutmix, num_classes),
+    raw = _read(spec, r, root, in_chans)
+    train, val, test = (None if raw[s] is None else ClassImages(raw[s], in_chans, t_train if s == "train" else t_eval)
+                        for s in SPLITS)
+    classes = train.classes
+    return DataBundle(train=train, val=val, test=test, num_classes=len(classes), class_names=list(classes),
+                      in_chans=in_chans, img_size=size, mixup=batch_mixup(r.mixup, r.cutmix, len(classes)),
                       config=r, name=r.dataset, train_transform=t_train, eval_transform=t_eval)

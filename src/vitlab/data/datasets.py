@@ -1,4 +1,4 @@
-"""The data sources behind ``vitlab.data.build``; each item is (uint8 image (in_chans, H, W), int label).
+"""The built-in datasets, registered with :func:`vitlab.data.register_dataset`; items are (image, int label).
 
 - ``digits``: scikit-learn's 1,797 real 8x8 grayscale handwritten digits, held in memory as one uint8 tensor,
   upscaled once to the working size; a fixed stratified split (see ``DIGITS_SPLIT``).
@@ -6,11 +6,16 @@
   image is named before training starts.
 - ``cifar10`` / ``cifar100``: torchvision's on-disk format; a fixed stratified 45,000 / 5,000 train/val split of
   the official training set (val for model selection), the official 10,000 test images as test.
+- ``mnist`` / ``fashion-mnist``: the four standard IDX files; the same stratified hold-out (55,000 / 5,000).
 - ``fake``: synthetic images, a deterministic function of (seed, split, index); label = index % num_classes.
+
+Images are uint8 (in_chans, H, W) tensors, except imagefolder's PIL images; :func:`as_uint8` converts either to
+the model's channels.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable
@@ -23,17 +28,14 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from torchvision.transforms.v2 import functional as TF
 
-
-class DataError(ValueError):
-    """A problem with the data (missing directory, empty class, unreadable image, ...): one line, naming the path."""
-
+from vitlab.data.registry import DataError, register_dataset
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 
 # Fixed, independent of DataConfig.seed, so every run (and every paper table) sees the same digits test set.
 DIGITS_SPLIT_SEED = 0
 DIGITS_SPLIT = {"train": 1257, "val": 270, "test": 270}  # 70 / 15 / 15 of 1,797, stratified by class
-CIFAR_VAL_SIZE = 5000
+HOLDOUT_SIZE = 5000  # CIFAR, MNIST, Fashion-MNIST: the validation images held out of the training set
 
 
 def to_chans(img: Image.Image, in_chans: int) -> Tensor:
@@ -47,70 +49,113 @@ def to_chans(img: Image.Image, in_chans: int) -> Tensor:
     return TF.pil_to_tensor(img)
 
 
-def load_image(path: str | os.PathLike, in_chans: int) -> Tensor:
-    """Read an image file as a uint8 tensor (in_chans, H, W); DataError naming the file when it cannot be read."""
+def match_chans(x: Tensor, in_chans: int) -> Tensor:
+    """uint8 images (..., 1 or 3, H, W) with ``in_chans`` channels: grey repeated, colour averaged to luma."""
+    c = x.shape[-3]
+    if c == in_chans:
+        return x
+    if c == 1:
+        return x.expand(*x.shape[:-3], 3, *x.shape[-2:]).contiguous()
+    # ITU-R 601 luma, the same weights PIL's convert('L') uses for image files.
+    w = torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)
+    return (x.float() * w).sum(-3, keepdim=True).round().clamp(0, 255).to(torch.uint8)
+
+
+def as_uint8(image: Image.Image | Tensor, in_chans: int) -> Tensor:
+    """A dataset's image (a PIL image or a uint8 (1 or 3, H, W) tensor) as a uint8 tensor (in_chans, H, W)."""
+    if isinstance(image, Image.Image):
+        return to_chans(image, in_chans)
+    if isinstance(image, Tensor) and image.dtype == torch.uint8 and image.ndim == 3 and image.shape[0] in (1, 3):
+        return match_chans(image, in_chans)
+    what = f"{image.dtype} tensor {tuple(image.shape)}" if isinstance(image, Tensor) else type(image).__name__
+    raise DataError(f"an image must be a PIL image or a uint8 (C, H, W) tensor with 1 or 3 channels, got {what}")
+
+
+def open_image(path: str | os.PathLike) -> Image.Image:
+    """An image file, decoded; DataError naming the file when it cannot be read."""
     try:
         with Image.open(path) as img:
             img.load()
-            return to_chans(img, in_chans)
+            return img
     except (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise DataError(f"unreadable image {path}: {e}") from None
 
 
-class TensorImages(Dataset):
-    """In-memory uint8 images (N, C, H, W) with labels, passed through ``transform``."""
+def load_image(path: str | os.PathLike, in_chans: int) -> Tensor:
+    """Read an image file as a uint8 tensor (in_chans, H, W); DataError naming the file when it cannot be read."""
+    return to_chans(open_image(path), in_chans)
 
-    def __init__(self, images: Tensor, labels: Tensor, transform: Callable | None = None):
-        self.images, self.labels, self.transform = images, labels, transform
+
+class TensorImages(Dataset):
+    """In-memory uint8 images (N, C, H, W) with int64 labels (N,) and the class names."""
+
+    def __init__(self, images: Tensor, labels: Tensor, classes: list[str]):
+        self.images, self.labels, self.classes = images, labels, classes
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[Tensor, int]:
-        x = self.images[i]
-        return (self.transform(x) if self.transform else x), int(self.labels[i])
+        return self.images[i], int(self.labels[i])
 
 
-def digits_arrays(img_size: int, in_chans: int) -> tuple[dict[str, tuple[Tensor, Tensor]], list[str]]:
-    """The three digits splits as uint8 images (N, in_chans, img_size, img_size) and int64 labels."""
+def _stratified_holdout(labels: Tensor, n_holdout: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.model_selection import train_test_split
+
+    idx = np.arange(len(labels))
+    keep, hold = train_test_split(idx, test_size=n_holdout, stratify=labels.numpy(), random_state=seed)
+    return np.sort(keep), np.sort(hold)
+
+
+def _holdout_split(split: str, load: Callable[[bool], tuple[Tensor, Tensor, list[str]]]) -> TensorImages:
+    """``split`` of a source with an official train / test pair, ``load(train) -> (uint8 images, int64 labels,
+    classes)``: train and val are a fixed stratified hold-out of ``HOLDOUT_SIZE`` images, test the official one."""
+    if split == "test":
+        return TensorImages(*load(False))
+    x, y, classes = load(True)
+    keep, hold = _stratified_holdout(y, HOLDOUT_SIZE, seed=0)
+    i = keep if split == "train" else hold
+    return TensorImages(x[i], y[i], classes)
+
+
+@register_dataset("digits", defaults=dict(hflip=0.0, randaugment=False, color_jitter=0.0, reprob=0.0, mixup=0.0,
+                                          cutmix=0.0), takes=("img_size", "in_chans"))
+def digits(split: str, root: str | None, *, img_size: int, in_chans: int) -> TensorImages:
+    """One digits split as uint8 images (N, in_chans, img_size, img_size) and int64 labels."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     d = load_digits()
-    # Pixel values are 0..16 (ink bright on dark); scale to 0..255 so v2's uint8 ops see a full range.
-    x = torch.from_numpy(np.round(d.images * (255.0 / 16.0)).astype(np.uint8)).unsqueeze(1)  # (1797, 1, 8, 8)
-    if img_size != x.shape[-1]:
-        # Upscaled once here rather than per item: the dataset stays a small in-memory tensor (1797x1x32x32 ~ 1.8 MB).
-        x = TF.resize(x, [img_size, img_size], antialias=True)
-    if in_chans == 3:
-        x = x.expand(-1, 3, -1, -1).contiguous()
-    y = torch.from_numpy(d.target.astype(np.int64))
-    idx = np.arange(len(y))
+    idx = np.arange(len(d.target))
     rest, test = train_test_split(idx, test_size=DIGITS_SPLIT["test"], stratify=d.target,
                                   random_state=DIGITS_SPLIT_SEED)
     train, val = train_test_split(rest, test_size=DIGITS_SPLIT["val"], stratify=d.target[rest],
                                   random_state=DIGITS_SPLIT_SEED)
-    splits = {k: (x[torch.from_numpy(np.sort(v))], y[torch.from_numpy(np.sort(v))])
-              for k, v in (("train", train), ("val", val), ("test", test))}
-    return splits, [str(i) for i in range(10)]
+    keep = np.sort({"train": train, "val": val, "test": test}[split])
+    # Pixel values are 0..16 (ink bright on dark); scale to 0..255 so v2's uint8 ops see a full range.
+    x = torch.from_numpy(np.round(d.images[keep] * (255.0 / 16.0)).astype(np.uint8)).unsqueeze(1)  # (N, 1, 8, 8)
+    if img_size != x.shape[-1]:
+        # Upscaled once here rather than per item: the dataset stays a small in-memory tensor (1797x1x32x32 ~ 1.8 MB).
+        x = TF.resize(x, [img_size, img_size], antialias=True)
+    return TensorImages(match_chans(x, in_chans), torch.from_numpy(d.target[keep].astype(np.int64)),
+                        [str(i) for i in range(10)])
 
 
 class ImageFolderSplit(Dataset):
-    """``root/<class>/<image>`` for the given classes; images loaded lazily, converted to ``in_chans``."""
+    """``root/<class>/<image>`` for the given classes; items (PIL image, label), images decoded lazily."""
 
-    def __init__(self, samples: list[tuple[str, int]], in_chans: int, transform: Callable | None = None,
-                 skip_bad: bool = False):
-        self.samples, self.in_chans, self.transform, self.skip_bad = samples, in_chans, transform, skip_bad
+    def __init__(self, samples: list[tuple[str, int]], classes: list[str], skip_bad: bool = False):
+        self.samples, self.classes, self.skip_bad = samples, classes, skip_bad
         self._warned: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i: int) -> tuple[Tensor, int]:
+    def __getitem__(self, i: int) -> tuple[Image.Image, int]:
         for k in range(len(self.samples)):
             path, label = self.samples[(i + k) % len(self.samples)]
             try:
-                x = load_image(path, self.in_chans)
+                return open_image(path), label
             except DataError:
                 # verify() at scan time cannot see every defect (a truncated JPEG decodes only partly); with
                 # skip_bad the next image stands in, so the epoch keeps its length and the run goes on.
@@ -119,8 +164,6 @@ class ImageFolderSplit(Dataset):
                 if path not in self._warned:
                     self._warned.add(path)
                     warnings.warn(f"skipped unreadable image {path} ({len(self._warned)} so far)", stacklevel=2)
-                continue
-            return (self.transform(x) if self.transform else x), label
         raise DataError(f"empty split: no readable images among {len(self.samples)} files")
 
 
@@ -135,20 +178,23 @@ def _image_ok(path: Path) -> bool:
         return False
 
 
-def scan_imagefolder(root: Path, classes: list[str] | None, skip_bad: bool) -> tuple[list[tuple[str, int]], list[str]]:
-    """(path, label) pairs of one split folder; ``classes`` fixes the label order (the train split's)."""
+def class_dirs(root: Path) -> list[str]:
+    """The sorted class folder names of one split folder (hidden ones skipped)."""
     if not root.is_dir():
         raise DataError(f"missing directory {root}")
     found = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not found:
         raise DataError(f"no class directories in {root} (expected {root}/<class>/<image>)")
-    if classes is None:
-        classes = found
-    else:
-        extra = [c for c in found if c not in classes]
-        if extra:
-            raise DataError(f"class directory {root / extra[0]} is not among the train classes "
-                            f"({len(extra)} unknown class(es))")
+    return found
+
+
+def scan_imagefolder(root: Path, classes: list[str], skip_bad: bool) -> list[tuple[str, int]]:
+    """(path, label) pairs of one split folder; ``classes`` fixes the label order (the train split's)."""
+    found = class_dirs(root)
+    extra = [c for c in found if c not in classes]
+    if extra:
+        raise DataError(f"class directory {root / extra[0]} is not among the train classes "
+                        f"({len(extra)} unknown class(es))")
     samples, bad = [], []
     for c in found:
         files = sorted(p for p in (root / c).rglob("*") if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS)
@@ -166,33 +212,45 @@ def scan_imagefolder(root: Path, classes: list[str] | None, skip_bad: bool) -> t
         warnings.warn(f"skipped {len(bad)} unreadable image(s) under {root} (first: {bad[0]})", stacklevel=3)
     if not samples:
         raise DataError(f"empty split: no readable images in {root}")
-    return samples, classes
+    return samples
 
 
-def load_cifar(kind: str, root: Path, download: bool, in_chans: int):
-    """(train images, train labels, test images, test labels, class names) as uint8 (N, in_chans, 32, 32)."""
+@register_dataset("imagefolder", needs_root=True, preset="imagenet", takes=("skip_bad_images",))
+def imagefolder(split: str, root: str, *, skip_bad_images: bool = False) -> ImageFolderSplit | None:
+    """``root/<split>/<class>/<image>``; train and val are required, test is read when ``root/test`` exists."""
+    path = Path(root)
+    if not path.is_dir():
+        raise DataError(f"missing directory {path}")
+    if split == "test" and not (path / "test").exists():
+        return None
+    classes = class_dirs(path / "train")
+    return ImageFolderSplit(scan_imagefolder(path / split, classes, skip_bad_images), classes, skip_bad_images)
+
+
+def load_cifar(kind: str, root: Path, download: bool, in_chans: int, train: bool) -> tuple[Tensor, Tensor, list[str]]:
+    """The official training or test set as (uint8 images (N, in_chans, 32, 32), int64 labels, class names)."""
     from torchvision import datasets
 
     cls = datasets.CIFAR10 if kind == "cifar10" else datasets.CIFAR100
     if not download and not root.is_dir():
         raise DataError(f"missing directory {root} ({kind}; pass download=True / --download to fetch it)")
     try:
-        tr = cls(str(root), train=True, download=download)
-        te = cls(str(root), train=False, download=download)
+        d = cls(str(root), train=train, download=download)
     except RuntimeError as e:
         hint = "" if download else "; pass download=True / --download to fetch it"
         raise DataError(f"{kind} not found or corrupt under {root}: {e}{hint}".replace("\n", " ")) from None
+    x = torch.from_numpy(d.data).permute(0, 3, 1, 2).contiguous()  # (N, 32, 32, 3) -> (N, 3, 32, 32)
+    return match_chans(x, in_chans), torch.tensor(d.targets), list(d.classes)
 
-    def as_tensor(a: np.ndarray) -> Tensor:
-        x = torch.from_numpy(a).permute(0, 3, 1, 2).contiguous()  # (N, 32, 32, 3) -> (N, 3, 32, 32)
-        if in_chans == 1:
-            # ITU-R 601 luma, the same weights PIL's convert('L') uses for image files.
-            w = torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)
-            x = (x.float() * w).sum(1, keepdim=True).round().clamp(0, 255).to(torch.uint8)
-        return x
 
-    return (as_tensor(tr.data), torch.tensor(tr.targets), as_tensor(te.data), torch.tensor(te.targets),
-            list(tr.classes))
+def cifar_split(kind: str, split: str, root: str, *, in_chans: int, download: bool = False) -> TensorImages:
+    """CIFAR-10 / -100 in torchvision's on-disk format: a 45,000 / 5,000 train / val hold-out, the official test."""
+    return _holdout_split(split, functools.partial(load_cifar, kind, Path(root), download, in_chans))
+
+
+register_dataset("cifar10", needs_root=True, takes=("in_chans", "download"))(functools.partial(cifar_split, "cifar10"))
+register_dataset("cifar100", needs_root=True, takes=("in_chans", "download"))(
+    functools.partial(cifar_split, "cifar100"))
 
 
 IDX_CLASSES = {
@@ -222,9 +280,9 @@ def read_idx(path: Path) -> np.ndarray:
     return body.reshape(dims)
 
 
-def load_idx(kind: str, root: Path, in_chans: int):
-    """MNIST / Fashion-MNIST from the four standard IDX files under ``root`` (``train-images-idx3-ubyte`` ...,
-    ``.gz`` or not): (train images, train labels, test images, test labels, class names), uint8 (N, C, 28, 28)."""
+def load_idx(kind: str, root: Path, in_chans: int, train: bool) -> tuple[Tensor, Tensor, list[str]]:
+    """MNIST / Fashion-MNIST's training or test set from the standard IDX files under ``root``
+    (``train-images-idx3-ubyte`` ..., ``.gz`` or not): uint8 images (N, in_chans, 28, 28), labels, class names."""
     if not root.is_dir():
         raise DataError(f"missing directory {root} ({kind}: the four IDX files, e.g. from Debian's "
                         f"dataset-fashion-mnist in /usr/share/datasets/fashion-mnist)")
@@ -235,23 +293,31 @@ def load_idx(kind: str, root: Path, in_chans: int):
                 return root / name
         raise DataError(f"{kind}: missing {root / stem}[.gz]")
 
-    out = []
-    for split in ("train", "t10k"):
-        x = torch.from_numpy(read_idx(find(f"{split}-images-idx3-ubyte")).copy()).unsqueeze(1)
-        y = torch.from_numpy(read_idx(find(f"{split}-labels-idx1-ubyte")).astype(np.int64))
-        if x.ndim != 4 or len(x) != len(y):
-            raise DataError(f"{kind}: {split} images {tuple(x.shape)} and labels {tuple(y.shape)} do not match")
-        out += [x.repeat(1, 3, 1, 1) if in_chans == 3 else x, y]
-    return (*out, list(IDX_CLASSES[kind]))
+    split = "train" if train else "t10k"
+    x = torch.from_numpy(read_idx(find(f"{split}-images-idx3-ubyte")).copy()).unsqueeze(1)
+    y = torch.from_numpy(read_idx(find(f"{split}-labels-idx1-ubyte")).astype(np.int64))
+    if x.ndim != 4 or len(x) != len(y):
+        raise DataError(f"{kind}: {split} images {tuple(x.shape)} and labels {tuple(y.shape)} do not match")
+    return match_chans(x, in_chans), y, list(IDX_CLASSES[kind])
+
+
+def idx_split(kind: str, split: str, root: str, *, in_chans: int) -> TensorImages:
+    """MNIST / Fashion-MNIST from the four IDX files: a 55,000 / 5,000 train / val hold-out, the official test."""
+    return _holdout_split(split, functools.partial(load_idx, kind, Path(root), in_chans))
+
+
+# a mirrored digit is not that digit (a mirrored shirt is still a shirt)
+register_dataset("mnist", needs_root=True, defaults=dict(hflip=0.0), takes=("in_chans",))(
+    functools.partial(idx_split, "mnist"))
+register_dataset("fashion-mnist", needs_root=True, takes=("in_chans",))(functools.partial(idx_split, "fashion-mnist"))
 
 
 class FakeImages(Dataset):
     """Synthetic uint8 images: uniform noise around a class-dependent grey level, so a model can learn a little."""
 
-    def __init__(self, num_samples: int, num_classes: int, img_size: int, in_chans: int, seed: int,
-                 transform: Callable | None = None):
+    def __init__(self, num_samples: int, num_classes: int, img_size: int, in_chans: int, seed: int):
         self.n, self.num_classes, self.img_size, self.in_chans = num_samples, num_classes, img_size, in_chans
-        self.seed, self.transform = seed, transform
+        self.seed, self.classes = seed, [str(i) for i in range(num_classes)]
 
     def __len__(self) -> int:
         return self.n
@@ -264,5 +330,16 @@ class FakeImages(Dataset):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         base = int(255 * (label + 0.5) / self.num_classes)
         noise = torch.randint(-48, 49, (self.in_chans, self.img_size, self.img_size), generator=g)
-        x = (noise + base).clamp(0, 255).to(torch.uint8)
-        return (self.transform(x) if self.transform else x), label
+        return (noise + base).clamp(0, 255).to(torch.uint8), label
+
+
+@register_dataset("fake", preset=lambda cfg: "imagenet" if cfg.fake_img_size >= 64 else "tiny",
+                  defaults=lambda cfg: {"img_size": cfg.fake_img_size},
+                  takes=("in_chans", "seed", "fake_num_samples", "fake_num_classes", "fake_img_size"))
+def fake(split: str, root: str | None, *, in_chans: int, seed: int, fake_num_samples: int, fake_num_classes: int,
+         fake_img_size: int) -> FakeImages | None:
+    """``fake_num_samples`` training images, a quarter as many (at least one per class) for val, no test."""
+    if split == "test":
+        return None
+    n = fake_num_samples if split == "train" else max(fake_num_classes, fake_num_samples // 4)
+    return FakeImages(n, fake_num_classes, fake_img_size, in_chans, seed * 7 + (split == "val"))

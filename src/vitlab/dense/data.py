@@ -39,8 +39,13 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from vitlab.data import DataError, load_image
+from vitlab.data import DataError, declare_dataset, load_image
 from vitlab.data.datasets import IMG_EXTENSIONS
+
+# read by build_dense, not vitlab.data.build: a classifier given one of these names is sent to these tasks
+declare_dataset("shapes", read_by="--task segment or --task depth")
+declare_dataset("segfolder", read_by="--task segment", needs_root=True)
+declare_dataset("depthfolder", read_by="--task depth", needs_root=True)
 
 IGNORE = 255
 SHAPE_CLASSES = ["background", "horse", "digit", "coin"]

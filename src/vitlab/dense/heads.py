@@ -1,6 +1,15 @@
-"""Decoders over backbone feature maps: SETR, Segmenter, the ViTDet simple feature pyramid, a semantic FPN and
-DINOv2's linear depth head. Every head takes ``(maps, prefix)`` from :class:`vitlab.dense.backbone.Features`
-(NCHW maps, prefix tokens or None) and returns (B, K, h, w) at some stride; the model upsamples to the input.
+"""Decoders over backbone feature maps -- SETR, Segmenter, the ViTDet simple feature pyramid, a semantic FPN and
+DINOv2's linear depth head -- and the dense head registry that :func:`vitlab.dense.create` builds from.
+
+A head is an ``nn.Module`` built as ``cls(in_channels: list[int], num_classes: int, **kwargs)`` whose
+``forward(features: list[Tensor])`` takes the backbone's NCHW maps at the chosen blocks (their channels:
+``in_channels``) and returns (B, num_classes, h, w) at some stride (a depth head: num_classes 1); the model
+upsamples to the input. ``@register_head(name, ...)`` adds one; its metadata says which tasks it predicts, whether
+its forward also takes the prefix ([CLS]) tokens (``forward(features, prefix)``, prefix: one (B, P, C) tensor a
+map, or None for a backbone without them), which blocks it reads by default, and defaults for the backbone. A head
+that needs more than channels and classes to be built (strides, the backbone itself) registers a builder
+``fn(ctx: HeadContext, **kwargs) -> Decoder`` with ``builder=True``; the built-in heads below show both forms
+(DPT, :mod:`vitlab.dense.dpt`, and ViT-Adapter, :mod:`vitlab.dense.adapter`, register here too).
 
 - SETR (Zheng et al., 2021, "Rethinking Semantic Segmentation from a Sequence-to-Sequence Perspective",
   Sec. 3.3, Fig. 1): *naive* -- 1x1 conv, BN, ReLU, 1x1 conv to classes, bilinear to full size; *PUP* --
@@ -28,12 +37,99 @@ DINOv2's linear depth head. Every head takes ``(maps, prefix)`` from :class:`vit
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from vitlab.attention import Block
+from vitlab.dense.adapter import ViTAdapter
+from vitlab.dense.backbone import is_plain, vitdet_backbone
+from vitlab.dense.dpt import DPT
+
+TASKS = ("segment", "depth")  # what a dense head predicts: class logits a pixel, or depth
+
+
+@dataclass(frozen=True)
+class HeadContext:
+    """What a head builder may read: the built backbone, the maps it gives at the chosen blocks and the output."""
+
+    backbone: nn.Module
+    in_channels: list[int]  # channels of each map
+    strides: list[int]      # input pixels per map cell, each map
+    num_classes: int        # output channels: the classes (segment) or 1 (depth)
+    task: str               # 'segment' or 'depth'
+    in_chans: int           # image channels
+    has_prefix: bool        # the backbone gives prefix ([CLS]) tokens
+
+
+class Decoder(NamedTuple):
+    """What a builder returns: the head and, for a head that replaces how the backbone is read (ViT-Adapter), the
+    module that turns the image into the head's maps."""
+
+    head: nn.Module
+    adapter: nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """A registered head: how it is built and what it needs (see :func:`register_head`)."""
+
+    name: str
+    build: Callable[..., Any]
+    tasks: tuple[str, ...] = ("segment",)
+    prefix_tokens: bool = False
+    multi_level: bool = False
+    norm: bool = True
+    backbone_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    builder: bool = False
+
+    def make(self, ctx: HeadContext, kwargs: dict) -> Decoder:
+        if self.builder:
+            return self.build(ctx, **kwargs)
+        return Decoder(self.build(ctx.in_channels, ctx.num_classes, **kwargs))
+
+
+_HEADS: dict[str, HeadSpec] = {}
+
+
+def register_head(name: str, *, tasks: tuple[str, ...] = ("segment",), prefix_tokens: bool = False,
+                  multi_level: bool = False, norm: bool = True, backbone_kwargs: Mapping[str, Any] | None = None,
+                  builder: bool = False):
+    """Decorator: register a dense head under ``name``.
+
+    ``tasks``: what it predicts (``segment``, ``depth`` or both; the first is the default). ``prefix_tokens``: its
+    forward takes ``(features, prefix)``. ``multi_level``: it reads four evenly spaced blocks of a plain ViT (every
+    stage of a hierarchical backbone) by default instead of the last. ``norm``: the backbone's final norm is applied
+    to each map. ``backbone_kwargs``: defaults for the backbone's ``create_model``. ``builder``: the decorated
+    object is ``fn(ctx: HeadContext, **head_kwargs) -> Decoder`` instead of a class built as
+    ``cls(in_channels, num_classes, **head_kwargs)``."""
+    bad = [t for t in tasks if t not in TASKS]
+    if not tasks or bad:
+        raise ValueError(f"head {name!r}: tasks must be some of {', '.join(TASKS)}, got {tasks!r}")
+
+    def deco(obj):
+        if name in _HEADS:
+            raise ValueError(f"dense head {name!r} is registered twice")
+        _HEADS[name] = HeadSpec(name, obj, tasks=tuple(tasks), prefix_tokens=prefix_tokens, multi_level=multi_level,
+                                norm=norm, backbone_kwargs=dict(backbone_kwargs or {}), builder=builder)
+        return obj
+
+    return deco
+
+
+def list_heads(task: str | None = None) -> list[str]:
+    """The registered heads (that predict ``task``, if given), sorted."""
+    return sorted(n for n, h in _HEADS.items() if task is None or task in h.tasks)
+
+
+def get_head(name: str) -> HeadSpec:
+    if name not in _HEADS:
+        raise ValueError(f"unknown dense head {name!r}; heads: {', '.join(list_heads())}")
+    return _HEADS[name]
 
 
 def conv_bn_relu(cin: int, cout: int, k: int = 3) -> nn.Sequential:
@@ -53,6 +149,7 @@ class LayerNorm2d(nn.LayerNorm):
                             self.eps).permute(0, 3, 1, 2)
 
 
+@register_head("setr_naive")
 class SETRNaive(nn.Module):
     """SETR-Naive: 1x1 conv + BN + ReLU + 1x1 conv to classes on the last map (stride 16)."""
 
@@ -60,7 +157,7 @@ class SETRNaive(nn.Module):
         super().__init__()
         self.fc = nn.Sequential(conv_bn_relu(in_channels[-1], channels, 1), nn.Conv2d(channels, num_classes, 1))
 
-    def forward(self, maps, prefix=None):
+    def forward(self, maps: list[torch.Tensor]) -> torch.Tensor:
         return self.fc(maps[-1])
 
 
@@ -76,7 +173,7 @@ class SETRPUP(nn.Module):
                                     for i in range(num_up))
         self.cls = nn.Conv2d(channels, num_classes, 1)
 
-    def forward(self, maps, prefix=None):
+    def forward(self, maps: list[torch.Tensor]) -> torch.Tensor:
         x = maps[-1]
         for stage in self.stages:
             x = F.interpolate(stage(x), scale_factor=2, mode="bilinear", align_corners=False)
@@ -96,7 +193,7 @@ class SETRMLA(nn.Module):
             nn.Sequential(conv_bn_relu(channels, channels), conv_bn_relu(channels, mla_channels)) for _ in in_channels)
         self.cls = nn.Conv2d(mla_channels * len(in_channels), num_classes, 1)
 
-    def forward(self, maps, prefix=None):
+    def forward(self, maps: list[torch.Tensor]) -> torch.Tensor:
         r = [m(x) for m, x in zip(self.reduce, maps, strict=True)]
         agg, acc = [], None
         for x in reversed(r):  # top-down: the deepest level first, each level adds the aggregate above it
@@ -109,6 +206,7 @@ class SETRMLA(nn.Module):
         return self.cls(torch.cat(outs, dim=1))
 
 
+@register_head("segmenter_linear")
 class SegmenterLinear(nn.Module):
     """Segmenter's linear decoder: a point-wise linear layer (1x1 conv) on the last map's patch tokens."""
 
@@ -116,10 +214,11 @@ class SegmenterLinear(nn.Module):
         super().__init__()
         self.head = nn.Conv2d(in_channels[-1], num_classes, 1)
 
-    def forward(self, maps, prefix=None):
+    def forward(self, maps: list[torch.Tensor]) -> torch.Tensor:
         return self.head(maps[-1])
 
 
+@register_head("segmenter_mask")
 class SegmenterMask(nn.Module):
     """Segmenter's mask transformer: class embeddings as tokens beside the patch tokens, ``depth`` pre-norm
     blocks over both, masks from the product of L2-normalised patch and class embeddings, LayerNorm over classes."""
@@ -139,7 +238,7 @@ class SegmenterMask(nn.Module):
         self.proj_classes = nn.Parameter(dim ** -0.5 * torch.randn(dim, dim))
         self.mask_norm = nn.LayerNorm(num_classes)
 
-    def forward(self, maps, prefix=None):
+    def forward(self, maps: list[torch.Tensor]) -> torch.Tensor:
         x = maps[-1]
         B, _, h, w = x.shape
         t = self.proj_dec(x.flatten(2).transpose(1, 2))
@@ -158,7 +257,7 @@ class SimpleFeaturePyramid(nn.Module):
     (LayerNorm + GELU between), 2: one deconv, 1: identity, 1/2: 2x2 max-pool -- then a 1x1 and a 3x3 conv, each
     followed by LayerNorm (Li et al., 2022, Sec. 3 and Fig. 2). Scales 4, 2, 1, 0.5 give strides 4, 8, 16, 32
     for a patch-16 ViT; other powers of two extend the same rule (2^n: n deconvs; 1/k: k x k max-pool), so a
-    patch-4 ViT reaches the same strides with 1, 1/2, 1/4, 1/8. ``forward(maps, prefix) -> list`` of
+    patch-4 ViT reaches the same strides with 1, 1/2, 1/4, 1/8. ``forward(maps) -> list`` of
     (B, out_channels, .) maps."""
 
     def __init__(self, in_channels: list[int], out_channels: int = 256, scales=(4.0, 2.0, 1.0, 0.5)):
@@ -183,7 +282,7 @@ class SimpleFeaturePyramid(nn.Module):
                        LayerNorm2d(out_channels, eps=1e-6)]
             self.stages.append(nn.Sequential(*layers))
 
-    def forward(self, maps, prefix=None) -> list[torch.Tensor]:
+    def forward(self, maps: list[torch.Tensor]) -> list[torch.Tensor]:
         return [stage(maps[-1]) for stage in self.stages]
 
 
@@ -201,7 +300,7 @@ class SemanticFPNHead(nn.Module):
         self.ups = [s // base for s in strides]
         self.cls = nn.Conv2d(channels, num_classes, 1)
 
-    def forward(self, maps, prefix=None):
+    def forward(self, maps: list[torch.Tensor]) -> torch.Tensor:
         out = None
         for convs, up, x in zip(self.levels, self.ups, maps, strict=True):
             for conv in convs:
@@ -219,8 +318,8 @@ class PyramidSegHead(nn.Module):
         super().__init__()
         self.neck, self.head = neck, head
 
-    def forward(self, maps, prefix=None):
-        return self.head(self.neck(maps, prefix))
+    def forward(self, maps: list[torch.Tensor]) -> torch.Tensor:
+        return self.head(self.neck(maps))
 
 
 class LinearDepthHead(nn.Module):
@@ -236,7 +335,7 @@ class LinearDepthHead(nn.Module):
         self.conv_depth = nn.Conv2d(c, n_bins, 1)
         self.register_buffer("bins", torch.linspace(min_depth, max_depth, n_bins), persistent=False)
 
-    def forward(self, maps, prefix=None):
+    def forward(self, maps: list[torch.Tensor], prefix: list[torch.Tensor] | None = None) -> torch.Tensor:
         feats = []
         for i, m in enumerate(maps):
             feats.append(m)
@@ -250,3 +349,53 @@ class LinearDepthHead(nn.Module):
         w = torch.relu(logits) + 0.1  # DINOv2 / Depth-Anything's 'linear' normalisation of the bin weights
         w = w / w.sum(dim=1, keepdim=True)
         return torch.einsum("bkhw,k->bhw", w, self.bins.to(w.dtype)).unsqueeze(1)
+
+
+# ---------------------------------------------------------------- built-in heads that need more than channels
+
+@register_head("setr_pup", builder=True)
+def _setr_pup(ctx: HeadContext, **kwargs) -> Decoder:
+    return Decoder(SETRPUP(ctx.in_channels, ctx.num_classes, stride=ctx.strides[-1], **kwargs))
+
+
+@register_head("setr_mla", multi_level=True, builder=True)
+def _setr_mla(ctx: HeadContext, **kwargs) -> Decoder:
+    return Decoder(SETRMLA(ctx.in_channels, ctx.num_classes, up=max(1, min(4, ctx.strides[0] // 4)), **kwargs))
+
+
+@register_head("dpt", tasks=("segment", "depth"), prefix_tokens=True, multi_level=True, norm=False, builder=True)
+def _dpt(ctx: HeadContext, **kwargs) -> Decoder:
+    """DPT reads the blocks' raw outputs (no final norm); without prefix tokens its readout is ``ignore``."""
+    if not ctx.has_prefix:
+        kwargs.setdefault("readout", "ignore")
+    return Decoder(DPT(ctx.in_channels, ctx.strides, ctx.num_classes, ctx.task, **kwargs))
+
+
+@register_head("vitdet_sfp", backbone_kwargs={"class_token": False, "global_pool": "avg"}, builder=True)
+def _vitdet_sfp(ctx: HeadContext, window_size: int = 14, global_blocks: list[int] | None = None,
+                rel_pos: bool = False, out_channels: int = 256, scales: list[float] | None = None,
+                **kwargs) -> Decoder:
+    """ViTDet: the backbone (patch tokens only) made windowed in place, the simple feature pyramid from its last
+    map at the paper's strides 4, 8, 16, 32 whatever the patch (ViT-B/16: scales 4, 2, 1, 1/2), a semantic FPN."""
+    vitdet_backbone(ctx.backbone, window_size, global_blocks, rel_pos)
+    sfp = SimpleFeaturePyramid(ctx.in_channels, out_channels, scales or [ctx.strides[-1] / t for t in (4, 8, 16, 32)])
+    out_strides = [int(ctx.strides[-1] / s) for s in sfp.scales]
+    return Decoder(PyramidSegHead(sfp, SemanticFPNHead([out_channels] * 4, out_strides, ctx.num_classes, **kwargs)))
+
+
+@register_head("vit_adapter", builder=True)
+def _vit_adapter(ctx: HeadContext, interactions: list[list[int]] | None = None, num_heads: int | None = None,
+                 extra_extractors: int = 0, **kwargs) -> Decoder:
+    """ViT-Adapter around the plain ViT (its pyramid at strides 4, 8, 16, 32), a semantic FPN head over it."""
+    if not is_plain(ctx.backbone):
+        raise ValueError("ViT-Adapter needs a plain ViT backbone")
+    adapter = ViTAdapter(ctx.backbone, interactions=interactions, num_heads=num_heads, in_chans=ctx.in_chans,
+                         extra_extractors=extra_extractors)
+    dim = ctx.backbone.embed_dim
+    return Decoder(SemanticFPNHead([dim] * 4, [4, 8, 16, 32], ctx.num_classes, **kwargs), adapter)
+
+
+@register_head("linear_depth", tasks=("depth",), prefix_tokens=True, builder=True)
+def _linear_depth(ctx: HeadContext, **kwargs) -> Decoder:
+    """DINOv2's linear depth head, with the [CLS] token where the backbone has one."""
+    return Decoder(LinearDepthHead(ctx.in_channels, use_cls=ctx.has_prefix, **kwargs))

@@ -1,17 +1,13 @@
-"""``DenseModel`` (a backbone read at chosen blocks + a decoder), :func:`create` and the registered end-to-end
-configurations (``dpt_vit_base_patch16_384`` ...), listed by :func:`list_models` and ``vitlab models``.
+"""``DenseModel`` (a backbone read at chosen blocks + a decoder), :func:`create` (a registered head over any
+registered backbone, or a registered end-to-end configuration by name) and views of the one model registry.
 
-The configurations live in their own registry rather than :mod:`vitlab.registry`: that one holds classifiers
-(every entry answers the classifier API its registry-wide tests check); a dense model's output is a map. Each
-record is the same :class:`vitlab.registry.ModelConfig`, so the profile (parameters, GMACs) is computed alike.
+The end-to-end configurations (``dpt_vit_base_patch16_384`` ...) are models of :mod:`vitlab.registry` with task
+``segment`` or ``depth``, registered in :mod:`vitlab.dense.model_configs`: ``vitlab.create_model`` builds them and
+``vitlab models`` lists them. :func:`list_models` and :func:`get_config` are that registry filtered on those tasks.
+The heads come from the head registry of :mod:`vitlab.dense.heads` (``@register_head``).
 """
 
 from __future__ import annotations
-
-import fnmatch
-from collections.abc import Callable
-from dataclasses import replace
-from functools import partial
 
 import torch
 import torch.nn as nn
@@ -19,26 +15,10 @@ import torch.nn.functional as F
 
 import vitlab
 from vitlab.convert import load_state_dict, read_state_dict
-from vitlab.dense.adapter import ViTAdapter
-from vitlab.dense.backbone import feature_specs, is_plain, num_levels, vitdet_backbone
-from vitlab.dense.dpt import DPT, convert_hf_state_dict
-from vitlab.dense.heads import (
-    SETRMLA,
-    SETRPUP,
-    LinearDepthHead,
-    PyramidSegHead,
-    SegmenterLinear,
-    SegmenterMask,
-    SemanticFPNHead,
-    SETRNaive,
-    SimpleFeaturePyramid,
-)
-from vitlab.registry import ModelConfig, UnknownModelError
-
-HEADS = ("setr_naive", "setr_pup", "setr_mla", "segmenter_linear", "segmenter_mask", "dpt", "vitdet_sfp",
-         "vit_adapter", "linear_depth")
-DEPTH_HEADS = ("dpt", "linear_depth")
-TASKS = ("segment", "depth")
+from vitlab.dense.backbone import feature_specs, is_plain, num_levels
+from vitlab.dense.dpt import convert_hf_state_dict
+from vitlab.dense.heads import TASKS, HeadContext, get_head, list_heads
+from vitlab.registry import ModelConfig, UnknownModelError, get_model_config
 
 
 def _four(n: int) -> list[int]:
@@ -46,19 +26,27 @@ def _four(n: int) -> list[int]:
     return [n // 4 * (i + 1) - 1 for i in range(4)]
 
 
+def _has_prefix(backbone: nn.Module) -> bool:
+    """A plain ViT with prefix ([CLS], distillation, register) tokens."""
+    return is_plain(backbone) and getattr(backbone, "num_prefix_tokens", 0) > 0
+
+
 class DenseModel(nn.Module):
     """``forward(x) -> (B, K, H, W)`` class logits (segment) or (B, 1, H, W) depth (depth) at the input's size.
 
     ``backbone``: a vitlab model read through ``forward_intermediates`` at ``indices`` (``norm``: its final norm
-    applied to each map), or wrapped by ``adapter`` (ViT-Adapter); ``head``: a decoder of :mod:`vitlab.dense`."""
+    applied to each map), or wrapped by ``adapter`` (ViT-Adapter); ``head``: a decoder of :mod:`vitlab.dense.heads`,
+    called ``head(maps)``, or ``head(maps, prefix)`` when ``prefix_tokens`` (prefix: the backbone's prefix tokens at
+    each block, or None for a backbone without them)."""
 
     def __init__(self, backbone: nn.Module, head: nn.Module, indices: list[int], norm: bool, task: str,
-                 num_classes: int, adapter: ViTAdapter | None = None):
+                 num_classes: int, adapter: nn.Module | None = None, prefix_tokens: bool = False):
         super().__init__()
         # the decoder is not called ``head``: vitlab.convert treats 'head.*' keys as a replaceable classifier
         self.backbone, self.decoder, self.adapter = backbone, head, adapter
         self.indices, self.norm, self.task, self.num_classes = list(indices), norm, task, num_classes
-        self.prefix = is_plain(backbone) and getattr(backbone, "num_prefix_tokens", 0) > 0
+        self.prefix_tokens = prefix_tokens
+        self.prefix = prefix_tokens and _has_prefix(backbone)  # read them only for a head that takes them
         # parts of the classifier the dense forward never runs: dropped, so no parameter lacks a gradient (DDP)
         if hasattr(backbone, "fc_norm"):
             backbone.fc_norm = nn.Identity()
@@ -66,7 +54,8 @@ class DenseModel(nn.Module):
             backbone.norm = nn.Identity()
         self.grad_checkpointing = False
 
-    def features(self, x: torch.Tensor):
+    def features(self, x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """(NCHW maps, the prefix tokens of each or None): what the head reads."""
         if self.adapter is not None:
             return self.adapter(x), None
         kw = dict(indices=self.indices, norm=self.norm, intermediates_only=True)
@@ -76,7 +65,8 @@ class DenseModel(nn.Module):
         return list(self.backbone.forward_intermediates(x, **kw)), None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.decoder(*self.features(x))
+        maps, prefix = self.features(x)
+        y = self.decoder(maps, prefix) if self.prefix_tokens else self.decoder(maps)
         if tuple(y.shape[-2:]) != tuple(x.shape[-2:]):
             y = F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
         return y
@@ -113,83 +103,51 @@ def create(head: str, backbone: str = "vit_base_patch16_224", num_classes: int |
            img_size: int | None = None, in_chans: int = 3, indices: list[int] | None = None,
            backbone_kwargs: dict | None = None, head_kwargs: dict | None = None, checkpoint_path: str | None = None,
            backbone_checkpoint: str | None = None, drop_path_rate: float = 0.0, strict: bool = True) -> DenseModel:
-    """Build a dense model: a registered configuration by name (``create('dpt_vit_base_patch16_384')``), or a
-    ``head`` of :data:`HEADS` over any registered ``backbone`` (plain or hierarchical).
+    """Build a dense model: a registered ``head`` (:func:`vitlab.dense.heads.list_heads`) over any registered
+    ``backbone`` (plain or hierarchical), or a registered configuration by name
+    (``create('dpt_vit_base_patch16_384')``, the same as ``vitlab.create_model``; ``backbone`` is then the
+    configuration's and the other arguments override its own).
 
-    ``indices``: the blocks / stages the head reads (default: the head's: last block; four evenly spaced for
-    SETR-MLA and DPT; all four stages of a hierarchical backbone). ``backbone_checkpoint``: classifier weights
-    for the backbone (timm / vitlab file); ``checkpoint_path``: weights of the whole dense model (ours, or a
-    Hugging Face DPT state dict). ``head_kwargs``: the decoder's options (e.g. ``readout='add'``,
-    ``window_size=14``, ``global_blocks=[2, 5, 8, 11]`` for ViTDet, ``interactions`` for ViT-Adapter)."""
-    if head in _CONFIGS:
-        return create_registered(head, num_classes=num_classes, task=task, img_size=img_size,
-                                 checkpoint_path=checkpoint_path, strict=strict, drop_path_rate=drop_path_rate)
-    if head not in HEADS:
-        raise ValueError(f"unknown dense head or model {head!r}; heads: {', '.join(HEADS)}; "
-                         f"models: {', '.join(list_models())}")
-    task = task or "segment"
+    ``task``: ``segment`` or ``depth`` (default: the head's first). ``indices``: the blocks / stages the head reads
+    (default: the head's: the last block; four evenly spaced for SETR-MLA and DPT; all four stages of a
+    hierarchical backbone). ``backbone_checkpoint``: classifier weights for the backbone (timm / vitlab file);
+    ``checkpoint_path``: weights of the whole dense model (ours, or a Hugging Face DPT state dict). ``head_kwargs``:
+    the decoder's options (e.g. ``readout='add'``, ``window_size=14``, ``global_blocks=[2, 5, 8, 11]`` for ViTDet,
+    ``interactions`` for ViT-Adapter)."""
+    if head not in list_heads():
+        if head not in list_models():
+            raise ValueError(f"unknown dense head or model {head!r}; heads: {', '.join(list_heads())}; "
+                             f"models: {', '.join(list_models())}")
+        given = dict(num_classes=num_classes, task=task, img_size=img_size, indices=indices,
+                     backbone_kwargs=backbone_kwargs, head_kwargs=head_kwargs, backbone_checkpoint=backbone_checkpoint)
+        return vitlab.create_model(head, checkpoint_path=checkpoint_path, strict=strict, in_chans=in_chans,
+                                   drop_path_rate=drop_path_rate, **{k: v for k, v in given.items() if v is not None})
+    spec = get_head(head)
+    task = task or spec.tasks[0]
     num_classes = 150 if num_classes is None else num_classes
     if task not in TASKS:
         raise ValueError(f"unknown dense task {task!r}; choose from {', '.join(TASKS)}")
-    if task == "depth" and head not in DEPTH_HEADS:
-        raise ValueError(f"head {head!r} predicts classes; depth heads: {', '.join(DEPTH_HEADS)}")
-    if task == "segment" and head == "linear_depth":
-        raise ValueError("linear_depth is a depth head; use task='depth'")
+    if task not in spec.tasks:
+        raise ValueError(f"head {head!r} does not predict {task}; {task} heads: {', '.join(list_heads(task))}")
     if task == "segment" and num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-    hk = dict(head_kwargs or {})
-    bk = dict(backbone_kwargs or {})
+    bk = {**spec.backbone_kwargs, **(backbone_kwargs or {})}
     if img_size is not None:
         bk["img_size"] = img_size
-    if head == "vitdet_sfp":
-        bk.setdefault("class_token", False)  # ViTDet's backbone: patch tokens only, windowed
-        bk.setdefault("global_pool", "avg")
     bb = vitlab.create_model(backbone, num_classes=0, in_chans=in_chans, drop_path_rate=drop_path_rate,
                              checkpoint_path=backbone_checkpoint, strict=False if backbone_checkpoint else True, **bk)
     plain = is_plain(bb)
     n = num_levels(bb)
-    if head == "vitdet_sfp":
-        vitdet_backbone(bb, hk.pop("window_size", 14), hk.pop("global_blocks", None), hk.pop("rel_pos", False))
     if indices is None:
-        indices = _four(n) if plain and head in ("setr_mla", "dpt") else (
-            list(range(n)) if not plain and head in ("setr_mla", "dpt") else [n - 1])
+        indices = (_four(n) if plain else list(range(n))) if spec.multi_level else [n - 1]
     indices = [i % n for i in indices]
     ch_st = feature_specs(bb, indices)
-    chans, strides = [c for c, _ in ch_st], [s for _, s in ch_st]
-    norm, adapter = True, None
     K = num_classes if task == "segment" else 1
-    if head == "setr_naive":
-        dec = SETRNaive(chans, K, **hk)
-    elif head == "setr_pup":
-        dec = SETRPUP(chans, K, stride=strides[-1], **hk)
-    elif head == "setr_mla":
-        dec = SETRMLA(chans, K, up=max(1, min(4, strides[0] // 4)), **hk)
-    elif head == "segmenter_linear":
-        dec = SegmenterLinear(chans, K)
-    elif head == "segmenter_mask":
-        dec = SegmenterMask(chans, K, **hk)
-    elif head == "dpt":
-        norm = False  # DPT reads the blocks' raw outputs
-        if not getattr(bb, "num_prefix_tokens", 0) or not plain:
-            hk.setdefault("readout", "ignore")
-        dec = DPT(chans, strides, K, task, **hk)
-    elif head == "vitdet_sfp":
-        out_ch = hk.pop("out_channels", 256)
-        # the paper's strides 4, 8, 16, 32 whatever the patch (ViT-B/16: scales 4, 2, 1, 1/2)
-        scales = hk.pop("scales", None) or [strides[-1] / t for t in (4, 8, 16, 32)]
-        sfp = SimpleFeaturePyramid(chans, out_ch, scales)
-        out_strides = [int(strides[-1] / s) for s in sfp.scales]
-        dec = PyramidSegHead(sfp, SemanticFPNHead([out_ch] * 4, out_strides, K, **hk))
-    elif head == "vit_adapter":
-        if not plain:
-            raise ValueError("ViT-Adapter needs a plain ViT backbone")
-        adapter = ViTAdapter(bb, interactions=hk.pop("interactions", None), num_heads=hk.pop("num_heads", None),
-                             in_chans=in_chans, extra_extractors=hk.pop("extra_extractors", 0))
-        dec = SemanticFPNHead([bb.embed_dim] * 4, [4, 8, 16, 32], K, **hk)
-    else:  # linear_depth
-        dec = LinearDepthHead(chans, use_cls=bool(getattr(bb, "num_prefix_tokens", 0)), **hk)
-    model = DenseModel(bb, dec, indices, norm, task, K, adapter)
-    model.pretrained_cfg = ModelConfig(name=f"{head}_{backbone}", family="dense", input_size=(
+    ctx = HeadContext(backbone=bb, in_channels=[c for c, _ in ch_st], strides=[s for _, s in ch_st], num_classes=K,
+                      task=task, in_chans=in_chans, has_prefix=_has_prefix(bb))
+    dec = spec.make(ctx, dict(head_kwargs or {}))
+    model = DenseModel(bb, dec.head, indices, spec.norm, task, K, dec.adapter, spec.prefix_tokens)
+    model.pretrained_cfg = ModelConfig(name=f"{head}_{backbone}", family="dense", task=task, input_size=(
         in_chans, *(bb.patch_embed.img_size if hasattr(bb, "patch_embed") else (224, 224))),
         mean=bb.pretrained_cfg.mean, std=bb.pretrained_cfg.std, num_classes=K)
     if checkpoint_path is not None:
@@ -197,97 +155,16 @@ def create(head: str, backbone: str = "vit_base_patch16_224", num_classes: int |
     return model
 
 
-# ---------------------------------------------------------------- registered configurations
-
-_CONFIGS: dict[str, ModelConfig] = {}
-_BUILDERS: dict[str, Callable[..., dict]] = {}
-
-
-def register(name: str, config: ModelConfig, **spec) -> None:
-    """Register an end-to-end configuration: ``spec`` holds :func:`create`'s arguments."""
-    if name in _CONFIGS:
-        raise ValueError(f"dense model {name!r} is registered twice")
-    _CONFIGS[name] = replace(config, name=name, family=config.family or "dense")
-    _BUILDERS[name] = spec
-
-
 def list_models(pattern: str | list[str] = "*") -> list[str]:
-    """Registered dense configurations matching an fnmatch ``pattern`` (or any of a list), sorted."""
-    pats = [pattern] if isinstance(pattern, str) else list(pattern)
-    return sorted(n for n in _CONFIGS if any(fnmatch.fnmatch(n, p) for p in pats))
+    """The registered dense configurations (tasks ``segment`` and ``depth``) matching an fnmatch ``pattern`` (or
+    any of a list), sorted."""
+    return vitlab.list_models(pattern, task=TASKS)
 
 
 def get_config(name: str) -> ModelConfig:
-    if name not in _CONFIGS:
-        import difflib
-
-        close = difflib.get_close_matches(name, list(_CONFIGS), n=5, cutoff=0.6)
-        raise UnknownModelError(f"unknown dense model {name!r}" + (f"; close matches: {', '.join(close)}" if close
-                                                                  else f"; see {', '.join(list_models())}"))
-    return _CONFIGS[name]
-
-
-def create_registered(name: str, num_classes: int | None = None, task: str | None = None,
-                      img_size: int | None = None, checkpoint_path: str | None = None, strict: bool = True,
-                      **overrides) -> DenseModel:
-    cfg = get_config(name)
-    spec = {**_BUILDERS[name], **{k: v for k, v in overrides.items() if v}}
-    if num_classes is not None:
-        spec["num_classes"] = num_classes
-    if task is not None:
-        spec["task"] = task
-    spec["img_size"] = img_size or cfg.input_size[-1]
-    model = create(spec.pop("head"), checkpoint_path=checkpoint_path, strict=strict, **spec)
-    model.pretrained_cfg = replace(cfg, input_size=(cfg.input_size[0], spec["img_size"], spec["img_size"]))
-    return model
-
-
-def model_rows(pattern: str | list[str] = "*") -> list[dict]:
-    """Rows like :func:`vitlab.profile.model_rows` (params, GMACs at the default input) for ``vitlab models``."""
-    from vitlab.profile import profile_model, profile_row
-
-    rows = []
-    for name in list_models(pattern):
-        with torch.device("meta"):
-            model = create_registered(name)
-        rows.append(profile_row(get_config(name), profile_model(model, activations=False)))
-    return rows
-
-
-def _cfg(paper: str, size: int, num_classes: int = 150, **kw) -> ModelConfig:
-    from vitlab.registry import INCEPTION_MEAN, INCEPTION_STD
-
-    return ModelConfig(family="dense", paper=paper, input_size=(3, size, size), mean=INCEPTION_MEAN,
-                       std=INCEPTION_STD, crop_pct=1.0, num_classes=num_classes, **kw)
-
-
-_DPT = "Ranftl et al., Vision Transformers for Dense Prediction, ICCV 2021"
-_SETR = "Zheng et al., Rethinking Semantic Segmentation from a Sequence-to-Sequence Perspective, CVPR 2021"
-_SEG = "Strudel et al., Segmenter: Transformer for Semantic Segmentation, ICCV 2021"
-_VITDET = "Li et al., Exploring Plain Vision Transformer Backbones for Object Detection, ECCV 2022"
-_ADAPTER = "Chen et al., Vision Transformer Adapter for Dense Predictions, ICLR 2023"
-_DINO2 = "Oquab et al., DINOv2: Learning Robust Visual Features without Supervision, TMLR 2024"
-# Hugging Face's DPT configs use LayerNorm eps 1e-12 in the ViT (timm's is 1e-6): kept so HF weights predict alike
-_HF_LN = {"norm_layer": partial(nn.LayerNorm, eps=1e-12)}
-
-register("dpt_vit_base_patch16_384", _cfg(_DPT, 384), head="dpt", backbone="vit_base_patch16_224",
-         backbone_kwargs=_HF_LN)
-register("dpt_vit_base_patch16_384_depth", _cfg(_DPT, 384, num_classes=1), head="dpt", task="depth",
-         backbone="vit_base_patch16_224", backbone_kwargs=_HF_LN)
-register("dpt_vit_large_patch16_384", _cfg(_DPT, 384), head="dpt", backbone="vit_large_patch16_224",
-         backbone_kwargs=_HF_LN, head_kwargs={"hidden": (256, 512, 1024, 1024)})
-register("dpt_vit_large_patch16_384_depth", _cfg(_DPT, 384, num_classes=1), head="dpt", task="depth",
-         backbone="vit_large_patch16_224", backbone_kwargs=_HF_LN, head_kwargs={"hidden": (256, 512, 1024, 1024)})
-register("setr_naive_vit_large_patch16_512", _cfg(_SETR, 512), head="setr_naive", backbone="vit_large_patch16_224")
-register("setr_pup_vit_large_patch16_512", _cfg(_SETR, 512), head="setr_pup", backbone="vit_large_patch16_224")
-register("setr_mla_vit_large_patch16_512", _cfg(_SETR, 512), head="setr_mla", backbone="vit_large_patch16_224")
-register("segmenter_linear_vit_small_patch16_512", _cfg(_SEG, 512), head="segmenter_linear",
-         backbone="vit_small_patch16_224")
-register("segmenter_mask_vit_small_patch16_512", _cfg(_SEG, 512), head="segmenter_mask",
-         backbone="vit_small_patch16_224")
-register("segmenter_mask_vit_base_patch16_512", _cfg(_SEG, 512), head="segmenter_mask", backbone="vit_base_patch16_224")
-register("vitdet_sfp_vit_base_patch16_1024", _cfg(_VITDET, 1024), head="vitdet_sfp", backbone="vit_base_patch16_224")
-register("vit_adapter_vit_small_patch16_512", _cfg(_ADAPTER, 512), head="vit_adapter",
-         backbone="vit_small_patch16_224")
-register("linear_depth_vit_small_patch16_448", _cfg(_DINO2, 448, num_classes=1), head="linear_depth", task="depth",
-         backbone="vit_small_patch16_224")
+    """The :class:`~vitlab.registry.ModelConfig` of a registered dense configuration."""
+    cfg = get_model_config(name)
+    if cfg.task not in TASKS:
+        raise UnknownModelError(f"{name!r} is a {cfg.task} model, not a dense configuration; "
+                                f"see vitlab.dense.list_models()")
+    return cfg

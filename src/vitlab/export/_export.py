@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.export import Dim
 
 from vitlab._io import atomic_write, make_temp_dir
-from vitlab.export._source import META_KEY, ExportMeta, image_model, load_source
+from vitlab.export._source import META_KEY, ExportMeta, export_meta, image_model, load_source
 from vitlab.export._validate import FP32_ATOL, ExportReport, check_inputs, compare, outputs
 
 EXTRA = "vitlab[export]"
@@ -43,13 +43,7 @@ def _prepare(model: nn.Module | str | os.PathLike, meta: ExportMeta | None, img_
              dynamic_img_size: bool, model_kwargs: dict) -> tuple[nn.Module, ExportMeta]:
     if isinstance(model, nn.Module):
         module, output = image_model(model)
-        if meta is None:
-            if img_size is None:
-                raise ValueError("exporting an nn.Module needs img_size=(H, W) or meta=ExportMeta(...)")
-            h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
-            meta = ExportMeta(model=type(model).__name__, img_size=(int(h), int(w)),
-                              num_classes=int(getattr(module, "num_classes", 0)))
-        meta = replace(meta, output=output)
+        meta = export_meta(model, img_size) if meta is None else replace(meta, output=output)
         module = module.eval()
     else:
         module, loaded = load_source(model, img_size=img_size, dynamic_img_size=dynamic_img_size, **model_kwargs)
@@ -231,10 +225,12 @@ def onnx(model: nn.Module | str | os.PathLike, path: str | os.PathLike, *, img_s
     """Export to ONNX and validate with ONNX Runtime. ``opset`` 20 by default: LITv2's deformable convolution
     needs ONNX's DeformConv (opset 19+).
 
-    ``model``: an ``nn.Module`` (give ``img_size`` or ``meta``), a registered model name (random weights; extra
-    ``model_kwargs`` go to ``create_model``) or a run / checkpoint of ``vitlab train``. The dynamo exporter runs
-    first; where it fails the TorchScript-based exporter is used and the report's notes say so. The preprocessing
-    (mean, std, size, class names) is embedded as JSON under the metadata key ``'vitlab'``."""
+    ``model``: an ``nn.Module``, a registered model name (random weights; extra ``model_kwargs`` go to
+    ``create_model``) or a run / checkpoint of ``vitlab train``. A module's input size and preprocessing are
+    :func:`~vitlab.export.export_meta`'s (from its registry config and its own size; a bare module needs
+    ``img_size`` or ``meta``), the same as for its name. The dynamo exporter runs first; where it fails the
+    TorchScript-based exporter is used and the report's notes say so. The preprocessing (mean, std, size, class
+    names) is embedded as JSON under the metadata key ``'vitlab'``."""
     require_onnx()
     t0 = time.perf_counter()
     module, meta = _prepare(model, meta, img_size, dynamic_batch, dynamic_img_size, model_kwargs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -78,7 +78,6 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
     size = _size2(img_size)
     extra = {"dynamic_img_size": True} if dynamic_img_size else {}
     if vitlab.is_model(str(source)):
-        cfg = vitlab.get_model_config(str(source))
         kw = {**model_kwargs, **extra}
         if size is not None:
             kw["img_size"] = size
@@ -86,12 +85,8 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
             model = vitlab.create_model(str(source), **kw)
         except (TypeError, ValueError) as e:  # a family without the keyword (e.g. dynamic_img_size), or refusing it
             raise _build_error(str(source), e) from None
-        model, output = image_model(model)
-        grid = size or _model_img_size(getattr(model, "trunk", model), cfg.input_size[1:])  # CLIP: in the trunk
-        meta = ExportMeta(model=str(source), img_size=grid, in_chans=cfg.input_size[0], mean=tuple(cfg.mean),
-                          std=tuple(cfg.std), crop_pct=cfg.crop_pct, num_classes=_num_classes(model, cfg.num_classes),
-                          dynamic_img_size=dynamic_img_size, output=output)
-        return model.eval(), meta
+        meta = replace(export_meta(model, size), dynamic_img_size=dynamic_img_size)
+        return image_model(model)[0].eval(), meta
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"{source} is neither a registered model (see `vitlab models`) nor a path")
@@ -122,6 +117,33 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
     return model.eval(), meta
 
 
+def export_meta(model: nn.Module, img_size: int | tuple[int, int] | None = None) -> ExportMeta:
+    """The :class:`ExportMeta` of a built model: the one source of the preprocessing an export embeds, whether the
+    model comes as a name (``vitlab export NAME``, :func:`load_source`) or as a module.
+
+    The name, normalisation (mean, std) and crop fraction are those of its registry config (``model.pretrained_cfg``,
+    a :class:`~vitlab.registry.ModelConfig` set by :func:`vitlab.create_model`); the input size and channels are
+    the model's own (its patch embedding's or its ``img_size``: a model built at another size keeps it), else the
+    config's; ``img_size`` overrides the size. A module with neither a config nor a size of its own (a bare
+    ``nn.Module``) needs ``img_size``: a one-line ValueError otherwise."""
+    image, output = image_model(model)
+    trunk = getattr(image, "trunk", image)  # a CLIP image tower: its ViT holds the size
+    cfg = getattr(model, "pretrained_cfg", None)
+    size = _size2(img_size) or _model_img_size(trunk, cfg.input_size[1:] if cfg is not None else None)
+    if size is None:
+        raise ValueError(f"exporting a {type(model).__name__} (no registry config, no img_size of its own) needs "
+                         f"img_size=(H, W) or meta=ExportMeta(...)")
+    pe = getattr(trunk, "patch_embed", None)
+    if cfg is None:
+        meta = ExportMeta(model=type(model).__name__, num_classes=0)
+    else:
+        meta = ExportMeta(model=cfg.name, in_chans=cfg.input_size[0], mean=tuple(cfg.mean), std=tuple(cfg.std),
+                          crop_pct=cfg.crop_pct, num_classes=cfg.num_classes)
+    in_chans = getattr(pe, "in_chans", None) or getattr(trunk, "in_chans", None) or meta.in_chans
+    return replace(meta, img_size=size, in_chans=int(in_chans), num_classes=_num_classes(image, meta.num_classes),
+                   output=output)
+
+
 def image_model(model: nn.Module) -> tuple[nn.Module, str]:
     """(the module an image goes through, what it returns). A CLIP (Radford et al., 2021) is two towers whose
     ``forward`` takes an image and a text; its deployable image part is the image tower, ``encode_image`` without
@@ -150,10 +172,11 @@ def num_params(name: str, **model_kwargs) -> int:
         return count_params(vitlab.create_model(name, **model_kwargs))[0]
 
 
-def smallest_per_family() -> list[str]:
-    """The registered model with the fewest parameters of each family, sorted."""
+def smallest_per_family(task: str | tuple[str, ...] = ("classify", "contrastive")) -> list[str]:
+    """The registered model with the fewest parameters of each family, sorted, among the models of ``task`` (by
+    default those that export: classifiers and CLIP, whose image tower exports)."""
     fams: dict[str, list[str]] = {}
-    for name in vitlab.list_models():
+    for name in vitlab.list_models(task=task):
         fams.setdefault(vitlab.get_model_config(name).family, []).append(name)
     return sorted(min(names, key=num_params) for names in fams.values())
 
@@ -172,7 +195,7 @@ def too_big_to_export(name: str, **model_kwargs) -> str | None:
     return f"{name} needs ~{need / 2**30:.0f} GiB to export and validate; {avail / 2**30:.0f} GiB are available"
 
 
-def _model_img_size(model: nn.Module, default) -> tuple[int, int]:
+def _model_img_size(model: nn.Module, default) -> tuple[int, int] | None:
     pe = getattr(model, "patch_embed", None)
     size = getattr(pe, "img_size", None) or getattr(model, "img_size", None) or default
     return _size2(size)

@@ -5,7 +5,7 @@ EViT and top-k train with the pruning in place and the task's own loss. DynamicV
 of the model as built, i.e. the pretrained weights when fine-tuning from ``--model_kwargs.checkpoint_path``);
 the adaptive method adds the loss that learns its thresholds.
 
-``shrink=(start, epochs)`` (``TrainConfig.prune_shrink_start`` / ``prune_shrink_epochs``) adds EViT's keep-rate
+``shrink=(start, epochs)`` (the classification task's ``prune_shrink_start`` / ``prune_shrink_epochs``) adds EViT's keep-rate
 warm-up (:mod:`vitlab.prune.warmup`): a :class:`KeepRateWarmup` child of the trained module, moved after each
 optimiser step and checkpointed with the run."""
 
@@ -19,7 +19,7 @@ import torch.nn as nn
 from vitlab.prune.losses import adaptive_loss, dynamicvit_loss
 from vitlab.prune.patch import METHODS, apply, check_keep_rate
 from vitlab.prune.warmup import KeepRateWarmup
-from vitlab.train.task import register_model_transform
+from vitlab.train.task import TransformedModule, register_model_transform
 
 
 def parse_spec(spec: str) -> tuple[str, list[float]]:
@@ -34,7 +34,7 @@ def parse_spec(spec: str) -> tuple[str, list[float]]:
     return method, [check_keep_rate(k) for k in keep]
 
 
-class PruneStudent(nn.Module):
+class PruneStudent(TransformedModule):
     """The pruned model as the trained module: ``forward(x)`` is the model's; for DynamicViT and adaptive
     (``adds_loss``) ``forward(x, with_loss=True)`` returns (output, the method's extra loss). The full-model teacher
     is held outside the module tree (it is neither trained, nor checkpointed, nor wrapped by the strategy); a

@@ -1,4 +1,4 @@
-"""Self-supervised losses, each written from its paper (seed 001, section 21.3, states the first four):
+"""Self-supervised losses, each written from its paper:
 
 - :func:`nt_xent` -- SimCLR's normalised-temperature cross-entropy (Chen et al., 2020, "A Simple Framework for
   Contrastive Learning of Visual Representations", eq. 1): for each of the 2B views, cross-entropy of its cosine

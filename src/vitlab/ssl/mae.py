@@ -1,5 +1,5 @@
 """MAE: masked autoencoder pre-training of a plain ViT (He et al., 2022, "Masked Autoencoders Are Scalable Vision
-Learners", section 3; seed 001, section 21.3, class ``MAE``).
+Learners", section 3).
 
 - Masking (section 3, "Masking"; the official ``random_masking``): per image, uniform noise is argsorted; the
   first ``(1 - ratio) * N`` patches of that order are kept. ``noise`` can be passed in, so a test fixes it.
@@ -12,7 +12,8 @@ Learners", section 3; seed 001, section 21.3, class ``MAE``).
   pixels normalised by their own mean and (unbiased) variance (``norm_pix_loss``, the paper's better target).
 
 The encoder is any plain ViT of vitlab (ViT, DeiT, HaLViT: a :class:`~vitlab.models.vision_transformer.
-VisionTransformer`); a hierarchical backbone has no token sequence to drop patches from and is refused.
+VisionTransformer`); a hierarchical backbone has no token sequence to drop patches from and is refused. MAE trains
+on one view, a random resized crop and a flip (appendix A.1), and is registered as the method ``mae``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import Tensor
 from vitlab.attention import Block
 from vitlab.layers import init_linears_trunc_normal_, sincos_2d_pos_embed
 from vitlab.models.vision_transformer import VisionTransformer
+from vitlab.ssl.base import SSLMethod, ViewSpec, images_of, register_method
 
 
 def check_plain_vit(backbone: nn.Module, method: str) -> VisionTransformer:
@@ -68,20 +70,25 @@ def unpatchify(x: Tensor, patch: int, hw: tuple[int, int], chans: int) -> Tensor
     return x.reshape(B, chans, h * patch, w * patch)
 
 
-class MAE(nn.Module):
-    """``MAE(backbone)``; ``forward(batch, noise=None)`` -> dict(loss, pred (B, N, p*p*C), mask (B, N)).
+@register_method("mae")
+class MAE(SSLMethod):
+    """``MAE(backbone)``; ``forward(views, noise=None)`` -> dict(loss, pred (B, N, p*p*C), mask (B, N)) of the one
+    view (a list of one view, or the image tensor itself).
 
     ``model`` is the backbone (the run's output weights); the decoder trains beside it and is checkpointed as an
-    extra module."""
+    extra module. The validation loss (fixed masks) picks the best checkpoint."""
+
+    views = ViewSpec(global_views=1, plain=True)
+    monitor = "loss"
+    monitor_mode = "min"
 
     def __init__(self, backbone: nn.Module, mask_ratio: float = 0.75, decoder_dim: int = 512, decoder_depth: int = 8,
                  decoder_heads: int = 16, decoder_mlp_ratio: float = 4.0, norm_pix_loss: bool = True):
-        super().__init__()
         if not 0.0 < mask_ratio < 1.0:
             raise ValueError(f"mask_ratio must be in (0, 1), got {mask_ratio}")
         if decoder_dim % decoder_heads or decoder_dim % 4:
             raise ValueError(f"decoder_dim {decoder_dim} must be divisible by decoder_heads {decoder_heads} and by 4")
-        self.model = check_plain_vit(backbone, "MAE")
+        super().__init__(check_plain_vit(backbone, "MAE"))
         self.mask_ratio, self.norm_pix_loss = float(mask_ratio), bool(norm_pix_loss)
         pe = backbone.patch_embed
         self.patch = int(pe.patch_size[0])
@@ -125,18 +132,32 @@ class MAE(nn.Module):
             t = (t - t.mean(dim=-1, keepdim=True)) / (t.var(dim=-1, keepdim=True) + 1e-6) ** 0.5
         return t
 
-    def forward(self, batch, noise: Tensor | None = None, monitor: bool = False) -> dict[str, Tensor]:
-        """The loss, predictions and mask; ``monitor=True`` adds the backbone's pooled features of the unmasked
+    def fixed_noise(self, imgs: Tensor) -> Tensor:
+        """The masking noise of a validation pass: the same masks at every call (a generator seeded 0)."""
+        g = torch.Generator(device=imgs.device).manual_seed(0)
+        return torch.rand(imgs.shape[0], self.grid[0] * self.grid[1], device=imgs.device, generator=g)
+
+    def forward(self, views: list[Tensor] | Tensor, noise: Tensor | None = None,
+                monitor: bool = False) -> dict[str, Tensor]:
+        """The loss, predictions and mask of the view. ``monitor=True`` (validation) masks with
+        :meth:`fixed_noise` unless ``noise`` is given and adds the backbone's pooled features of the unmasked
         images (what the collapse monitors read)."""
-        imgs = images_of(batch)
+        imgs = images_of(views)
+        if monitor and noise is None:
+            noise = self.fixed_noise(imgs)
         latent, mask, ids_restore = self.encode(imgs, noise)
         pred = self.decoder(latent, ids_restore)
         loss = ((pred.float() - self.target(imgs).float()) ** 2).mean(dim=-1)
         loss = (loss * mask).sum() / mask.sum()
         out = {"loss": loss, "pred": pred, "mask": mask}
         if monitor:
-            out["features"] = self.model.forward_head(self.model.forward_features(imgs), pre_logits=True)
+            out["features"] = self.features(imgs)
         return out
+
+    def artifacts(self, images: Tensor, mean, std) -> dict[str, bytes]:
+        """``reconstructions.png``: :func:`reconstruction_png` of the images' reconstructions."""
+        rec, mask = self.reconstruct(images)
+        return {"reconstructions.png": reconstruction_png(images, rec, mask, mean, std)}
 
     @torch.no_grad()
     def reconstruct(self, imgs: Tensor, noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -185,15 +206,6 @@ class MAEDecoder(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.pred(self.norm(x))[:, P:]
-
-
-def images_of(batch) -> Tensor:
-    """The image tensor of a batch: a tensor, or the first item of an (images, labels) pair."""
-    if isinstance(batch, Tensor):
-        return batch
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Tensor):
-        return batch[0]
-    raise ValueError("MAE takes a batch of images (B, C, H, W) or an (images, labels) pair")
 
 
 def reconstruction_png(imgs: Tensor, rec: Tensor, mask: Tensor, mean, std, n: int = 8) -> bytes:

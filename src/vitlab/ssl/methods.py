@@ -1,7 +1,8 @@
-"""Joint-embedding self-supervised methods on a vitlab backbone (seed 001, section 21.3):
+"""Joint-embedding self-supervised methods on a vitlab backbone, registered as ``simclr``, ``mocov3``, ``dino`` and
+``dinov2``:
 
 - :class:`SimCLR` (Chen et al., 2020, section 2.1): two views, backbone -> projector MLP with BatchNorm
-  (Linear-BN-ReLU-Linear, the seed's ``Projector``) -> :func:`~vitlab.ssl.losses.nt_xent` at T = 0.5.
+  (Linear-BN-ReLU-Linear) -> :func:`~vitlab.ssl.losses.nt_xent` at T = 0.5.
 - :class:`MoCoV3` (Chen, Xie, He, 2021, Algorithm 1 and section 4): query encoder = backbone + 3-layer projector,
   predictor (2 layers); momentum encoder = EMA copy of backbone + projector, ``m`` from 0.99 to 1 on a half
   cosine; symmetric ``ctr(q1, k2) + ctr(q2, k1)`` with ``ctr = 2 T * InfoNCE`` at T = 0.2; optional frozen random
@@ -21,7 +22,7 @@
 Hierarchical backbones (Swin, LITv2, PVT) take part in SimCLR, MoCo v3 and DINO through their pooled features
 (``forward_head(forward_features(x), pre_logits=True)``); MAE and DINOv2 need a plain ViT's token sequence.
 
-Every module's ``forward(batch)`` returns a dict with ``loss`` (and what the collapse monitors read); after each
+Every module's ``forward(views)`` returns a dict with ``loss`` (and what the collapse monitors read); after each
 optimiser step the caller calls ``after_step(step, total_steps, steps_per_epoch)`` (the Trainer does), which
 moves the EMA teacher with the step's momentum and the temperature schedule with the epoch.
 """
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vitlab.ssl import losses as L
+from vitlab.ssl.base import SSLMethod, ViewSpec, pooled_features, register_method, views_of
 from vitlab.ssl.mae import check_plain_vit
 from vitlab.ssl.masking import dinov2_masks, random_patch_mask
 
@@ -87,7 +89,7 @@ def mlp(num_layers: int, in_dim: int, hidden_dim: int, out_dim: int, last_bn: bo
 
 
 class SimCLRProjector(nn.Module):
-    """The seed's ``Projector``: Linear -> BatchNorm1d -> ReLU -> Linear."""
+    """SimCLR's projection head g (section 2.1): Linear -> BatchNorm1d -> ReLU -> Linear."""
 
     def __init__(self, in_dim: int, hidden_dim: int = 2048, out_dim: int = 128):
         super().__init__()
@@ -141,20 +143,6 @@ class DINOHead(nn.Module):
 # ---------------------------------------------------------------- shared machinery
 
 
-def pooled_features(backbone: nn.Module, x: Tensor) -> Tensor:
-    """The backbone's image embedding (its pre-logits: class token or pooled tokens after the final norm)."""
-    return backbone.forward_head(backbone.forward_features(x), pre_logits=True)
-
-
-def views_of(batch) -> list[Tensor]:
-    """The list of views of a batch: ``[v1, v2, ...]`` or ``([v1, v2, ...], labels)`` from a multi-view loader."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], (tuple, list)):
-        batch = batch[0]
-    if not isinstance(batch, (tuple, list)) or len(batch) < 2 or not all(isinstance(v, Tensor) for v in batch):
-        raise ValueError("this method takes a list of at least two views of the batch: [view1, view2, ...]")
-    return list(batch)
-
-
 class Progress(nn.Module):
     """The step the schedules are at (buffers, so a resumed run continues the schedules where it stopped)."""
 
@@ -168,15 +156,15 @@ class Progress(nn.Module):
         return int(self.step) // max(int(self.steps_per_epoch), 1)
 
 
-class SSLMethod(nn.Module):
-    """Base: ``model`` is the backbone (the run's output); ``teacher_pairs()`` lists (teacher, student) modules
-    moved by EMA after each optimiser step."""
+class JointEmbedding(SSLMethod):
+    """Base of the joint-embedding methods: ``embed_dim`` is the backbone's feature width, ``progress`` the step
+    the schedules are at, ``teacher_pairs()`` the (teacher, student) modules moved by EMA after each optimiser
+    step."""
 
     base_momentum = 0.0
 
     def __init__(self, backbone: nn.Module):
-        super().__init__()
-        self.model = backbone
+        super().__init__(backbone)
         self.progress = Progress()
         self.embed_dim = int(backbone.num_features)
 
@@ -196,25 +184,6 @@ class SSLMethod(nn.Module):
         self.progress.step.fill_(step + 1)
         self.progress.steps_per_epoch.fill_(steps_per_epoch)
 
-    def shard_units(self) -> list[nn.Module]:
-        from vitlab.train.strategy import shard_units
-
-        return shard_units(self.model)
-
-    def features(self, x: Tensor) -> Tensor:
-        return pooled_features(self.model, x)
-
-    def forward(self, batch, monitor: bool = False) -> dict[str, Tensor]:
-        """The method's loss (and logs) on a batch of views; ``monitor=True``: what the collapse monitors read from
-        a batch of plain images (through ``forward``, so a sharded module gathers its weights)."""
-        return self.monitor_outputs(batch) if monitor else self.objective(batch)
-
-    def objective(self, batch) -> dict[str, Tensor]:
-        raise NotImplementedError
-
-    def monitor_outputs(self, x: Tensor) -> dict[str, Tensor]:
-        return {"features": self.features(x)}
-
 
 def frozen_copy(module: nn.Module) -> nn.Module:
     """The EMA teacher / momentum encoder: a copy without gradients and without stochastic depth or dropout (DINO
@@ -233,15 +202,16 @@ def frozen_copy(module: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------- SimCLR
 
 
-class SimCLR(SSLMethod):
+@register_method("simclr")
+class SimCLR(JointEmbedding):
     def __init__(self, backbone: nn.Module, proj_hidden_dim: int = 2048, proj_dim: int = 128,
                  temperature: float = 0.5):
         super().__init__(backbone)
         self.temperature = temperature
         self.projector = SimCLRProjector(self.embed_dim, proj_hidden_dim, proj_dim)
 
-    def objective(self, batch) -> dict[str, Tensor]:
-        v1, v2 = views_of(batch)[:2]
+    def objective(self, views: list[Tensor]) -> dict[str, Tensor]:
+        v1, v2 = views_of(views)[:2]
         h = self.features(torch.cat([v1, v2]))  # one pass: BatchNorm sees both views, as SimCLR's big batch
         z1, z2 = self.projector(h).chunk(2)
         return {"loss": L.nt_xent(z1, z2, self.temperature), "features": h[: v1.shape[0]]}
@@ -250,7 +220,8 @@ class SimCLR(SSLMethod):
 # ---------------------------------------------------------------- MoCo v3
 
 
-class MoCoV3(SSLMethod):
+@register_method("mocov3")
+class MoCoV3(JointEmbedding):
     def __init__(self, backbone: nn.Module, dim: int = 256, mlp_dim: int = 4096, temperature: float = 0.2,
                  momentum: float = 0.99, stop_grad_patch_embed: bool = False):
         super().__init__(backbone)
@@ -274,8 +245,8 @@ class MoCoV3(SSLMethod):
     def ctr(self, q: Tensor, k: Tensor) -> Tensor:
         return L.info_nce(q, k, self.temperature) * 2 * self.temperature
 
-    def objective(self, batch) -> dict[str, Tensor]:
-        v1, v2 = views_of(batch)[:2]
+    def objective(self, views: list[Tensor]) -> dict[str, Tensor]:
+        v1, v2 = views_of(views)[:2]
         B = v1.shape[0]
         h = self.features(torch.cat([v1, v2]))
         q1, q2 = self.predictor(self.projector(h)).split(B)
@@ -287,7 +258,10 @@ class MoCoV3(SSLMethod):
 # ---------------------------------------------------------------- DINO
 
 
-class DINO(SSLMethod):
+@register_method("dino")
+class DINO(JointEmbedding):
+    views = ViewSpec(global_views=2, local_crops=True)
+
     def __init__(self, backbone: nn.Module, out_dim: int = 65536, hidden_dim: int = 2048, bottleneck_dim: int = 256,
                  norm_last_layer: bool = True, momentum: float = 0.996, center_momentum: float = 0.9,
                  warmup_teacher_temp: float = 0.04, teacher_temp: float = 0.07, warmup_teacher_temp_epochs: int = 30,
@@ -359,9 +333,9 @@ class DINO(SSLMethod):
             log_p_s = F.log_softmax(torch.stack(s_out[: len(t_out)]).float() / self.student_temp, dim=-1)
             return {"teacher_entropy": L.entropy(p_t), "teacher_student_kl": L.kl_div(p_t, log_p_s.flip(0))}
 
-    def objective(self, batch) -> dict[str, Tensor]:
-        views = views_of(batch)
-        n_global = 2
+    def objective(self, views: list[Tensor]) -> dict[str, Tensor]:
+        views = views_of(views)
+        n_global = self.views.global_views
         tt = self.teacher_temp()
         s_out = self.student_outputs(views)
         with torch.no_grad():
@@ -404,6 +378,7 @@ def vit_tokens(backbone: nn.Module, x: Tensor, mask: Tensor | None = None, mask_
     return backbone.norm(t) if not isinstance(backbone.norm, nn.Identity) else backbone.fc_norm(t)
 
 
+@register_method("dinov2")
 class DINOv2(DINO):
     def __init__(self, backbone: nn.Module, out_dim: int = 65536, patch_out_dim: int | None = None,
                  ibot_separate_head: bool = False, dino_weight: float = 1.0, ibot_weight: float = 1.0,
@@ -447,9 +422,10 @@ class DINOv2(DINO):
         m = self.model
         return tokens[:, 0] if m.num_prefix_tokens else tokens.mean(dim=1)
 
-    def objective(self, batch) -> dict[str, Tensor]:
-        views = views_of(batch)
-        g = torch.cat(views[:2])
+    def objective(self, views: list[Tensor]) -> dict[str, Tensor]:
+        views = views_of(views)
+        n_global = self.views.global_views
+        g = torch.cat(views[:n_global])
         P = self.model.num_prefix_tokens
         B2, grid = g.shape[0], tuple(self.model.patch_embed.dynamic_feat_size(g.shape[-2:]))
         N = grid[0] * grid[1]
@@ -457,12 +433,13 @@ class DINOv2(DINO):
         tt = self.teacher_temp()
         s_tok = vit_tokens(self.model, g, mask, self.mask_token)
         s_cls = self._cls(s_tok)
-        s_out = list(self.head(s_cls).chunk(2)) + (self.student_outputs(views[2:]) if len(views) > 2 else [])
+        s_out = list(self.head(s_cls).chunk(n_global)) + (self.student_outputs(views[n_global:])
+                                                           if len(views) > n_global else [])
         ibot_s = self.ibot_head or self.head
         ibot_t = self.teacher_ibot_head or self.teacher_head
         with torch.no_grad():
             t_tok = vit_tokens(self.teacher, g)
-            t_out = list(self.teacher_head(self._cls(t_tok)).chunk(2))
+            t_out = list(self.teacher_head(self._cls(t_tok)).chunk(n_global))
             t_patch = ibot_t(t_tok[:, P:][mask]) if mask.any() else None
         # the DINO loss pairs the teacher's view i with the student's other views; global-global terms included
         dino_loss = L.dino(s_out, t_out, tt, self.student_temp, self.center.center, self.sinkhorn)
@@ -474,7 +451,7 @@ class DINOv2(DINO):
                                      self.sinkhorn)
         else:
             ibot_loss = s_cls.sum() * 0.0
-        koleo_loss = sum(L.koleo(c) for c in s_cls.chunk(2)) / 2
+        koleo_loss = sum(L.koleo(c) for c in s_cls.chunk(n_global)) / n_global
         wd, wi, wk = self.weights
         loss = wd * dino_loss + wi * ibot_loss + wk * koleo_loss
         mon = self.monitors(s_out, t_out, tt)
@@ -485,5 +462,3 @@ class DINOv2(DINO):
         return {"loss": loss, "dino_loss": dino_loss.detach(), "ibot_loss": ibot_loss.detach(),
                 "koleo_loss": koleo_loss.detach(), "teacher_temp": torch.tensor(tt), **mon}
 
-
-METHODS = {"simclr": SimCLR, "mocov3": MoCoV3, "dino": DINO, "dinov2": DINOv2}

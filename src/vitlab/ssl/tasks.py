@@ -20,51 +20,71 @@ on the same images. A collapse prints one warning line.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
+import json
 import math
 import typing
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
 import vitlab
-from vitlab.ssl import create, create_backbone
-from vitlab.ssl.mae import MAE, images_of, reconstruction_png
-from vitlab.ssl.methods import DINO, pooled_features
+from vitlab.ssl.base import (
+    SSLMethod,
+    create,
+    create_backbone,
+    default_local_crop_size,
+    images_of,
+    list_methods,
+    method_class,
+    method_options,
+    pooled_features,
+)
 from vitlab.train import checkpoint as ck
-from vitlab.train.classification import build_data, model_description
-from vitlab.train.config import coerce
+from vitlab.train.common import build_image_data, create_image_model, image_record, model_kwargs
 from vitlab.train.progress import say
-from vitlab.train.task import register_task
+from vitlab.train.recipe import param_groups
+from vitlab.train.task import RunRecord, Task, register_task
 
 
 @dataclass
 class ViewArgs:
-    """The augmentation options of ``task_args`` (the rest go to the method, see ``vitlab.ssl.create``)."""
+    """The augmentation options every method's ``task_args`` start with (the method's own options follow)."""
 
     global_scale: tuple[float, float] = (0.25, 1.0)  # RandomResizedCrop scale of the two global views
     local_crops: int = 6                             # DINO / DINOv2: local views per image
-    local_crop_size: int | None = None               # pixels; None -> 3/7 of the image size (96 of 224)
+    local_crop_size: int | None = None               # pixels; None -> 3/7 of the image in whole patches (96 of 224)
     local_scale: tuple[float, float] = (0.05, 0.25)  # RandomResizedCrop scale of the local views
     jitter: float = 0.4                              # brightness / contrast jitter strength (0 = off)
     jitter_p: float = 0.8                            # probability of the jitter
     blur_p: float = 0.0                              # probability of a Gaussian blur (DINO: 1.0 / 0.1 / 0.5)
 
 
-def split_task_args(args: dict) -> tuple[ViewArgs, dict]:
-    """(the view options, typed, the method's options): ``task_args`` split in two; a value that is not of its
-    field's type is a one-line ValueError."""
-    hints = typing.get_type_hints(ViewArgs)
-    views = {}
-    for k, v in args.items():
-        if k in hints:
-            v = coerce(str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v, hints[k], k)
-            if typing.get_origin(hints[k]) is tuple:
-                v = tuple(float(x) for x in v)
-            views[k] = v
-    return ViewArgs(**views), {k: v for k, v in args.items() if k not in hints}
+def method_args_class(method: str) -> type:
+    """The ``Args`` dataclass of ``method``'s pre-training task: :class:`ViewArgs`, then the method's own options
+    with the types and defaults of its constructor (``out_dim: int = 65536`` -> ``--task_args.out_dim``)."""
+    cls = method_class(method)
+    options = set(method_options(method))
+    fields, seen = [], set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or not options - seen:
+            continue
+        hints = typing.get_type_hints(init)
+        for p in list(inspect.signature(init).parameters.values())[2:]:
+            if p.name in options and p.name not in seen and p.default is not inspect.Parameter.empty:
+                seen.add(p.name)
+                default = p.default
+                spec = (dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d))
+                        if isinstance(default, (list, dict)) else dataclasses.field(default=default))
+                fields.append((p.name, hints.get(p.name, typing.Any), spec))
+    return dataclasses.make_dataclass(f"{cls.__name__}Args", fields, bases=(ViewArgs,))
 
 
 # A collapsed encoder maps every image near one point (std -> 0) or onto a line (effective rank -> 1); spread
@@ -104,49 +124,48 @@ def effective_rank(cov: torch.Tensor) -> float:
     return float(torch.exp(-(p * torch.log(p.clamp_min(1e-30))).sum()))
 
 
-class PretrainTask:
-    """The shared task; each registered subclass names its ``method``."""
+class PretrainTask(Task):
+    """The pre-training task of a registered self-supervised method (one registered task per method, named
+    after it): ``module`` is the method, ``model`` its backbone."""
 
-    method = ""
-    monitor = "effective_rank"
+    method: typing.ClassVar[str] = ""
 
     def build(self, cfg, device: torch.device) -> None:
-        self.cfg, self.device = cfg, device
-        views, method_args = split_task_args(dict(cfg.task_args))
-        self.views = views
+        self.cfg, self.device, self.args = cfg, device, cfg.task_args
+        view_names = {f.name for f in dataclasses.fields(ViewArgs)}
+        self.method_args = {f.name: getattr(self.args, f.name) for f in dataclasses.fields(self.args)
+                            if f.name not in view_names}
         model_cfg = vitlab.get_model_config(cfg.model)
-        self.data = build_data(cfg, model_cfg)
+        self.data = build_image_data(cfg, model_cfg)
         b = self.data
-        kwargs = {k: v for k, v in cfg.model_kwargs.items() if k not in ("num_classes", "img_size", "in_chans")}
         backbone = create_backbone(self.method, cfg.model, img_size=b.img_size, in_chans=b.in_chans,
-                                   drop_path_rate=cfg.drop_path, **kwargs)
-        self.module = create(self.method, backbone, **method_args).to(device)
+                                   drop_path_rate=cfg.drop_path, **model_kwargs(cfg))
+        self.module: SSLMethod = create(self.method, backbone, **self.method_args).to(device)
         self.model = self.module.model
         self.num_params = sum(p.numel() for p in self.model.parameters())
-        self._set_views(b, model_cfg)
-        desc = model_description(cfg, b, model_cfg, self.num_params)
-        self._description = {**desc, "num_classes": 0, "class_names": [], "ssl_method": self.method,
-                             "model_kwargs": {**desc["model_kwargs"],
-                                              **({"dynamic_img_size": True}
-                                                 if getattr(self.model, "dynamic_img_size", False) else {})}}
+        self._set_views(b)
+        kwargs = {**model_kwargs(cfg), **({"dynamic_img_size": True}
+                                          if getattr(self.model, "dynamic_img_size", False) else {})}
+        self._record = replace(image_record(self.name, cfg, b, model_cfg, self.num_params, ssl_method=self.method),
+                               num_classes=0, class_names=[], model_kwargs=kwargs)
 
-    def _set_views(self, b, model_cfg) -> None:
-        a = self.views
+    def _set_views(self, b) -> None:
+        a, spec = self.args, self.module.views
         mean, std = self._mean_std()
         hflip = b.config.hflip
-        train = b.train
-        if not hasattr(train, "transform"):
-            raise ValueError(f"dataset {b.name} does not expose a transform to make views from")
-        if isinstance(self.module, MAE):  # one view: RandomResizedCrop + flip only (MAE, appendix A.1)
-            train.transform = MultiView(b.img_size, mean, std, replace(a, jitter=0.0, blur_p=0.0), hflip, 1).global_t
+        if spec.plain:  # one view: RandomResizedCrop + flip only (MAE, appendix A.1)
+            plain = replace(a, jitter=0.0, blur_p=0.0)
+            b.train.transform = MultiView(b.img_size, mean, std, plain, hflip, spec.global_views).global_t \
+                if spec.global_views == 1 else MultiView(b.img_size, mean, std, plain, hflip, spec.global_views)
             return
         n_local, local = 0, None
-        if isinstance(self.module, DINO) and a.local_crops > 0:
-            local = a.local_crop_size or max(1, round(b.img_size * 3 / 7))
-            patch = getattr(getattr(self.model, "patch_embed", None), "patch_size", (1, 1))[0]
+        if spec.local_crops and a.local_crops > 0:
+            patch = self.model.patch_embed.patch_size[0] if isinstance(getattr(self.model, "patch_embed", None),
+                                                                      nn.Module) else 1
+            local = a.local_crop_size or default_local_crop_size(b.img_size, patch)
             if local < patch or local % patch:
-                raise ValueError(f"local_crop_size {local} px is too few pixels for {self.cfg.model}: it needs a "
-                                 f"multiple of its {patch}-pixel patch (at least one patch)")
+                raise ValueError(f"local_crop_size {local} px does not fit {self.cfg.model}: it needs a multiple of "
+                                 f"its {patch}-pixel patch (at least one patch)")
             try:
                 with torch.no_grad():
                     pooled_features(self.model.eval(), torch.zeros(2, b.in_chans, local, local, device=self.device))
@@ -156,11 +175,9 @@ class PretrainTask:
             finally:
                 self.model.train()
             n_local = a.local_crops
-        train.transform = MultiView(b.img_size, mean, std, a, hflip, 2, n_local, local)
+        b.train.transform = MultiView(b.img_size, mean, std, a, hflip, spec.global_views, n_local, local)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        from vitlab.train.recipe import param_groups
-
         extras = [m for name, m in self.module.named_children() if name != "model"]
         return param_groups(self.model, weight_decay, extra=extras)
 
@@ -168,30 +185,23 @@ class PretrainTask:
         x = batch[0]
         if isinstance(x, (list, tuple)):
             return [v.to(self.device, non_blocking=True) for v in x]
-        return x.to(self.device, non_blocking=True)
+        return [x.to(self.device, non_blocking=True)]
 
     def training_step(self, batch, forward):
         out = forward(self._views(batch))
         return out["loss"], {k: v.detach() for k, v in out.items() if k != "loss" and v.ndim == 0}
 
     def before_optimizer_step(self) -> None:
-        if hasattr(self.module, "before_optimizer_step"):  # DINO / DINOv2: freeze_last_layer
-            self.module.before_optimizer_step()
+        self.module.before_optimizer_step()
 
     def after_step(self, step: int, total_steps: int, steps_per_epoch: int) -> None:
-        if hasattr(self.module, "after_step"):  # MAE has no schedule of its own
-            self.module.after_step(step, total_steps, steps_per_epoch)
+        self.module.after_step(step, total_steps, steps_per_epoch)
 
     # ---- collapse monitors -----------------------------------------------------------------------------
     def validation_step(self, batch, forward) -> dict[str, torch.Tensor]:
         x = images_of(batch).to(self.device)
         n = x.shape[0]
-        if isinstance(self.module, MAE):
-            g = torch.Generator(device=x.device).manual_seed(0)  # the same masks every validation
-            noise = torch.rand(n, self.module.grid[0] * self.module.grid[1], device=x.device, generator=g)
-            out = forward(x, noise=noise, monitor=True)
-        else:
-            out = forward(x, monitor=True)
+        out = forward([x], monitor=True)
         f = F.normalize(out["features"].double(), dim=-1)
         sums = {"n": torch.tensor(float(n), dtype=torch.float64), "sum": f.sum(0).cpu(), "outer": (f.t() @ f).cpu()}
         for k in ("loss", "teacher_entropy", "teacher_student_kl"):  # batch means -> sums
@@ -217,8 +227,8 @@ class PretrainTask:
                     f"{COLLAPSE_STD}) or effective rank {out['effective_rank']:.2f} of {d} (< {COLLAPSE_RANK})")
         return out
 
-    def description(self) -> dict:
-        return self._description
+    def record(self) -> RunRecord:
+        return self._record
 
     def summary(self) -> dict:
         b = self.data
@@ -226,9 +236,9 @@ class PretrainTask:
                 "img_size": b.img_size, "train_images": len(b.train), "val_images": len(b.val)}
 
     def test(self, run_dir, batch_size: int, checkpoint: str = "last") -> dict:
-        """k-NN top-1 (DINO's protocol) of the checkpoint's backbone on the test split, and for MAE a
-        reconstruction grid (``reconstructions.png``) of the first validation images. Rebuilt from the checkpoint,
-        so a sharded run is scored the same."""
+        """k-NN top-1 (DINO's protocol) of the checkpoint's backbone on the test split, and the method's
+        artifacts (MAE: ``reconstructions.png`` of the first validation images). Rebuilt from the checkpoint, so a
+        sharded run is scored the same."""
         from vitlab.ssl.probe import extract_features, knn_eval, load_backbone
 
         run_dir = Path(run_dir)
@@ -243,38 +253,74 @@ class PretrainTask:
             fte, yte = extract_features(model, self.data.loader("test", batch_size), self.device)
             out["test_knn_top1"] = knn_eval(ftr, ytr, fte, yte, self.data.num_classes)["top1"]
         state = ck.load_trainer_state((run_dir / checkpoint).resolve())
-        if isinstance(self.module, MAE) and "decoder" in state:  # the decoder trains beside the backbone
-            mae = MAE(model, self.module.mask_ratio, norm_pix_loss=self.module.norm_pix_loss,
-                      **self.module.decoder.config).to(self.device).eval()
-            mae.decoder.load_state_dict(state["decoder"])
-            x = images_of(next(iter(self.data.loader("val", 8)))).to(self.device)
-            rec, mask = mae.reconstruct(x)
-            mean, std = self._mean_std()
-            ck.atomic_write(run_dir / "reconstructions.png", reconstruction_png(x, rec, mask, mean, std))
+        # the method around the checkpoint's backbone, with the extras (decoder, heads) the run saved
+        method = create(self.method, model, **self.method_args).to(self.device).eval()
+        for name, child in method.named_children():
+            if name != "model" and name in state:
+                child.load_state_dict(state[name])
+        x = images_of(next(iter(self.data.loader("val", 8)))).to(self.device)
+        mean, std = self._mean_std()
+        with torch.no_grad():
+            for name, data in method.artifacts(x, mean, std).items():
+                ck.atomic_write(run_dir / name, data)
         return out
+
+    # ---- the run record ----------------------------------------------------------------------------------
+    def load(self, record: RunRecord) -> nn.Module:
+        """The headless backbone (what ``model.safetensors`` holds)."""
+        return create_image_model(record, num_classes=0)
+
+    def evaluate(self, model: nn.Module, record: RunRecord, data: str | None, split: str, *, out_dir: Path,
+                 batch_size: int = 256, device: str = "cpu", optimize: bool = True) -> dict:
+        """k-NN top-1 / top-5 (k = 20, T = 0.07; Wu et al., 2018, as DINO) of the backbone's frozen features on
+        ``data``'s ``split``, with the training split as the memory bank: ``eval-<split>.json``."""
+        from vitlab.data import DataConfig, build
+        from vitlab.ssl.probe import extract_features, knn_eval
+
+        trained = dict(record.data or {})
+        cfg = DataConfig(**trained) if data is None or trained.get("dataset") == data else DataConfig(dataset=data)
+        bundle = build(replace(cfg, img_size=record.img_size), mean=record.mean, std=record.std,
+                       in_chans=record.in_chans)
+        if split == "test" and bundle.test is None:
+            split = "val"
+        dev = torch.device(device)
+        bank = replace(bundle, train=self._plain(bundle.train, bundle.eval_transform))
+        ftr, ytr = extract_features(model, bank.loader("train", batch_size, shuffle=False, drop_last=False), dev)
+        fte, yte = extract_features(model, bundle.loader(split, batch_size), dev)
+        r = knn_eval(ftr, ytr, fte, yte, bundle.num_classes)
+        result = {"task": self.name, "model": record.model, "ssl_method": record.extra.get("ssl_method"),
+                  "dataset": bundle.name, "split": split, "num_images": len(yte), "protocol": "knn",
+                  "knn_top1": r["top1"], "knn_top5": r["top5"]}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ck.atomic_write(out_dir / f"eval-{split}.json", json.dumps(result, indent=2).encode())
+        result["files"] = [str(out_dir / f"eval-{split}.json")]
+        result["summary"] = (f"{record.model} ({result['ssl_method']}) on {bundle.name} ({split}, {len(yte)} images): "
+                             f"k-NN top-1 {r['top1']:.2f}%  top-5 {r['top5']:.2f}%")
+        return result
 
     def _mean_std(self):
         norm = self.data.eval_transform.transforms[-1]
         return norm.mean, norm.std
 
-    def _plain(self, dataset):
+    def _plain(self, dataset, transform=None):
         """The training images through the eval transform (for k-NN features), a shallow copy of the dataset."""
-        import copy
-
         d = copy.copy(dataset)
-        d.transform = self.data.eval_transform
+        d.transform = transform or self.data.eval_transform
         return d
 
 
-@register_task("mae")
-class MAETask(PretrainTask):
-    method = "mae"
-    monitor = "loss"
-    monitor_mode = "min"  # the masked-patch reconstruction loss on validation images (fixed masks)
+def register_method_task(method: str) -> type[Task]:
+    """Register the pre-training task of a registered method, named after it (``vitlab pretrain --method M``):
+    its ``Args`` are the views' options and the method's, its monitor the method's."""
+    cls = method_class(method)
+    task = type(f"{cls.__name__}Task", (PretrainTask,),
+                {"method": method, "monitor": cls.monitor, "monitor_mode": cls.monitor_mode,
+                 "Args": method_args_class(method), "__doc__": f"Self-supervised pre-training with {cls.__name__}."})
+    return register_task(method)(task)
 
 
-for _method in ("simclr", "mocov3", "dino", "dinov2"):  # the joint-embedding methods: one task each
-    register_task(_method)(type(f"{_method.upper()}Task", (PretrainTask,), {"method": _method}))
+for _method in list_methods():
+    register_method_task(_method)
 
 
-__all__ = ["MultiView", "PretrainTask", "ViewArgs", "effective_rank"]
+__all__ = ["MultiView", "PretrainTask", "ViewArgs", "effective_rank", "method_args_class", "register_method_task"]

@@ -1,23 +1,32 @@
-"""Training and evaluation: ``fit(TrainConfig) -> summary``, ``evaluate(checkpoint, data)``,
-``predict(checkpoint, images)``.
+"""The training engine: ``fit(TrainConfig) -> summary``, and task-generic ``evaluate(checkpoint)`` /
+``predict(checkpoint, inputs)``.
 
     from vitlab.train import TrainConfig, fit
-    summary = fit(TrainConfig())            # the default model on digits, on the CPU
+    summary = fit(TrainConfig.for_task("classify"))   # the default model on digits, on the CPU
     summary["test_top1"], summary["run_dir"]
     fit(TrainConfig(resume=summary["run_dir"], epochs=60))   # continue the run (its own model and data)
 
-Modules: ``config`` (TrainConfig, YAML), ``trainer`` (Trainer, fit), ``task`` (the Task protocol and registry),
-``classification`` (ClassificationTask: supervised + DeiT distillation), ``strategy`` (SingleDevice, DDP, FSDP2
-under torchrun), ``recipe`` (parameter groups, AdamW, warm-up + cosine, losses, EMA), ``checkpoint`` (atomic
-saves, last/best), ``evaluate`` (evaluate, predict), ``plots``, ``progress``.
+Modules: ``task`` (the Task spec, its RunRecord, the task and model-transform registries), ``config``
+(TrainConfig, YAML, ``for_task``), ``trainer`` (Trainer, fit), ``common`` (what every task shares: autocast,
+metric sums, model placement, image data), ``strategy`` (SingleDevice, DDP, FSDP2 under torchrun; the loaders),
+``recipe`` (parameter groups, AdamW, warm-up + cosine, losses, EMA), ``checkpoint`` (atomic saves, last/best),
+``evaluate`` (load_model, evaluate, predict from a checkpoint's run record), ``plots``, ``progress``.
 """
 
-from vitlab.train.classification import ClassificationTask
-from vitlab.train.config import DistillConfig, TrainConfig
-from vitlab.train.evaluate import evaluate, predict
+from vitlab.train.config import TrainConfig
+from vitlab.train.evaluate import evaluate, load_model, predict
 from vitlab.train.strategy import DDP, FSDP2, SingleDevice, Strategy
-from vitlab.train.task import Task, list_tasks, register_task
+from vitlab.train.task import (
+    RunRecord,
+    Task,
+    TaskError,
+    list_tasks,
+    register_model_transform,
+    register_task,
+    task_class,
+)
 from vitlab.train.trainer import Trainer, fit
 
-__all__ = ["DDP", "FSDP2", "ClassificationTask", "DistillConfig", "SingleDevice", "Strategy", "Task",
-           "TrainConfig", "Trainer", "evaluate", "fit", "list_tasks", "predict", "register_task"]
+__all__ = ["DDP", "FSDP2", "RunRecord", "SingleDevice", "Strategy", "Task", "TaskError", "TrainConfig", "Trainer",
+           "evaluate", "fit", "list_tasks", "load_model", "predict", "register_model_transform", "register_task",
+           "task_class"]

@@ -1,57 +1,47 @@
-"""``TrainConfig``: every knob of a training run in one typed, YAML-serialisable dataclass -- the single source of
-truth: the CLI's flags, their help (the comment after each field) and their choices (``Literal`` types) are
-generated from these dataclasses (:mod:`vitlab.cli.config_args`).
+"""``TrainConfig``: the engine's knobs of a training run in one typed, YAML-serialisable dataclass, with the
+task's own options (its ``Args`` dataclass) as ``task_args`` -- the single source of truth: the CLI's flags, their
+help (the comment after each field) and their choices (``Literal`` types) are generated from these dataclasses
+(:mod:`vitlab.cli._dataclass_args`).
 
-Precedence when the CLI builds one: dataclass defaults < ``--config cfg.yaml`` < flags (``--epochs 3``; dotted
-flags reach nested fields: ``--data.img_size 16``, ``--model_kwargs.depth 6``, ``--distill.alpha 0.5``). Values
-are converted to the field's declared type, so ``--lr 1e-3`` is a float.
+Precedence: the engine's defaults < the task's recipe (``Task.defaults()``) < ``--config cfg.yaml`` < flags
+(``--epochs 3``; dotted flags reach nested fields: ``--data.img_size 16``, ``--model_kwargs.depth 6``,
+``--task_args.distill.alpha 0.5``). :meth:`TrainConfig.for_task` applies the same order in Python. Values are
+converted to the field's declared type, so ``--lr 1e-3`` is a float; a mistyped or unknown key is one line with
+close matches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
+from vitlab._io import atomic_write
 from vitlab.data import DataConfig
 
 Amp = Literal["none", "bf16", "fp16"]
 StrategyName = Literal["none", "ddp", "fsdp"]
-DistillKind = Literal["none", "hard", "soft", "feature"]
 TestWeights = Literal["last", "best"]
 AMP_MODES = typing.get_args(Amp)
 STRATEGIES = typing.get_args(StrategyName)
-DISTILL_KINDS = typing.get_args(DistillKind)
 DEFAULT_MODEL = "vit_pico_patch8_32"
-
-
-@dataclass
-class DistillConfig:
-    """DeiT distillation through the distillation token (hard: teacher's argmax; soft: KL at ``tau``), or feature
-    distillation (seed 001's FeatureDistillation: student features projected to the teacher's width, MSE)."""
-
-    kind: DistillKind = "none"         # hard: teacher's argmax; soft: KL at tau; feature: projected features, MSE
-    teacher: str | None = None         # a vitlab model name, 'timm:NAME', or a checkpoint (run dir / dir / file)
-    teacher_checkpoint: str | None = None  # weights for a teacher given by name
-    teacher_kwargs: dict = field(default_factory=dict)  # create_model kwargs of a teacher given by name
-    alpha: float = 0.5                 # weight of the distillation loss (1 - alpha on the class loss)
-    tau: float = 1.0                   # soft distillation temperature
-    student_layers: list[int] = field(default_factory=lambda: [-1])  # feature: block indices (negatives ok)
-    teacher_layers: list[int] = field(default_factory=lambda: [-1])  # feature: the teacher's block indices
-    feature_weight: float = 1.0        # feature: weight of the MSE added to the class loss
+DEFAULT_TASK = "classify"
 
 
 @dataclass
 class TrainConfig:
-    """A training run. ``lr`` is the learning rate at a global batch of 512 (``lr * batch / 512`` is used)."""
+    """A training run: the engine's fields, plus ``task_args``, the task's own options (an instance of the task's
+    ``Args`` dataclass; a mapping is read into it). ``lr`` is the learning rate at a global batch of 512
+    (``lr * batch / 512`` is used). Start from :meth:`for_task` to get a task's recipe."""
 
-    task: str = "classify"             # what is trained: a registered Task (vitlab.train.list_tasks())
-    task_args: dict = field(default_factory=dict)  # the task's own options, e.g. {mask_ratio: 0.75}
+    task: str = DEFAULT_TASK           # what is trained: a registered Task (vitlab.train.list_tasks())
+    task_args: Any = None              # the task's own options (its Args dataclass); None -> its defaults
     model: str = DEFAULT_MODEL         # a registered model (vitlab models)
     model_kwargs: dict = field(default_factory=dict)  # extra create_model kwargs, e.g. {depth: 6}
     data: DataConfig = field(default_factory=DataConfig)
@@ -60,11 +50,10 @@ class TrainConfig:
     accum_steps: int = 1               # gradient accumulation: global batch = batch_size * accum_steps * world
     lr: float = 1.6e-2                 # at global batch 512 (DeiT: 5e-4; tuned for the tiny default model)
     min_lr: float = 1e-5               # at global batch 512, the cosine's floor
-    warmup_epochs: float = 2.0         # linear warm-up, then cosine (per optimiser step)
+    warmup_epochs: float = 2.0         # linear warm-up, then the task's schedule (per optimiser step)
     warmup_lr: float = 1e-6            # at global batch 512
     weight_decay: float = 0.05         # not on norms, biases, tokens, position embeddings
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW
-    label_smoothing: float = 0.1       # of the class loss
     drop_path: float = 0.1             # stochastic depth rate
     clip_grad: float | None = 1.0      # max gradient norm (None = off)
     ema_decay: float = 0.0             # EMA of the weights, evaluated beside them (0 = off; DeiT: 0.99996)
@@ -76,16 +65,9 @@ class TrainConfig:
     device: str = "auto"               # 'auto' (cuda when available) | 'cpu' | 'cuda' | 'cuda:1' ...
     threads: int | None = None         # torch.set_num_threads on CPU (None = torch's default)
     seed: int = 0                      # model initialisation, augmentation and drop-path streams
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    tome_r: int = 0                    # ToMe: tokens merged per block (vitlab.tome; 0 = off)
-    prune: str | None = None           # token pruning METHOD:KEEP_RATE (evit, dynamicvit, topk, adaptive): evit:0.7
-    prune_shrink_start: float = 0.0    # keep-rate warm-up (EViT): epochs at keep rate 1 before it shrinks (paper: 10)
-    prune_shrink_epochs: float = 0.0   # epochs of the cosine from keep rate 1 to --prune's (paper: 100; 0 = none)
     strategy: StrategyName = "none"    # ddp / fsdp (FSDP2) under torchrun
-    output_dir: str | None = None      # None -> runs/<model>-<dataset>-<timestamp>
+    output_dir: str | None = None      # None -> runs/<task>-<model>-<dataset>-<timestamp>
     resume: str | None = None          # a run directory to continue (its model, data and recipe)
-    init: str | None = None            # start from this run's / checkpoint's backbone (e.g. vitlab pretrain)
-    layer_decay: float | None = None   # layer-wise lr decay (None: off; 0.65 when --init is an MAE run)
     stop_after: int | None = None      # end this invocation after this epoch (the schedule still spans `epochs`)
     eval_every: int = 1                # validate every N epochs (and after the last)
     test_weights: TestWeights = "last"  # scored on the test split: the last epoch's, or the best on validation
@@ -94,66 +76,84 @@ class TrainConfig:
     def __post_init__(self):
         if isinstance(self.data, dict):
             self.data = DataConfig(**self.data)
-        if isinstance(self.distill, dict):
-            self.distill = DistillConfig(**self.distill)
         self.betas = tuple(float(b) for b in self.betas)
+        self.task_args = parse_task_args(self.task_args, self.args_class())
         self.validate()
+
+    def args_class(self) -> type:
+        """The ``Args`` dataclass of ``task`` (a one-line ValueError for an unknown task)."""
+        from vitlab.train.task import task_class
+
+        if not self.task or not isinstance(self.task, str):
+            raise ValueError("task must be a registered task name, e.g. 'classify'")
+        return task_class(self.task).Args
+
+    @classmethod
+    def for_task(cls, name: str = DEFAULT_TASK, **overrides) -> TrainConfig:
+        """The config of a ``name`` run: the engine's defaults, under the task's recipe (``Task.defaults()``),
+        under ``overrides`` (field names; a dict for a nested config -- ``data``, ``task_args`` -- sets only its
+        keys). ``vitlab train --task name ...`` builds its config the same way."""
+        from vitlab.train.task import task_class
+
+        bad = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)} - {"task"})
+        if bad:
+            raise ValueError(_unknown_keys(bad, [f.name for f in dataclasses.fields(cls)], "TrainConfig"))
+        cfg = cls(task=name).with_overrides(task_class(name).defaults())
+        flat: dict[str, object] = {}
+        for key, value in overrides.items():
+            if key == "task":
+                continue
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value = to_plain(value)
+            if isinstance(value, dict) and key in ("data", "task_args"):
+                flat.update({f"{key}.{k}": v for k, v in value.items()})
+            else:
+                flat[key] = value
+        return cfg.with_overrides(flat)
 
     def validate(self) -> None:
         """ValueError (one line) for a value that cannot work."""
         checks = [
-            (bool(self.task), "task must be a registered task name, e.g. 'classify'"),
             (self.amp in AMP_MODES, f"amp must be one of {AMP_MODES}, got {self.amp!r}"),
             (self.strategy in STRATEGIES, f"strategy must be one of {STRATEGIES}, got {self.strategy!r}"),
-            (self.distill.kind in DISTILL_KINDS,
-             f"distill.kind must be one of {DISTILL_KINDS}, got {self.distill.kind!r}"),
             (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
             (self.accum_steps >= 1, f"accum_steps must be >= 1, got {self.accum_steps}"),
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
             (self.warmup_epochs >= 0, f"warmup_epochs must be >= 0, got {self.warmup_epochs}"),
             (0.0 <= self.ema_decay < 1.0, f"ema_decay must be in [0, 1), got {self.ema_decay}"),
-            (0.0 <= self.label_smoothing < 1.0, f"label_smoothing must be in [0, 1), got {self.label_smoothing}"),
-            (0.0 <= self.distill.alpha <= 1.0, f"distill.alpha must be in [0, 1], got {self.distill.alpha}"),
-            (self.distill.tau > 0, f"distill.tau must be > 0, got {self.distill.tau}"),
-            (self.distill.kind == "none" or self.distill.teacher,
-             f"distill.kind={self.distill.kind!r} needs a teacher (--teacher MODEL|CHECKPOINT)"),
-            (self.tome_r >= 0, f"tome_r must be >= 0, got {self.tome_r}"),
-            (self.prune_shrink_start >= 0 and self.prune_shrink_epochs >= 0,
-             f"prune_shrink_start and prune_shrink_epochs must be >= 0 epochs, got {self.prune_shrink_start} and "
-             f"{self.prune_shrink_epochs}"),
-            (self.prune or not (self.prune_shrink_start or self.prune_shrink_epochs),
-             "prune_shrink_start / prune_shrink_epochs warm up a pruning keep rate; they need --prune METHOD:KEEP"),
-            (self.prune_shrink_start + self.prune_shrink_epochs <= self.epochs,
-             f"the pruning keep-rate warm-up ends at epoch {self.prune_shrink_start + self.prune_shrink_epochs:g}, "
-             f"after the run's {self.epochs} epochs (the model would never train at its keep rate)"),
             (self.stop_after is None or self.stop_after >= 1, f"stop_after must be >= 1, got {self.stop_after}"),
-            (self.layer_decay is None or 0.0 < self.layer_decay <= 1.0,
-             f"layer_decay must be in (0, 1], got {self.layer_decay}"),
+            (self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+        from vitlab.train.task import task_class
+
+        task_class(self.task).check(self)  # the task's own rules across its options and the engine's
 
     # ---- serialisation ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["data"] = self.data.to_dict()
+        d["task_args"] = to_plain(self.task_args)
         d["betas"] = list(self.betas)
+        d["model_kwargs"] = dict(self.model_kwargs)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
         d = dict(d or {})
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
         if unknown:
-            raise ValueError(f"unknown TrainConfig key(s): {', '.join(unknown)}")
-        for sub, sub_cls in (("data", DataConfig), ("distill", DistillConfig)):
-            if isinstance(d.get(sub), dict):
-                bad = sorted(set(d[sub]) - {f.name for f in dataclasses.fields(sub_cls)})
-                if bad:
-                    raise ValueError(f"unknown {sub} key(s): {', '.join(bad)}")
-                d[sub] = sub_cls(**d[sub])
+            raise ValueError(_unknown_keys(unknown, names, "TrainConfig"))
+        if isinstance(d.get("data"), dict):
+            data_names = [f.name for f in dataclasses.fields(DataConfig)]
+            bad = sorted(set(d["data"]) - set(data_names))
+            if bad:
+                raise ValueError(_unknown_keys(bad, data_names, "data"))
+            d["data"] = DataConfig(**d["data"])
         return cls(**d)
 
     def to_yaml(self) -> str:
@@ -167,8 +167,6 @@ class TrainConfig:
         return cls.from_dict(d or {})
 
     def save(self, path: str | Path) -> Path:
-        from vitlab.train.checkpoint import atomic_write
-
         return atomic_write(path, self.to_yaml().encode())
 
     @classmethod
@@ -185,46 +183,153 @@ class TrainConfig:
             raise ValueError(f"{path}: {e}") from None
 
     def with_overrides(self, overrides: dict[str, object]) -> TrainConfig:
-        """A copy with dotted ``key: value`` overrides applied; string values are converted to the field's type."""
+        """A copy with dotted ``key: value`` overrides applied (``data.img_size``, ``task_args.head``,
+        ``model_kwargs.depth``); string values are converted to the field's type. A new ``task`` starts its
+        options from that task's defaults; a new ``data.dataset`` starts the data knobs from that dataset's."""
         d = self.to_dict()
+        if "task" in overrides and overrides["task"] != self.task:
+            d["task"], d["task_args"] = overrides["task"], None
         for key, value in overrides.items():
             parts = key.replace("-", "_").split(".")
-            target, owner = d, type(self)
-            for p in parts[:-1]:
-                sub_type = _field_type(owner, p)
+            if parts == ["task"]:
+                continue
+            target: dict = d
+            owner: type | None = type(self)
+            for i, p in enumerate(parts[:-1]):
+                sub_type = _field_type(owner, p, parts[: i + 1], d)
+                if p == "task_args" and target.get(p) is None:
+                    target[p] = {}
                 if not isinstance(target.get(p), dict):
                     raise ValueError(f"unknown config key {key!r}")
                 target = target[p]
                 owner = sub_type if dataclasses.is_dataclass(sub_type) else None
             last = parts[-1]
             if owner is not None:
-                if last not in {f.name for f in dataclasses.fields(owner)}:
-                    raise ValueError(f"unknown config key {key!r}")
-                value = coerce(value, _field_type(owner, last), key)
+                names = [f.name for f in dataclasses.fields(owner)]
+                if last not in names:
+                    prefix = ".".join(parts[:-1])
+                    raise ValueError(_unknown_keys([key], [f"{prefix}.{n}" if prefix else n for n in names],
+                                                   "config"))
+                tp = _field_type(owner, last, parts, d)
+                value = coerce(value, tp, key)
+                if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                    value = to_plain(value)
             elif isinstance(value, str):  # free-form dict (model_kwargs): let YAML type it
                 value = yaml.safe_load(value)
+            if parts == ["data", "dataset"] and value != target.get("dataset"):
+                # another dataset: its own defaults, not the previous dataset's resolved knobs
+                keep = {k: target[k] for k in ("batch_size", "num_workers", "seed") if k in target}
+                target.clear()
+                target.update(keep)
             target[last] = value
         return type(self).from_dict(d)
 
 
-def parse_task_args(raw: dict, cls):
-    """``TrainConfig.task_args`` -> the task's own dataclass ``cls``: values converted to the field types (the
-    CLI gives strings), an unknown key a one-line ValueError."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    bad = sorted(set(raw) - names)
+def to_plain(value):
+    """A dataclass instance (or a value holding some) as plain YAML types: dicts, lists, scalars."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_plain(v) for k, v in value.items()}
+    return value
+
+
+def _unknown_keys(bad: list[str], known: list[str], what: str) -> str:
+    """'unknown config key 'epoch'; did you mean epochs?' -- one line with the close matches."""
+    parts = []
+    for b in bad:
+        close = difflib.get_close_matches(b, known, n=3, cutoff=0.6)
+        parts.append(f"{b!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    return f"unknown {what} key(s): {', '.join(parts)}"
+
+
+def parse_task_args(raw, cls):
+    """A task's options as its ``Args`` dataclass ``cls``: ``None`` -> the defaults; an instance -> itself; a
+    mapping -> each value converted to its field's type (the CLI gives strings; nested dataclasses take
+    mappings), an unknown or ill-typed key a one-line ValueError naming it, with close matches."""
+    if raw is None:
+        return cls()
+    if isinstance(raw, cls):
+        return raw
+    if dataclasses.is_dataclass(raw) and not isinstance(raw, type):
+        raise ValueError(f"task_args is a {type(raw).__name__}, but this task takes {cls.__name__}")
+    if not isinstance(raw, dict):
+        raise ValueError(f"task_args must be a mapping of option names to values, got {raw!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    bad = sorted(set(raw) - set(names))
     if bad:
-        raise ValueError(f"unknown --task_args key(s) {', '.join(bad)}; {cls.__name__} takes "
-                         f"{', '.join(sorted(names))}")
+        takes = f"; {cls.__name__} takes {', '.join(names)}" if names else f"; {cls.__name__} takes none"
+        raise ValueError(_unknown_keys([f"task_args.{b}" for b in bad], [f"task_args.{n}" for n in names],
+                                       "task option") + takes)
     hints = typing.get_type_hints(cls)
-    return cls(**{k: coerce(v, hints[k], f"task_args.{k}") for k, v in raw.items()})
+    kwargs = {}
+    for k, v in raw.items():
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = parse_task_args(v, tp) if not isinstance(v, tp) else v
+        else:
+            kwargs[k] = check_type(coerce(v, tp, f"task_args.{k}"), tp, f"task_args.{k}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"task_args: {e}") from None
 
 
-def _field_type(cls, name: str):
+def check_type(value, tp, key: str):
+    """``value`` (already read from YAML or a string) checked against ``tp``: a mistyped option is one line,
+    never a silently wrong run. Tuples and lists of numbers are converted element-wise."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is typing.Any or isinstance(tp, typing.TypeVar):
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for a in args:
+            try:
+                return check_type(value, a, key)
+            except ValueError:
+                continue
+        raise ValueError(f"{key}: expected {type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ValueError(f"{key}: expected one of {', '.join(map(str, args))}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp in (bool, str):
+        if isinstance(value, tp):
+            return value
+    elif origin in (tuple, list) or tp in (tuple, list):
+        if isinstance(value, (tuple, list)):
+            inner = args[0] if args else typing.Any
+            items = [check_type(v, inner, key) for v in value]
+            return tuple(items) if (origin is tuple or tp is tuple) else items
+    elif origin is dict or tp is dict:
+        if isinstance(value, dict):
+            return value
+    else:
+        return value
+    raise ValueError(f"{key}: expected {type_name(tp)}, got {value!r}")
+
+
+def _field_type(cls, name: str, path: list[str] | None = None, d: dict | None = None):
+    """The declared type of field ``name`` of dataclass ``cls``; ``task_args`` is typed by the config's task."""
     if cls is None:
         return None
+    if cls is TrainConfig and name == "task_args":
+        from vitlab.train.task import task_class
+
+        return task_class((d or {}).get("task") or DEFAULT_TASK).Args
     hints = typing.get_type_hints(cls)
     if name not in hints:
-        raise ValueError(f"unknown config key {name!r}")
+        raise ValueError(f"unknown config key {'.'.join(path or [name])!r}")
     return hints[name]
 
 

@@ -23,12 +23,16 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from vitlab.train import checkpoint as ck
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader, Dataset
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,6 +51,18 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
     if callable(fn):
         return list(fn())
     return list(getattr(module, "blocks", None) or [])
+
+
+def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = False, sampler=None, drop_last: bool = False,
+                seed: int = 0, epoch: int | None = None, num_workers: int = 0) -> DataLoader:
+    """The engine's loader over ``dataset``. ``epoch`` seeds the shuffle with (seed, epoch), so epoch k's order
+    does not depend on how many loaders came before it (exact resume)."""
+    from torch.utils.data import DataLoader
+
+    g = torch.Generator()
+    g.manual_seed(seed if epoch is None else seed * 1_000_003 + epoch)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, drop_last=drop_last,
+                      num_workers=num_workers, generator=g, persistent_workers=False)
 
 
 class Strategy:
@@ -92,11 +108,14 @@ class Strategy:
         pass
 
     # ---- data
-    def train_loader(self, data, batch_size: int, epoch: int):
-        return data.loader("train", batch_size=batch_size, epoch=epoch)
+    def train_loader(self, dataset, batch_size: int, epoch: int, seed: int, num_workers: int):
+        """This process's shuffled training batches of ``epoch`` (the order a function of (seed, epoch))."""
+        return make_loader(dataset, batch_size, shuffle=True, drop_last=len(dataset) >= batch_size, seed=seed,
+                           epoch=epoch, num_workers=num_workers)
 
-    def eval_loader(self, data, split: str, batch_size: int):
-        return data.loader(split, batch_size=batch_size)
+    def eval_loader(self, dataset, batch_size: int, num_workers: int):
+        """This process's share of ``dataset``, in order."""
+        return make_loader(dataset, batch_size, num_workers=num_workers)
 
     # ---- model
     def wrap(self, module: nn.Module, amp: str) -> nn.Module:
@@ -177,22 +196,21 @@ class _Distributed(Strategy):
     def barrier(self) -> None:
         dist.barrier()
 
-    def train_loader(self, data, batch_size: int, epoch: int):
+    def train_loader(self, dataset, batch_size: int, epoch: int, seed: int, num_workers: int):
         from torch.utils.data.distributed import DistributedSampler
 
-        sampler = DistributedSampler(data.train, num_replicas=self.world_size, rank=self.rank, shuffle=True,
-                                     seed=data.config.seed, drop_last=True)
+        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=True,
+                                     seed=seed, drop_last=True)
         sampler.set_epoch(epoch)
-        return data.loader("train", batch_size=batch_size, sampler=sampler, shuffle=False, drop_last=True)
+        return make_loader(dataset, batch_size, sampler=sampler, drop_last=True, seed=seed, epoch=epoch,
+                           num_workers=num_workers)
 
-    def eval_loader(self, data, split: str, batch_size: int):
+    def eval_loader(self, dataset, batch_size: int, num_workers: int):
         # Each rank takes a strided slice; no padding, so summed counts are exact.
-        from torch.utils.data import DataLoader, Subset
+        from torch.utils.data import Subset
 
-        ds = getattr(data, split)
-        idx = list(range(self.rank, len(ds), self.world_size))
-        return DataLoader(Subset(ds, idx), batch_size=batch_size, shuffle=False,
-                          num_workers=data.config.num_workers)
+        idx = list(range(self.rank, len(dataset), self.world_size))
+        return make_loader(Subset(dataset, idx), batch_size, num_workers=num_workers)
 
 
 class DDP(_Distributed):

@@ -26,12 +26,13 @@ import torch
 import torch.nn as nn
 
 from vitlab.convert import CheckpointError
+from vitlab.data import DataConfig
 from vitlab.train import checkpoint as ck
-from vitlab.train.classification import add_sums, autocast
+from vitlab.train.common import add_sums, autocast
 from vitlab.train.config import TrainConfig
 from vitlab.train.plots import curves_png
 from vitlab.train.progress import Progress, say
-from vitlab.train.recipe import ModelEma, WarmupCosine, build_optimizer, scaled_lr
+from vitlab.train.recipe import ModelEma, build_optimizer, scaled_lr
 from vitlab.train.strategy import Strategy, create_strategy
 from vitlab.train.task import Task, create_task
 
@@ -46,7 +47,7 @@ def seed_everything(seed: int) -> None:
 
 def default_run_dir(cfg: TrainConfig) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path("runs") / f"{cfg.model}-{cfg.data.name}-{stamp}"
+    base = Path("runs") / f"{cfg.task}-{cfg.model}-{cfg.data.name}-{stamp}"
     path, i = base, 1
     while path.exists():
         i += 1
@@ -54,18 +55,39 @@ def default_run_dir(cfg: TrainConfig) -> Path:
     return path
 
 
+# what may change when a run is resumed: its length, how it is watched and where it runs; everything else would
+# make the checkpoint's weights or optimiser state meaningless (another model, data, task or recipe)
+RESUME_MAY_CHANGE = ("epochs", "stop_after", "eval_every", "quiet", "device", "threads", "test_weights", "resume",
+                     "output_dir")
+
+
 def resume_config(cfg: TrainConfig) -> TrainConfig:
-    """The config a resumed run continues with: the run's own ``config.yaml``, with every field ``cfg`` sets to
-    something other than its default on top (a nested config -- data, distill -- counts as one field)."""
+    """The config a resumed run continues with: the run's own ``config.yaml``, with the fields of
+    ``RESUME_MAY_CHANGE`` that ``cfg`` sets to something other than their default on top. Another value of any
+    other field (the model, the data, the task, the recipe) is refused in one line."""
     run = Path(cfg.resume)
     if not (run / "config.yaml").is_file():
         raise FileNotFoundError(f"no run to resume at {run} (expected {run / 'config.yaml'})")
     saved = TrainConfig.load(run / "config.yaml")
-    default = TrainConfig()
+    default = TrainConfig.for_task(cfg.task)
     changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)
                if getattr(cfg, f.name) != getattr(default, f.name)}
+    if cfg.task != saved.task and cfg.task != default.task:
+        changed["task"] = cfg.task
+    refused = [k for k, v in changed.items() if k not in RESUME_MAY_CHANGE and v != getattr(saved, k)]
+    if refused:
+        k = refused[0]
+        raise ValueError(f"{run} was trained with {k}={_show(getattr(saved, k))}; a resumed run cannot change "
+                         f"{', '.join(refused)} (it may change {', '.join(RESUME_MAY_CHANGE[:-2])})")
+    changed = {k: v for k, v in changed.items() if k in RESUME_MAY_CHANGE}
     changed.update(resume=str(run), output_dir=str(run))
     return replace(saved, **changed)
+
+
+def _show(value) -> str:
+    from vitlab.train.config import to_plain
+
+    return json.dumps(to_plain(value)) if not isinstance(value, str) else value
 
 
 def _batch_size(batch) -> int:
@@ -115,7 +137,7 @@ class Trainer:
         self.ema = ModelEma(task.model, cfg.ema_decay, cfg.ema_warmup) if cfg.ema_decay > 0 else None
 
         self.global_batch = cfg.batch_size * cfg.accum_steps * st.world_size
-        self.steps_per_epoch = len(st.train_loader(task.data, cfg.batch_size, epoch=0)) // cfg.accum_steps
+        self.steps_per_epoch = len(self._train_loader(0)) // cfg.accum_steps
         if self.steps_per_epoch < 1:
             raise ValueError(f"the training split ({len(task.data.train)} images) gives no optimiser step at batch "
                              f"{cfg.batch_size} x accum {cfg.accum_steps} x {st.world_size} processes")
@@ -124,17 +146,19 @@ class Trainer:
             st.prepare_ema(self.ema.module, cfg.amp)
         self.base_lr = scaled_lr(cfg.lr, self.global_batch)
         self.optimizer = build_optimizer(task.param_groups(cfg.weight_decay), self.base_lr, cfg.betas)
-        # a task may bring its own schedule with WarmupCosine's constructor (e.g. dense tasks' poly decay)
-        schedule = getattr(task, "scheduler_class", None) or WarmupCosine
-        self.scheduler = schedule(self.optimizer, total_steps=self.steps_per_epoch * cfg.epochs,
-                                  warmup_steps=round(self.steps_per_epoch * cfg.warmup_epochs),
-                                  base_lr=self.base_lr, min_lr=scaled_lr(cfg.min_lr, self.global_batch),
-                                  warmup_lr=scaled_lr(cfg.warmup_lr, self.global_batch))
+        self.scheduler = task.scheduler(self.optimizer, total_steps=self.steps_per_epoch * cfg.epochs,
+                                        warmup_steps=round(self.steps_per_epoch * cfg.warmup_epochs),
+                                        base_lr=self.base_lr, min_lr=scaled_lr(cfg.min_lr, self.global_batch),
+                                        warmup_lr=scaled_lr(cfg.warmup_lr, self.global_batch))
         self.scaler = torch.amp.GradScaler(st.device.type, enabled=cfg.amp == "fp16")
         self.forward = torch.compile(self.wrapped) if cfg.compile else self.wrapped
         self.start_epoch, self.step = 0, 0
         self.best = {"monitor": None, "epoch": None, "weights": "raw"}
         self.metrics: list[dict] = []
+
+    def _train_loader(self, epoch: int):
+        d = self.cfg.data
+        return self.strategy.train_loader(self.task.data.train, self.cfg.batch_size, epoch, d.seed, d.num_workers)
 
     # ---------------------------------------------------------------- checkpoints
     def _split(self, sd: dict) -> tuple[dict, dict]:
@@ -170,8 +194,6 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.start_epoch, self.step = int(state["epoch"]), int(state["step"])
         best = dict(state["best"])
-        if "monitor" not in best:  # runs saved before tasks named their metric
-            best["monitor"] = best.pop(f"val_{self.task.monitor}", None)
         if best["epoch"] is None:
             best["monitor"] = None
         self.best = best
@@ -189,7 +211,7 @@ class Trainer:
         state = {"epoch": epoch, "step": self.step, "best": self.best, "scheduler": self.scheduler.state_dict(),
                  "scaler": self.scaler.state_dict(), "ema_updates": int(ema.num_updates) if ema is not None else 0,
                  "rng": self.strategy.gather_rng(ck.rng_state())}
-        meta = {**self.task.description(), "epoch": epoch, "step": self.step, "metrics": row,
+        meta = {**self.task.record().to_meta(), "epoch": epoch, "step": self.step, "metrics": row,
                 "preferred_weights": self.best["weights"] if is_best else "raw"}
         self.strategy.save(self.run_dir, f"epoch-{epoch:04d}", self.task.module, self.optimizer, state, meta,
                            self._split, ema.module if ema is not None else None,
@@ -199,7 +221,7 @@ class Trainer:
     def train_epoch(self, epoch: int, progress: Progress) -> dict:
         cfg, st, task = self.cfg, self.strategy, self.task
         self.wrapped.train()
-        loader = st.train_loader(task.data, cfg.batch_size, epoch=epoch)
+        loader = self._train_loader(epoch)
         n_micro = self.steps_per_epoch * cfg.accum_steps
         t0 = time.perf_counter()
         loss_sum, seen = 0.0, 0
@@ -223,8 +245,7 @@ class Trainer:
                     self.scaler.unscale_(self.optimizer)
                     params = [p for g in self.optimizer.param_groups for p in g["params"]]
                     st.clip_grad_norm(params, cfg.clip_grad)
-                if hasattr(task, "before_optimizer_step"):  # e.g. DINO's freeze_last_layer drops gradients
-                    task.before_optimizer_step()
+                task.before_optimizer_step()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -232,8 +253,7 @@ class Trainer:
                 self.step += 1
                 if self.ema is not None:
                     self.ema.update(task.model)
-                if hasattr(task, "after_step"):  # per-step schedules of a task (EMA teachers, temperatures)
-                    task.after_step(self.step - 1, self.steps_per_epoch * cfg.epochs, self.steps_per_epoch)
+                task.after_step(self.step - 1, self.steps_per_epoch * cfg.epochs, self.steps_per_epoch)
                 progress.update(loss.item(), seen * st.world_size / (time.perf_counter() - t0))
         progress.stop()
         epoch_time = time.perf_counter() - t0
@@ -248,7 +268,7 @@ class Trainer:
         was_training = module.training
         module.eval()
         sums = None
-        for batch in st.eval_loader(task.data, "val", max(cfg.batch_size, 256)):
+        for batch in st.eval_loader(task.data.val, max(cfg.batch_size, 256), cfg.data.num_workers):
             with autocast(st.device, cfg.amp):
                 sums = add_sums(sums, task.validation_step(batch, module))
         module.train(was_training)
@@ -282,11 +302,9 @@ class Trainer:
         rng_to_restore = self.resume() if cfg.resume else None
         if st.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            data_cfg = getattr(task.data, "config", None)
-            cfg_out = replace(cfg, resume=None, output_dir=str(run_dir), stop_after=None)
-            if data_cfg is not None:
-                cfg_out = replace(cfg_out, data=replace(data_cfg, img_size=getattr(task.data, "img_size",
-                                                                                   data_cfg.img_size)))
+            # the resolved config, reusable as --config for a new run (so without this run's directory)
+            cfg_out = replace(cfg, resume=None, output_dir=None, stop_after=None,
+                              data=DataConfig(**task.record().data))
             cfg_out.save(run_dir / "config.yaml")
             self._write_metrics()
         if rng_to_restore is not None:
@@ -315,7 +333,7 @@ class Trainer:
                     e = self.validate(self.ema.module)
                     row.update({f"ema_val_{k}": v for k, v in e.items()})
                     candidates.append(("ema", e[mon]))
-                lower = getattr(task, "monitor_mode", "max") == "min"
+                lower = task.monitor_mode == "min"
                 pick = min if lower else max
                 which, value = pick(candidates, key=lambda c: c[1])  # ties keep the raw weights
                 old = self.best["monitor"]
