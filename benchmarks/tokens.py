@@ -167,7 +167,7 @@ def accuracy(args) -> None:
                                                num_heads=args.heads, global_pool=args.pool)
     amp = "bf16" if args.device == "cuda" else "none"
     common = dict(model=model, model_kwargs=kw, data=data, batch_size=args.batch_size, amp=amp,
-                  device=args.device, quiet=True, drop_path=0.1, label_smoothing=0.1, threads=args.threads)
+                  device=args.device, quiet=True, drop_path=0.1, threads=args.threads)
     t0 = time.time()
     if args.base:  # a base run trained before with the same settings
         base = json.loads((Path(args.base) / "summary.json").read_text())
@@ -177,7 +177,7 @@ def accuracy(args) -> None:
     print(f"base: test top1 {base['test_top1']:.2f} ({time.time() - t0:.0f}s)", flush=True)
     ckpt = str(Path(base["run_dir"]) / "last" / "model.safetensors")
     ft_kw = dict(common, model_kwargs=dict(kw, checkpoint_path=ckpt))
-    evit = fit(TrainConfig(**ft_kw, epochs=args.ft_epochs, lr=args.lr / 4, warmup_epochs=0, prune="evit:0.7",
+    evit = fit(TrainConfig(**ft_kw, epochs=args.ft_epochs, lr=args.lr / 4, warmup_epochs=0, task_args={"prune": "evit:0.7"},
                            output_dir=str(Path(args.work) / "evit")))
     same = fit(TrainConfig(**ft_kw, epochs=args.ft_epochs, lr=args.lr / 4, warmup_epochs=0,
                            output_dir=str(Path(args.work) / "same")))  # the same fine-tuning without pruning

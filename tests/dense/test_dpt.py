@@ -93,7 +93,7 @@ def test_dpt_base_param_count_equals_transformers_less_what_dpt_never_runs():
     residual unit (both built by transformers, never run by DPT); GMACs are counted too."""
     from transformers import DPTConfig, DPTForDepthEstimation
 
-    from vitlab.dense import model_rows
+    from vitlab.profile import model_rows
 
     with torch.device("meta"):
         hf = DPTForDepthEstimation(DPTConfig())

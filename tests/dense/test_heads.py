@@ -1,14 +1,17 @@
 """Every head over plain and hierarchical backbones; the pieces against their definitions or peers:
 deformable attention against transformers' Deformable DETR kernel, ViTDet window attention against a global
-attention on one window, the simple feature pyramid's strides, Segmenter's mask product."""
+attention on one window, the simple feature pyramid's strides, Segmenter's mask product; a user's head through the
+head registry; the registered configurations through ``vitlab.create_model``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.dense import HEADS, create
+import vitlab
+from vitlab.dense import create, list_heads, register_head
 from vitlab.dense.adapter import MSDeformAttn, ms_deform_attn
 from vitlab.dense.backbone import (
     RelPosAttention,
@@ -18,7 +21,7 @@ from vitlab.dense.backbone import (
     vitdet_backbone,
 )
 
-SEG_HEADS = [h for h in HEADS if h != "linear_depth"]
+SEG_HEADS = list_heads("segment")
 TINY = dict(backbone="vit_tiny_patch16_224", img_size=64, backbone_kwargs={"depth": 4, "embed_dim": 96})
 
 
@@ -32,6 +35,12 @@ def test_segmentation_heads_train_and_cover_every_parameter(head):
     F.cross_entropy(y, torch.randint(0, 5, (2, 64, 64))).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, f"parameters without gradient (DDP would fail): {missing[:4]}"
+
+
+def test_builtin_heads_are_registered():
+    assert set(SEG_HEADS) >= {"setr_naive", "setr_pup", "setr_mla", "segmenter_linear", "segmenter_mask", "dpt",
+                              "vitdet_sfp", "vit_adapter"}
+    assert list_heads("depth") == ["dpt", "linear_depth"]
 
 
 @pytest.mark.parametrize("head", ["dpt", "linear_depth"])
@@ -66,6 +75,10 @@ def test_bad_head_task_and_readout_are_one_line_errors():
         create("setr_pup", task="depth", **TINY)
     with pytest.raises(ValueError, match="readout"):
         create("dpt", head_kwargs={"readout": "mean"}, **TINY)
+    with pytest.raises(ValueError, match="twice"):
+        register_head("dpt")(nn.Identity)
+    with pytest.raises(ValueError, match="tasks must be some of segment, depth"):
+        register_head("edges", tasks=("edges",))
 
 
 def test_ms_deform_attn_equals_transformers_deformable_detr_kernel():
@@ -197,3 +210,58 @@ def test_registered_configs_in_vitlab_models(capsys):
     # plus a 384 x 150 linear decoder
     expect = 22.05 - 0.385 + (1025 - 197) * 384 / 1e6 + (384 * 150 + 150) / 1e6
     assert row["params_m"] == pytest.approx(expect, abs=0.01)
+
+
+@register_head("conv1x1_test_head")
+class Conv1x1Head(nn.Module):
+    """A user's head: the head-registry convention and nothing more (no prefix tokens, no builder)."""
+
+    def __init__(self, in_channels: list[int], num_classes: int):
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels[-1], num_classes, 1)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return self.proj(features[-1])
+
+
+def test_a_registered_user_head_is_built_and_forwarded():
+    assert "conv1x1_test_head" in list_heads("segment") and "conv1x1_test_head" not in list_heads("depth")
+    model = create("conv1x1_test_head", backbone="vit_pico_patch4_32", num_classes=3, img_size=32).eval()
+    assert isinstance(model.decoder, Conv1x1Head) and not model.prefix  # the class token is not read
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3, 32, 32)
+    with pytest.raises(ValueError, match="does not predict depth"):
+        create("conv1x1_test_head", backbone="vit_pico_patch4_32", task="depth", img_size=32)
+
+
+def test_registered_configs_build_through_create_model(tmp_path):
+    """Every dense configuration is a model of the one registry with its task; ``vitlab.create_model`` builds it
+    (shapes only, on meta) as ``vitlab.dense.create`` does, with the same overrides."""
+    from vitlab.dense import get_config, list_models
+
+    names = list_models()
+    assert names == vitlab.list_models(task=("segment", "depth"))
+    assert not set(names) & set(vitlab.list_models(task="classify"))
+    for name in names:
+        cfg = vitlab.get_model_config(name)
+        assert cfg is get_config(name) and cfg.family == "dense" and cfg.task in ("segment", "depth")
+        with torch.device("meta"):
+            model = vitlab.create_model(name)
+        assert model.task == cfg.task and model.num_classes == cfg.num_classes
+        assert model.backbone.patch_embed.img_size == cfg.input_size[1:]
+    with pytest.raises(vitlab.UnknownModelError, match="not a dense configuration"):
+        get_config("vit_pico_patch4_32")
+    torch.manual_seed(0)
+    a = vitlab.create_model("segmenter_linear_vit_small_patch16_512", num_classes=4, img_size=32, drop_path_rate=0.1)
+    torch.manual_seed(0)
+    b = create("segmenter_linear_vit_small_patch16_512", num_classes=4, img_size=32, drop_path_rate=0.1)
+    assert a.num_classes == b.num_classes == 4 and a.backbone.patch_embed.img_size == (32, 32)
+    a, b = a.eval(), b.eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(a(x), b(x))
+    torch.save(a.state_dict(), tmp_path / "seg.pth")
+    c = vitlab.create_model("segmenter_linear_vit_small_patch16_512", num_classes=4, img_size=32,
+                            checkpoint_path=str(tmp_path / "seg.pth")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), a(x))

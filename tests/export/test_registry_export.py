@@ -15,7 +15,7 @@ import vitlab.export as ex
 
 EXPORTED = vitlab.list_models(task=("classify", "contrastive"))  # classifiers and CLIP's image tower
 SMALLEST = ex.smallest_per_family()
-# every family's smallest config in the default suite, as the issue asks (2-13 s a family on a 2-core machine)
+# every family's smallest config in the default suite (2-13 s a family on a 2-core machine)
 FAMILY_CASES = SMALLEST
 # families with a dynamic image size. ViT, DeiT (distillation token), HaLViT, CaiT and CLIP's ViT image tower
 # resample learned positions bicubically in the graph; in PVT, LITv2 and MobileViT the token grid stays symbolic

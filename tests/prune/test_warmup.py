@@ -14,7 +14,7 @@ import vitlab
 import vitlab.prune as prune
 from vitlab.data import DataConfig
 from vitlab.train import TrainConfig
-from vitlab.train.classification import ClassificationTask
+from vitlab.classify import ClassificationTask
 from vitlab.train.trainer import Trainer, resume_config
 
 
@@ -114,7 +114,7 @@ def _cfg(tmp_path, **kw):
     data = DataConfig("fake", fake_num_samples=64, fake_num_classes=4, fake_img_size=16)
     return TrainConfig(model="vit_pico_patch8_32", model_kwargs=dict(depth=4, embed_dim=32, num_heads=2, patch_size=4),
                        data=data, epochs=2, batch_size=8, quiet=True, threads=1, output_dir=str(tmp_path / "run"),
-                       prune="evit:0.5", prune_shrink_start=0.25, prune_shrink_epochs=1.5, **kw)
+                       task_args=dict(prune="evit:0.5", prune_shrink_start=0.25, prune_shrink_epochs=1.5), **kw)
 
 
 def _fit(cfg):
@@ -166,8 +166,9 @@ def test_bad_warmup_config_is_one_line(capsys):
                     ({"prune_shrink_epochs": 3}, "need --prune"),
                     ({"prune": "evit:0.7", "epochs": 5, "prune_shrink_start": 2, "prune_shrink_epochs": 4},
                      "ends at epoch 6, after the run's 5 epochs")):
+        epochs = kw.pop("epochs", 100)
         with pytest.raises(ValueError, match=msg):
-            TrainConfig(**kw)
+            TrainConfig(task_args=kw, epochs=epochs)
     from vitlab.cli import main
 
     assert main(["train", "--prune", "evit:0.7", "--prune_shrink_epochs", "200", "--epochs", "10", "--quiet"]) == 2

@@ -93,7 +93,8 @@ def test_init_fine_tunes_the_backbone_with_layer_decay(tmp_path, capsys):
     pre = tmp_path / "pre" / "run"
     from vitlab.train.trainer import Trainer
 
-    cfg = TrainConfig(model="vit_pico_patch8_32", model_kwargs=dict(TINY), init=str(pre), epochs=1, batch_size=16,
+    cfg = TrainConfig(model="vit_pico_patch8_32", model_kwargs=dict(TINY), task_args={"init": str(pre)}, epochs=1,
+                      batch_size=16,
                       data=DataConfig("fake", fake_num_samples=32, fake_num_classes=4, fake_img_size=16),
                       quiet=True, output_dir=str(tmp_path / "ft"))
     tr = Trainer(cfg)

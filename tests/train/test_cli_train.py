@@ -83,12 +83,12 @@ def test_flags_are_generated_from_the_config_dataclasses(tmp_path, capsys):
     cfg = _printed_config(capsys, "--batch-size", "8", "--accum_steps", "2", "--data.mixup", "0.8", "--amp",
                           "bf16", "--quiet", "--ema-warmup", "false", "--data", "fake", "--data.scale", "1,1",
                           "--distill", "soft", "--teacher", "vit_pico_patch8_32", "--model_kwargs.depth", "3",
-                          "--distill.student_layers", "0,1", "--clip_grad", "none", "--data.preset", "tiny")
+                          "--task_args.distill.student_layers", "0,1", "--clip_grad", "none", "--data.preset", "tiny")
     assert (cfg.batch_size, cfg.accum_steps, cfg.amp, cfg.quiet, cfg.ema_warmup) == (8, 2, "bf16", True, False)
     assert cfg.data.dataset == "fake" and cfg.data.mixup == 0.8 and cfg.data.scale == (1.0, 1.0)
     assert cfg.data.preset == "tiny" and cfg.clip_grad is None
-    assert cfg.distill.kind == "soft" and cfg.distill.teacher == "vit_pico_patch8_32"
-    assert cfg.distill.student_layers == [0, 1] and cfg.model_kwargs == {"depth": 3}
+    assert cfg.task_args.distill.kind == "soft" and cfg.task_args.distill.teacher == "vit_pico_patch8_32"
+    assert cfg.task_args.distill.student_layers == [0, 1] and cfg.model_kwargs == {"depth": 3}
     # --config with flags on top
     (tmp_path / "run.yaml").write_text("epochs: 7\nlr: 0.001\ndata:\n  dataset: fake\n  mixup: 0.2\n")
     cfg = _printed_config(capsys, "--config", str(tmp_path / "run.yaml"), "--lr", "0.002", "--data.cutmix", "0.5")
@@ -98,9 +98,14 @@ def test_flags_are_generated_from_the_config_dataclasses(tmp_path, capsys):
         main(["train", "--help"])
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "--amp {none,bf16,fp16}" in out and "--distill.kind {none,hard,soft,feature}" in out
+    assert "--amp {none,bf16,fp16}" in out and "--task_args.distill.kind {none,hard,soft,feature}" in out
     assert "stochastic depth rate (default: 0.1)" in out and "--data.mixup" in out and "MixUp alpha" in out
-    assert "--task {classify" in out  # the registered tasks
+    assert "--task_args.label_smoothing" in out and "--task_args.head" not in out
+    # another task's options: vitlab train --task segment --help
+    with pytest.raises(SystemExit):
+        main(["train", "--task", "segment", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--task_args.head" in out and "--task_args.label_smoothing" not in out
 
 
 def _bad_cases(run, tmp_path) -> dict[str, tuple[list[str], str]]:
@@ -123,10 +128,13 @@ def _bad_cases(run, tmp_path) -> dict[str, tuple[list[str], str]]:
         "unknown dataset": (["train", "--data", "svhn"], "unknown dataset"),
         "unknown model": (["train", "--model", "vit_nope"], "unknown model"),
         "unknown key": (["train", "--no_such_key", "1"], "unknown config key"),
+        "close match": (["train", "--epoch", "2"], "did you mean epochs"),
+        "unknown task option": (["train", "--task_args.tome", "2"], "did you mean task_args.tome_r"),
+        "ill-typed task option": (["train", "--task_args.tome_r", "many"], "task_args.tome_r: cannot read 'many'"),
         "bad value": (["train", "--data.img_size", "big"], "cannot read"),
         "bad range": (["train", "--epochs", "0"], "epochs must be"),
         "bad choice": (["train", "--amp", "fp8"], "expected one of none, bf16, fp16"),
-        "bad nested choice": (["train", "--distill.kind", "medium"], "distill.kind"),
+        "bad nested choice": (["train", "--task_args.distill.kind", "medium"], "distill.kind"),
         "flag without value": (["train", "--epochs"], "expected one argument"),
         "unknown task": (["train", "--task", "nope"], "unknown task"),
         "unknown subcommand": (["tran"], "invalid choice"),

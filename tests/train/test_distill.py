@@ -6,7 +6,8 @@ import pytest
 
 from tests.train.conftest import tiny_config
 from vitlab.data import DataConfig
-from vitlab.train import DistillConfig, fit
+from vitlab.classify import DistillConfig
+from vitlab.train import fit
 from vitlab.train import checkpoint as ck
 
 FAKE10 = DataConfig("fake", fake_num_samples=40, fake_num_classes=10, fake_img_size=16, mixup=0.0, cutmix=0.0)
@@ -37,6 +38,6 @@ def test_feature_distillation_with_projectors(tmp_path):
 def test_teacher_with_other_class_count_is_refused(tmp_path):
     cfg = tiny_config(tmp_path, distill=DistillConfig(kind="hard", teacher="vit_pico_patch8_32",
                                                       teacher_kwargs={"depth": 1}))
-    cfg.distill.teacher_kwargs = {"depth": 1, "num_classes": 7}
+    cfg.task_args.distill.teacher_kwargs = {"depth": 1, "num_classes": 7}
     with pytest.raises(ValueError, match="classes"):
         fit(cfg)

@@ -54,9 +54,9 @@ def test_two_processes_match_one_at_the_same_global_batch(tmp_path, strategy):
         assert "fsdp_units" not in summary
 
 
-FEATURE = ["--distill", "feature", "--teacher", "vit_pico_patch8_32", "--distill.teacher_kwargs",
-           "{depth: 2, embed_dim: 48, num_heads: 2, patch_size: 4}", "--distill.student_layers", "0",
-           "--distill.teacher_layers", "1", "--ema-decay", "0.9"]
+FEATURE = ["--distill", "feature", "--teacher", "vit_pico_patch8_32", "--task_args.distill.teacher_kwargs",
+           "{depth: 2, embed_dim: 48, num_heads: 2, patch_size: 4}", "--task_args.distill.student_layers", "0",
+           "--task_args.distill.teacher_layers", "1", "--ema-decay", "0.9"]
 
 
 @pytest.mark.slow
@@ -91,7 +91,7 @@ def world_of_one(monkeypatch):
 def _feature_cfg(out, strategy, **kw):
     from tests.train.conftest import tiny_config
     from vitlab.data import DataConfig
-    from vitlab.train import DistillConfig
+    from vitlab.classify import DistillConfig
 
     data = DataConfig("fake", fake_num_samples=32, fake_num_classes=4, fake_img_size=16, mixup=0.0, cutmix=0.0)
     return tiny_config(out, data=data, strategy=strategy, ema_decay=0.9, batch_size=16, epochs=2, distill=DistillConfig(

@@ -11,13 +11,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vitlab.data import DataConfig, build
-from vitlab.train import TrainConfig, fit, list_tasks, register_task
+from vitlab.train import RunRecord, Task, TrainConfig, fit, list_tasks, register_task
 from vitlab.train import checkpoint as ck
 from vitlab.train.task import create_task
 
 
 @register_task("toy_brightness")
-class BrightnessTask:
+class BrightnessTask(Task):
     """Predict an image's mean brightness from its pixels (MSE)."""
 
     monitor = "mse"
@@ -48,14 +48,11 @@ class BrightnessTask:
     def validation_metrics(self, sums):
         return {"mse": (sums["sq"] / sums["n"]).item(), "loss": (sums["sq"] / sums["n"]).item()}
 
-    def description(self):
-        return {"model": "toy_brightness_mlp"}
+    def record(self):
+        return RunRecord(task=self.name, model="toy_brightness_mlp")
 
     def summary(self):
         return {"model": "toy_brightness_mlp", "dataset": self.data.name}
-
-    def test(self, run_dir, batch_size, checkpoint="last"):
-        return {}
 
 
 def _cfg(out, **kw):
@@ -87,12 +84,13 @@ def test_a_new_task_trains_and_resumes_through_the_same_trainer(tmp_path):
 
 
 def test_unknown_task_is_one_clear_error():
-    with pytest.raises(ValueError, match="unknown task 'nope'; registered tasks: .*classify"):
+    with pytest.raises(ValueError, match="unknown task 'nope' \\(registered tasks: .*classify"):
         create_task("nope")
+    with pytest.raises(ValueError, match="unknown task 'clasify'; did you mean classify"):
+        TrainConfig(task="clasify")
 
 
 def test_capability_tasks_are_discovered_and_classify_refuses_task_args(tmp_path):
     assert {"classify", "mae", "simclr", "mocov3", "dino", "dinov2", "segment", "depth", "clip"} <= set(list_tasks())
-    cfg = TrainConfig(task="classify", task_args={"mask_ratio": 0.75}, epochs=1, output_dir=str(tmp_path / "r"))
-    with pytest.raises(ValueError, match="task 'classify' takes no task_args \\(got mask_ratio\\)"):
-        create_task("classify").build(cfg, torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown task option key\\(s\\): 'task_args.mask_ratio'"):
+        TrainConfig(task="classify", task_args={"mask_ratio": 0.75}, epochs=1, output_dir=str(tmp_path / "r"))
