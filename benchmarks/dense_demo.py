@@ -1,6 +1,6 @@
 """The embedded segmentation demo of ``vitlab.dense``: SETR-PUP, Segmenter (mask transformer), DPT and the
 ViTDet simple feature pyramid, each trained from scratch by ``vitlab.train.fit`` (``--task segment``) with the
-recipe that ``vitlab train --task segment`` defaults to (:data:`vitlab.dense.tasks.SegmentTask.recipe`: the
+recipe that ``vitlab train --task segment`` defaults to (:meth:`vitlab.dense.tasks.SegmentTask.defaults`: the
 offline ``shapes`` scenes, 4 classes, on ``vit_pico_patch4_32``), the same number of optimiser steps for every
 head, then scored on the 100 held-out test scenes from one confusion matrix (mIoU, per-class IoU).
 
@@ -34,24 +34,22 @@ HEADS = {
 
 
 def run_head(head: str, args, tmp: str) -> dict:
-    from vitlab.dense.tasks import SegmentTask
     from vitlab.train import TrainConfig, fit
 
-    over = {k: v for k, v in SegmentTask.recipe.items() if not k.startswith("task_args.")}
-    over.update({"task_args.head": head, "task_args.head_kwargs": HEADS[head], "threads": args.threads,
-                 "seed": args.seed, "data.seed": args.seed, "output_dir": str(Path(tmp) / head), "quiet": True})
+    over = {"task_args.head": head, "task_args.head_kwargs": HEADS[head], "threads": args.threads,
+            "seed": args.seed, "data.seed": args.seed, "output_dir": str(Path(tmp) / head), "quiet": True}
     for key in ("epochs", "batch_size", "lr"):
         if getattr(args, key) is not None:
             over[key] = getattr(args, key)
-    cfg = TrainConfig(task="segment").with_overrides(over)
+    cfg = TrainConfig.for_task("segment").with_overrides(over)
     load0 = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), time.process_time()
     s = fit(cfg)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     rows = [json.loads(line) for line in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    from vitlab.dense.infer import evaluate
+    from vitlab.train import evaluate
 
-    ev = evaluate(Path(s["run_dir"]) / "last", split="test")  # the weights fit's test score used
+    ev = evaluate(Path(s["run_dir"]) / "last", split="test", output_dir=tmp)  # the weights fit's test score used
     return {"head": head, "head_kwargs": HEADS[head], "params_m": s["params_m"], "test_miou": s["test_miou"],
             "test_pixel_acc": s["test_pixel_acc"], "test_per_class_iou": ev["per_class_iou"],
             "eval_miou": ev["miou"],
@@ -63,7 +61,7 @@ def run_head(head: str, args, tmp: str) -> dict:
 
 
 def len_train(cfg) -> int:
-    return int(cfg.task_args.get("shapes_train") or 800)
+    return int(cfg.task_args.shapes_train or 800)
 
 
 def main() -> None:
@@ -84,7 +82,7 @@ def main() -> None:
         for head in args.heads:
             rows.append(run_head(head, args, tmp))
             print(json.dumps(rows[-1]), flush=True)
-    result = {"benchmark": "dense_demo", "recipe": SegmentTask.recipe, "threads": args.threads, "seed": args.seed,
+    result = {"benchmark": "dense_demo", "recipe": SegmentTask.defaults(), "threads": args.threads, "seed": args.seed,
               "cpu": platform.processor() or platform.machine(), "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

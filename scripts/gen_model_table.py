@@ -16,12 +16,12 @@ START, END = "<!-- model-table:start -->", "<!-- model-table:end -->"
 
 
 def render() -> str:
-    lines = ["| model | family | params (M) | GMACs | input | published params (M) / GMACs / top-1 |",
-             "|---|---|---:|---:|---|---|"]
+    lines = ["| model | family | task | params (M) | GMACs | input | published params (M) / GMACs / top-1 |",
+             "|---|---|---|---:|---:|---|---|"]
     for r in model_rows():
         pub = " / ".join("-" if v is None else f"{v:g}" for v in
                          (r["published_params_m"], r["published_gmacs"], r["published_top1"]))
-        lines.append(f"| `{r['name']}` | {r['family']} | {r['params_m']:.2f} | {r['gmacs']:.2f} | "
+        lines.append(f"| `{r['name']}` | {r['family']} | {r['task']} | {r['params_m']:.2f} | {r['gmacs']:.2f} | "
                      f"{r['input_size'][1]}x{r['input_size'][2]} | {pub} |")
     return "\n".join(lines)
 

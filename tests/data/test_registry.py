@@ -80,8 +80,9 @@ def test_root_and_options_reach_the_function(mytiny):
     b = build(DataConfig("mytiny:/some/root", img_size=8, options={"n": 9}))
     assert mytiny[0] == ("train", "/some/root") and b.train.root == "/some/root"  # source attributes show through
     assert len(b.train) == 9 and b.name == "mytiny:/some/root"
-    with pytest.raises(TypeError, match="unexpected keyword argument 'size'"):
+    with pytest.raises(DataError, match="dataset mytiny: got an unexpected keyword argument 'size'"):
         build(DataConfig("mytiny", options={"size": 3}))
+    assert len(mytiny) == 3  # refused before the function ran
 
 
 def test_the_wrapped_split_keeps_a_settable_transform_through_copy_and_pickle(mytiny):

@@ -49,6 +49,8 @@ def simsiam(monkeypatch):
 def test_a_registered_method_builds_trains_and_monitors(simsiam):
     assert "simsiam_test" in S.list_methods() and S.method_class("simsiam_test") is simsiam
     assert S.method_options("simsiam_test") == ["dim", "pred_dim"]
+    assert [(p.name, p.annotation, p.default) for p in S.method_parameters("simsiam_test")] == [
+        ("dim", int, 2048), ("pred_dim", int, 512)]
     torch.manual_seed(0)
     m = S.create("simsiam_test", "vit_pico_patch8_32", dim=32, pred_dim=8)
     assert isinstance(m, SSLMethod) and m.model.num_classes == 0  # a headless backbone
@@ -100,6 +102,9 @@ def test_builtin_methods_declare_their_views_and_monitor():
     assert (S.MAE.monitor, S.MAE.monitor_mode) == ("loss", "min")
     assert all((S.method_class(n).monitor, S.method_class(n).monitor_mode) == ("effective_rank", "max")
                for n in ("simclr", "mocov3", "dino", "dinov2"))
+    # DINOv2 passes **kwargs on to DINO: its options are both classes' (its own out_dim once, first)
+    dinov2 = [p.name for p in S.method_parameters("dinov2")]
+    assert dinov2[0] == "out_dim" and dinov2.count("out_dim") == 1 and {"mask_mode", "teacher_temp"} <= set(dinov2)
     # a method with local crops gets a backbone that takes their size
     assert S.create("dino", "vit_pico_patch8_32", backbone_kwargs=dict(depth=1), out_dim=16, hidden_dim=16,
                     bottleneck_dim=8).model.dynamic_img_size

@@ -1,4 +1,5 @@
-"""``vitlab zeroshot``: zero-shot classification with a CLIP checkpoint (prompt ensembling over templates).
+"""``vitlab zeroshot``: zero-shot classification with a CLIP checkpoint (Radford et al., 2021, Sec. 3.1.4: class
+weights from the text tower, prompt-ensembled over templates; images classified by cosine similarity).
 
     vitlab zeroshot --checkpoint runs/RUN                         the run's data and held-out templates
     vitlab zeroshot --checkpoint openclip:ViT-B-16.pt --data imagefolder:~/pets --classnames cat dog \\
@@ -31,15 +32,14 @@ def add_checkpoint_args(p) -> None:
 
 
 def cmd_zeroshot(args) -> int:
-    from vitlab.clip.zeroshot import zeroshot
+    from vitlab.clip.zeroshot import result_line, zeroshot
 
     r = zeroshot(args.checkpoint, args.data, read_list(args.classnames), read_list(args.templates), args.split,
                  args.batch_size, args.device, args.weights, args.quick_gelu, args.bpe)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
-    print(f"{r['model']} on {r['dataset']} ({r['split']}, {r['num_images']} images, {len(r['classnames'])} classes, "
-          f"{len(r['templates'])} templates): zero-shot top-1 {r['top1']:.2f}%  top-5 {r['top5']:.2f}%")
+    print(result_line(r))
     return 0
 
 

@@ -9,7 +9,12 @@
 - ``digits`` (the offline demo): scikit-learn's handwritten digits (:mod:`vitlab.data`), each training image
   captioned on the fly from one of :data:`DIGIT_TEMPLATES` chosen at random ("a photo of the number seven",
   "a handwritten 7", ...); ``group`` is the label. Zero-shot evaluation uses :data:`HELD_OUT_TEMPLATES`, which
-  share no template with training.
+  share no template with training. For retrieval a split's images face the 100 distinct training captions (10
+  digits x 10 templates); a caption matches every image of its digit.
+
+Both kinds of split give retrieval the same view: ``tokens`` and ``groups`` (each distinct caption's token ids
+and group) and :meth:`distinct_images` (each image once, as (image, group)); a caption matches the images of its
+group.
 
 CLIP's augmentation is a random square crop only (Radford et al., 2021, Sec. 2.5); images are normalised with
 the model's mean / std.
@@ -135,6 +140,10 @@ class CaptionPairs(Dataset):
         g = int(self.groups[i])
         return self.load(g), self.tokens[i], g
 
+    def distinct_images(self) -> Dataset:
+        """Each image once, as (image, its index): a caption's group is its image's index."""
+        return ImagesOf(self)
+
 
 class ImagesOf(Dataset):
     """Each distinct image of a :class:`CaptionPairs` once (retrieval encodes every image a single time)."""
@@ -155,13 +164,16 @@ def digit_captions() -> list[str]:
 
 class DigitCaptions(Dataset):
     """Digits with a caption from the training templates: drawn at random each time an image is read
-    (``random=True``, training) or the ``i % templates``-th (validation: the same captions every time)."""
+    (``random=True``, training) or the ``i % templates``-th (validation and test: the same captions every time)."""
 
     def __init__(self, images: Dataset, tokenizer, random: bool = True):
         self.images, self.random = images, random
         # (10 classes, templates, context): every caption tokenized once
         self.table = torch.stack([tokenizer([t.format(w=w, d=d) for t in DIGIT_TEMPLATES])
                                   for d, w in enumerate(DIGIT_WORDS)])
+        # retrieval: the distinct captions, each in the group of its digit
+        self.tokens = self.table.flatten(0, 1)
+        self.groups = torch.arange(len(DIGIT_WORDS)).repeat_interleave(len(DIGIT_TEMPLATES))
 
     def __len__(self) -> int:
         return len(self.images)
@@ -171,6 +183,10 @@ class DigitCaptions(Dataset):
         # the trainer seeds torch's stream per rank and restores it on resume
         t = int(torch.randint(len(DIGIT_TEMPLATES), ())) if self.random else i % len(DIGIT_TEMPLATES)
         return x, self.table[y, t], y
+
+    def distinct_images(self) -> Dataset:
+        """The images, as (image, label): a caption's group is its digit."""
+        return self.images
 
 
 def build_clip_data(data_cfg: DataConfig, tokenizer, mean, std, in_chans: int, img_size: int) -> DataBundle:
@@ -182,7 +198,8 @@ def build_clip_data(data_cfg: DataConfig, tokenizer, mean, std, in_chans: int, i
                       mixup=0.0, cutmix=0.0)
         base = build(cfg, mean=mean, std=std, in_chans=in_chans)
         return replace(base, train=DigitCaptions(base.train, tokenizer),
-                       val=DigitCaptions(base.val, tokenizer, random=False), test=base.test,
+                       val=DigitCaptions(base.val, tokenizer, random=False),
+                       test=DigitCaptions(base.test, tokenizer, random=False),
                        class_names=list(DIGIT_WORDS), mixup=None)
     if data_cfg.name != "captions":
         raise DataError(f"the clip task reads digits or captions:PATH, not {data_cfg.dataset!r}")

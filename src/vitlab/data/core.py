@@ -39,6 +39,7 @@ one per class) / none.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,7 +95,7 @@ class DataConfig:
             self.scale = tuple(float(s) for s in self.scale)  # YAML gives lists
         # An unknown name is left to build(): a plugin may register it later.
         if self.name in DATASETS:
-            DATASETS[self.name].check_root(self.dataset.partition(":")[2])
+            DATASETS[self.name].check_root(self.root)
         if self.preset is not None and self.preset not in PRESETS:
             raise DataError(f"unknown preset {self.preset!r}; expected one of: {', '.join(PRESETS)}")
 
@@ -113,6 +114,11 @@ class DataConfig:
     def path(self) -> Path | None:
         p = self.dataset.partition(":")[2]
         return Path(p).expanduser() if p else None
+
+    @property
+    def root(self) -> str | None:
+        """The ROOT of NAME:ROOT as the dataset's function gets it (``~`` expanded), else None."""
+        return str(self.path) if self.path else None
 
     def resolved(self) -> DataConfig:
         """A copy with preset, img_size and every augmentation knob filled in from the dataset's registration."""
@@ -215,15 +221,19 @@ class ClassImages(Dataset):
         return getattr(self.dataset, name)
 
 
-def _read(spec: DatasetSpec, cfg: DataConfig, root: str | None, in_chans: int) -> dict[str, Dataset | None]:
+def _read(spec: DatasetSpec, cfg: DataConfig, in_chans: int) -> dict[str, Dataset | None]:
     """The train / val / test splits ``spec``'s function reads for resolved ``cfg``, checked."""
     given = {k: in_chans if k == "in_chans" else getattr(cfg, k) for k in spec.takes}
     clash = sorted(set(given) & set(cfg.options))
     if clash:
         raise DataError(f"dataset {cfg.name}: options {', '.join(clash)} come from the DataConfig, not options")
+    try:  # a mistyped option is named here, in one line, before any data is read
+        inspect.signature(spec.fn).bind("train", cfg.root, **given, **cfg.options)
+    except TypeError as e:
+        raise DataError(f"dataset {cfg.name}: {e} (options: {cfg.options})") from None
     splits = {}
     for split in SPLITS:
-        d = spec.fn(split, root, **given, **cfg.options)
+        d = spec.fn(split, cfg.root, **given, **cfg.options)
         if d is None and split != "test":
             raise DataError(f"dataset {cfg.dataset} has no {split} split (build needs train and val)")
         if d is not None and not hasattr(d, "classes"):
@@ -239,8 +249,8 @@ def build(cfg: DataConfig, mean: Sequence[float] = (0.5,), std: Sequence[float] 
     """The datasets, transforms and batch mixing for ``cfg``, normalised with the model's ``mean`` / ``std``."""
     if in_chans not in (1, 3):
         raise DataError(f"in_chans must be 1 or 3, got {in_chans}")
-    spec, root = dataset_spec(cfg.name), str(cfg.path) if cfg.path else None
-    spec.check_root(root)
+    spec = dataset_spec(cfg.name)
+    spec.check_root(cfg.root)
     r = cfg.resolved()
     try:
         mean, std = channel_stats(mean, in_chans), channel_stats(std, in_chans)
@@ -251,7 +261,7 @@ def build(cfg: DataConfig, mean: Sequence[float] = (0.5,), std: Sequence[float] 
                               rand_num_ops=r.rand_num_ops, rand_magnitude=r.rand_magnitude,
                               color_jitter=r.color_jitter, reprob=r.reprob, mean=mean, std=std)
     t_eval = eval_transform(size, crop_pct=r.crop_pct, mean=mean, std=std)
-    raw = _read(spec, r, root, in_chans)
+    raw = _read(spec, r, in_chans)
     train, val, test = (None if raw[s] is None else ClassImages(raw[s], in_chans, t_train if s == "train" else t_eval)
                         for s in SPLITS)
     classes = train.classes

@@ -29,10 +29,12 @@ from vitlab.ssl.base import (
     list_methods,
     method_class,
     method_options,
+    method_parameters,
     register_method,
 )
 from vitlab.ssl.mae import MAE
 from vitlab.ssl.methods import DINO, DINOv2, MoCoV3, SimCLR
 
 __all__ = ["DINO", "MAE", "DINOv2", "MoCoV3", "SSLMethod", "SimCLR", "ViewSpec", "create", "create_backbone",
-           "default_local_crop_size", "list_methods", "losses", "method_class", "method_options", "register_method"]
+           "default_local_crop_size", "list_methods", "losses", "method_class", "method_options", "method_parameters",
+           "register_method"]

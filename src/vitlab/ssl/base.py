@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import typing
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -152,19 +153,31 @@ def method_class(name: str) -> type[SSLMethod]:
     return _METHODS[name]
 
 
-def method_options(name: str) -> list[str]:
-    """The options :func:`create` takes for ``name``, sorted: the keyword parameters of its class's ``__init__``
-    after the backbone, and those of its base classes' while an ``__init__`` passes ``**kwargs`` on."""
-    options: set[str] = set()
+def method_parameters(name: str) -> list[inspect.Parameter]:
+    """The options :func:`create` takes for ``name``, as ``inspect.Parameter`` (name, default, annotation resolved
+    to a type): the keyword parameters of its class's ``__init__`` after the backbone, then those of its base
+    classes' while an ``__init__`` passes ``**kwargs`` on (a name once, the subclass's own first)."""
+    params: dict[str, inspect.Parameter] = {}
     for klass in method_class(name).__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
-        params = list(inspect.signature(init).parameters.values())[2:]  # self, backbone
-        options |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
+        try:
+            hints = typing.get_type_hints(init)
+        except NameError:  # an annotation naming what its module cannot see: kept as written
+            hints = {}
+        own = list(inspect.signature(init).parameters.values())[2:]  # self, backbone
+        for p in own:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in params:
+                params[p.name] = p.replace(annotation=hints.get(p.name, p.annotation))
+        if not any(p.kind is p.VAR_KEYWORD for p in own):
             break
-    return sorted(options)
+    return list(params.values())
+
+
+def method_options(name: str) -> list[str]:
+    """The names of the options :func:`create` takes for ``name``, sorted (see :func:`method_parameters`)."""
+    return sorted(p.name for p in method_parameters(name))
 
 
 def create_backbone(method: str, name: str, **kwargs) -> nn.Module:
@@ -205,4 +218,5 @@ def default_local_crop_size(img_size: int, patch: int) -> int:
 
 
 __all__ = ["SSLMethod", "ViewSpec", "create", "create_backbone", "default_local_crop_size", "images_of",
-           "list_methods", "method_class", "method_options", "pooled_features", "register_method", "views_of"]
+           "list_methods", "method_class", "method_options", "method_parameters", "pooled_features", "register_method",
+           "views_of"]

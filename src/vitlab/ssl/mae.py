@@ -137,8 +137,8 @@ class MAE(SSLMethod):
         g = torch.Generator(device=imgs.device).manual_seed(0)
         return torch.rand(imgs.shape[0], self.grid[0] * self.grid[1], device=imgs.device, generator=g)
 
-    def forward(self, views: list[Tensor] | Tensor, noise: Tensor | None = None,
-                monitor: bool = False) -> dict[str, Tensor]:
+    def forward(self, views: list[Tensor] | Tensor, monitor: bool = False, *,
+                noise: Tensor | None = None) -> dict[str, Tensor]:
         """The loss, predictions and mask of the view. ``monitor=True`` (validation) masks with
         :meth:`fixed_noise` unless ``noise`` is given and adds the backbone's pooled features of the unmasked
         images (what the collapse monitors read)."""
@@ -163,7 +163,7 @@ class MAE(SSLMethod):
     def reconstruct(self, imgs: Tensor, noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(reconstruction (B, C, H, W) in the input's units, mask (B, C, H, W), 1 = masked). With the normalised
         pixel target the prediction is mapped back with each patch's own mean and std (as MAE's demo)."""
-        out = self.forward(imgs, noise)
+        out = self.forward(imgs, noise=noise)
         pred, mask = out["pred"].float(), out["mask"]
         if self.norm_pix_loss:
             t = patchify(imgs.float(), self.patch)
