@@ -48,10 +48,10 @@ def test_plugin_task_dataset_head_and_method_from_python(tmp_path):
     s = fit(TrainConfig.for_task("toy_brightness_plugin", data=data, task_args={"hidden": 4},
                                  output_dir=str(tmp_path / "toy"), **FAST))
     assert s["task"] == "toy_brightness_plugin" and s["best_val_mse"] is not None
-    assert evaluate(tmp_path / "toy")["mse"] == pytest.approx(s["best_val_mse"], rel=1e-5)
+    assert evaluate(tmp_path / "toy", split="val")["mse"] == pytest.approx(s["best_val_mse"], rel=1e-5)
     with pytest.raises(ValueError, match="task 'toy_brightness_plugin' has no predict"):
         predict(tmp_path / "toy", [str(_png(tmp_path))])
-    seg = TrainConfig.for_task("segment", model="vit_pico_patch4_32", model_kwargs=TINY,
+    seg = TrainConfig.for_task("segment", model="vit_pico_patch4_32", model_kwargs=TINY, data={"img_size": 32},
                                task_args={"head": "toy_head", "shapes_train": 8, "shapes_eval": 4, "shapes_size": 32},
                                output_dir=str(tmp_path / "seg"), **{**FAST, "eval_every": 1})
     s = fit(seg)

@@ -1,6 +1,6 @@
 """The symmetric InfoNCE loss against open_clip's ``ClipLoss``; features gathered across two gloo processes carry
 gradients (the global loss's gradient); zero-shot weights against open_clip's ``build_zero_shot_classifier``;
-recall@k against a direct count."""
+recall@k, by image and by group, against a direct count."""
 
 from __future__ import annotations
 
@@ -97,3 +97,15 @@ def test_retrieval_metrics_by_hand():
     assert r["t2i_r1"] == pytest.approx(75.0) and r["t2i_r2"] == pytest.approx(75.0)
     # image->text: img0's best caption t0 is its top text; img1's top text is t3 (its own); img2's is t2
     assert r["i2t_r1"] == pytest.approx(100.0)
+
+
+def test_retrieval_metrics_match_by_group():
+    # 4 images in two groups (the digits demo's classes), one caption per group: a caption matches both images of
+    # its group, and an image its group's caption
+    images = torch.eye(4)
+    texts = torch.tensor([[0.1, 0.9, 0.5, 0.0], [0.8, 0.0, 0.2, 0.1]])
+    r = retrieval_metrics(images, texts, torch.tensor([0, 1]), ks=(1, 2), image_group=torch.tensor([0, 0, 1, 1]))
+    # text->image: t0's best match (image 1, 0.9) is first; t1's (image 2, 0.2) is behind image 0 (0.8)
+    assert (r["t2i_r1"], r["t2i_r2"]) == (50.0, 100.0)
+    # image->text: image 0 prefers t1 (0.8 > 0.1), image 2 prefers t0 (0.5 > 0.2); images 1 and 3 are hits
+    assert (r["i2t_r1"], r["i2t_r2"]) == (50.0, 100.0)

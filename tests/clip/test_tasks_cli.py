@@ -1,5 +1,6 @@
-"""``vitlab train --task clip`` on a captions folder and on digits, ``vitlab zeroshot`` / ``vitlab retrieval`` on
-the runs, and bad input: one line, exit 2."""
+"""``vitlab train --task clip`` on a captions folder and on digits; the runs scored and used through their run
+record (``vitlab.train.evaluate`` / ``predict``, ``vitlab eval`` / ``predict``) and by ``vitlab zeroshot`` /
+``vitlab retrieval``; bad input: one line, exit 2."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from PIL import Image
 
 from tests.train.test_distributed import world_of_one  # noqa: F401  (the fixture, shared)
 from vitlab.cli import main
-from vitlab.clip.data import read_captions
+from vitlab.clip.data import DIGIT_WORDS, HELD_OUT_TEMPLATES, read_captions
 from vitlab.clip.tasks import ClipArgs
-from vitlab.train.config import parse_task_args
+from vitlab.train import TrainConfig, evaluate, fit, predict
 
 TINY = ["--model", "clip_vit_pico_patch8", "--model_kwargs.image_depth", "1", "--model_kwargs.text_depth", "1",
         "--epochs", "1", "--batch_size", "8", "--threads", "2", "--quiet"]
@@ -68,6 +69,14 @@ def test_train_captions_then_retrieval(tmp_path, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["split"] == "test" and (r["num_images"], r["num_texts"]) == (2, 4)
     assert r["i2t_r1"] == summary["test_i2t_r1"] and r["t2i_r1"] == summary["test_t2i_r1"]
+    # vitlab eval: the run record's task scores it the same way (image-text pairs: recall both ways)
+    e = evaluate(run, output_dir=tmp_path / "eval", optimize=False)
+    assert e["split"] == "test" and e["t2i_r1"] == summary["test_t2i_r1"] and e["i2t_r10"] == 100.0
+    assert json.loads((tmp_path / "eval" / "eval-test.json").read_text())["num_texts"] == 4
+    assert "i2t R@1" in e["summary"] and e["files"] == [str(tmp_path / "eval" / "eval-test.json")]
+    # no class names in a captions run: zero-shot labels are refused in one line
+    err = _error(capsys, ["predict", "--checkpoint", str(run), str(data / "img0.png"), "--no-optimize"])
+    assert "zero-shot labels need class names" in err
 
 
 @pytest.mark.slow  # one epoch on the 1,257 digits and a zero-shot pass: ~30 s on a quiet 2-core machine
@@ -97,7 +106,7 @@ def _error(capsys, argv) -> str:
 @pytest.mark.parametrize("problem,message", [
     ("missing_image", "image not found"), ("empty_caption", "empty caption"), ("bad_json", "not JSON"),
     ("no_file", "no captions file"), ("bad_vocab", "is not a CLIP BPE vocabulary"),
-    ("too_long", "more than the context length"), ("bad_arg", "unknown --task_args key")])
+    ("too_long", "more than the context length"), ("bad_arg", "unknown config key(s): 'task_args.mask_ratio'")])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, problem, message):
     data = tmp_path / "d"
     data.mkdir()
@@ -142,11 +151,76 @@ def test_long_captions_truncate_with_a_warning(tmp_path):
         CaptionPairs([(str(tmp_path / "x.png"), "red square")], tok, 3, None)
 
 
-def test_task_args_types():
-    args = parse_task_args({"truncate": "false", "context_length": "20"}, ClipArgs)
-    assert args.truncate is False and args.context_length == 20
+def test_task_args_types_and_recipe():
+    """A mapping of strings is read into ClipArgs with its fields' types; the task's recipe is the digits demo's."""
+    cfg = TrainConfig(task="clip", task_args={"truncate": "false", "context_length": "20"})
+    assert isinstance(cfg.task_args, ClipArgs)
+    assert cfg.task_args.truncate is False and cfg.task_args.context_length == 20
     with pytest.raises(ValueError, match="task_args.tokenizer"):
-        parse_task_args({"tokenizer": "sentencepiece"}, ClipArgs)
+        TrainConfig(task="clip", task_args={"tokenizer": "sentencepiece"})
+    demo = TrainConfig.for_task("clip", epochs=3)
+    assert (demo.model, demo.epochs, demo.lr, demo.data.dataset) == ("clip_vit_pico_patch8", 3, 0.024, "digits")
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """One epoch of the digits demo at 16 px with one image and one text block (a few seconds on 2 cores)."""
+    run = tmp_path_factory.mktemp("clip") / "run"
+    fit(TrainConfig.for_task("clip", model_kwargs={"image_depth": 1, "text_depth": 1}, data={"img_size": 16},
+                             epochs=1, batch_size=128, threads=2, quiet=True, output_dir=str(run)))
+    return run
+
+
+def _digit_png(path, label: int = 7):
+    """A digit of the test split (8 x 8, ink bright on dark) as a grayscale PNG."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    i = int(np.flatnonzero(d.target == label)[-1])
+    Image.fromarray(np.round(d.images[i] * 255.0 / 16.0).astype(np.uint8)).save(path)
+    return path
+
+
+def test_digits_run_evaluate_and_predict_through_its_record(digits_run, tmp_path, capsys):
+    summary = json.loads((digits_run / "summary.json").read_text())
+    r = evaluate(digits_run, output_dir=tmp_path, optimize=False)
+    assert (r["task"], r["dataset"], r["split"], r["num_images"]) == ("clip", "digits", "test", 270)
+    assert r["top1"] == pytest.approx(summary["test_zeroshot_top1"]) and r["top5"] >= r["top1"]
+    assert r["classnames"] == list(DIGIT_WORDS) and r["templates"] == list(HELD_OUT_TEMPLATES)
+    assert r["files"] == [str(tmp_path / "eval-test.json")]
+    assert json.loads((tmp_path / "eval-test.json").read_text())["top1"] == r["top1"]
+    assert r["summary"].startswith("clip_vit_pico_patch8 on digits (test, 270 images, 10 classes, 4 templates): "
+                                   "zero-shot top-1 ")
+
+    img = _digit_png(tmp_path / "seven.png")
+    rows = predict(digits_run, [img, img], topk=10, optimize=False)
+    assert len(rows) == 2 and rows[0]["top"] == rows[1]["top"]
+    labels, probs = zip(*rows[0]["top"])
+    assert sorted(labels) == sorted(DIGIT_WORDS) and sum(probs) == pytest.approx(1.0, abs=1e-5)
+    assert list(probs) == sorted(probs, reverse=True)
+    assert rows[0]["line"].startswith(f"{img}: {labels[0]} {probs[0]:.3f}  {labels[1]} ")
+
+    capsys.readouterr()
+    assert main(["predict", "--checkpoint", str(digits_run), str(img), "--topk", "2", "--no-optimize"]) == 0
+    assert capsys.readouterr().out.strip() == f"{img}: " + "  ".join(f"{n} {p:.3f}" for n, p in rows[0]["top"][:2])
+    assert main(["eval", "--checkpoint", str(digits_run), "--output-dir", str(tmp_path), "--no-optimize"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [r["summary"], f"written: {tmp_path / 'eval-test.json'}"]
+
+
+def test_retrieval_on_the_digits_demo(digits_run, capsys):
+    """Each test digit against the 100 training captions (10 digits x 10 templates); a caption matches every
+    image of its digit, so the ranks are class-level."""
+    capsys.readouterr()
+    assert main(["retrieval", "--checkpoint", str(digits_run), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["dataset"], r["split"], r["num_images"], r["num_texts"]) == ("digits", "test", 270, 100)
+    for d in ("i2t", "t2i"):
+        assert 0.0 <= r[f"{d}_r1"] <= r[f"{d}_r5"] <= r[f"{d}_r10"] <= 100.0
+    assert main(["retrieval", "--checkpoint", str(digits_run), "--split", "val"]) == 0
+    assert "digits (val, 270 images, 100 captions): i2t R@1 " in capsys.readouterr().out
+    err = _error(capsys, ["retrieval", "--checkpoint", str(digits_run), "--data", "fake"])
+    assert "retrieval needs image-text pairs (captions:PATH or digits), not 'fake'" in err
 
 
 @pytest.mark.usefixtures("world_of_one")

@@ -213,7 +213,7 @@ def test_remove_restores_and_bad_input():
 def test_trains_through_the_trainer_and_evaluates(spec, tmp_path):
     data = DataConfig("fake", fake_num_samples=64, fake_num_classes=4, fake_img_size=16)
     cfg = TrainConfig(model="vit_pico_patch8_32", model_kwargs=dict(depth=4, embed_dim=32, num_heads=2, patch_size=4),
-                      data=data, epochs=1, batch_size=32, quiet=True, output_dir=str(tmp_path / "run"), **spec)
+                      data=data, epochs=1, batch_size=32, quiet=True, output_dir=str(tmp_path / "run"), task_args=spec)
     summary = fit(cfg)
     # the run's model rebuilt from its checkpoint alone: patched again, predictor weights loaded
     r = evaluate(summary["run_dir"], split="val", optimize=False)

@@ -171,6 +171,7 @@ def test_bad_warmup_config_is_one_line(capsys):
             TrainConfig(task_args=kw, epochs=epochs)
     from vitlab.cli import main
 
-    assert main(["train", "--prune", "evit:0.7", "--prune_shrink_epochs", "200", "--epochs", "10", "--quiet"]) == 2
+    assert main(["train", "--prune", "evit:0.7", "--task_args.prune_shrink_epochs", "200", "--epochs", "10",
+                 "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ends at epoch 200" in err[0]

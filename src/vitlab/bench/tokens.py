@@ -73,13 +73,12 @@ def _load(name: str | None, checkpoint: str | None, data: str | None):
         return create_model(name), None, tuple(get_model_config(name).input_size)
     from vitlab.data import DataConfig, build
     from vitlab.train import checkpoint as ck
-    from vitlab.train.classification import create_from_description
+    from vitlab.train.evaluate import load_model
 
     sd, meta = ck.load_weights(checkpoint, weights="auto")
     if name is not None and name != meta["model"]:
         raise ValueError(f"the checkpoint holds {meta['model']}, not {name}")
-    model = create_from_description(meta)
-    model.load_state_dict(sd)
+    model = load_model(checkpoint, weights="auto")[0].train()
     if getattr(model, "_tome", None) is not None:  # trained with merging: every setting starts from the plain model
         tome_remove(model)
     # other data is read at the checkpoint's size and crop (an image folder's default preset would crop 87.5%)
@@ -139,7 +138,7 @@ def bench_tokens(name: str | None, r_values: list[int], prune: list[str] | None 
             rs = m._tome.r if "tome_r" in spec else [0] * len(m.blocks)
             row["gmacs_closed_form"] = round(tome_gmacs(base, rs, input_size[1:]), 4)
         if bundle is not None:
-            from vitlab.train.classification import evaluate_model
+            from vitlab.classify import evaluate_model
 
             loader = bundle.loader(split if getattr(bundle, split, None) is not None else "val", batch_size=256)
             row["top1"] = round(evaluate_model(m, loader, dev, bundle.num_classes)["top1"], 3)

@@ -27,10 +27,11 @@ ALIASES = {"data": "data.dataset", "img_size": "data.img_size", "workers": "data
 
 def peek(tokens: list[str], *flags: str) -> str | None:
     """The value of the last of ``flags`` in ``tokens`` (``--task segment`` or ``--task=segment``), else None."""
+    names = {f.lstrip("-").replace("-", "_") for f in flags}
     found = None
     for i, tok in enumerate(tokens):
         key, eq, value = tok.partition("=")
-        if key.replace("-", "_") in flags:
+        if key.startswith("--") and key[2:].replace("-", "_") in names:
             found = value if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)
     return found
 

@@ -92,20 +92,16 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
         raise FileNotFoundError(f"{source} is neither a registered model (see `vitlab models`) nor a path")
     from vitlab.convert import load_state_dict
     from vitlab.train.checkpoint import load_weights
-    from vitlab.train.classification import create_from_description
+    from vitlab.train.task import RunRecord, create_task
 
     sd, ck = load_weights(path)
-    trained = int(ck["img_size"])
-    desc = {**ck, "model_kwargs": {**ck.get("model_kwargs", {}), **extra}}
-    build = create_from_description
-    if "clip" in ck:  # a run of vitlab train --task clip: the CLIP is described apart (its text tower's size)
-        from vitlab.clip.zeroshot import model_from_description as build
-
-        desc["clip"] = {**ck["clip"], **({"img_size": size} if size is not None else {})}
-    elif size is not None:
-        desc["img_size"] = size
+    record = RunRecord.from_meta(ck)
+    trained = int(record.img_size)
+    record.model_kwargs = {**record.model_kwargs, **extra}
+    if size is not None:
+        record.img_size = size
     try:
-        model = build(desc)
+        model = create_task(record.task).load(record)  # the run's task rebuilds its model from the record
     except (TypeError, ValueError) as e:
         raise _build_error(ck["model"], e) from None
     load_state_dict(model, sd, source=str(path))  # resamples position embeddings to the new grid

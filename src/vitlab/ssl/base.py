@@ -16,6 +16,7 @@ the backbone's patches.
 from __future__ import annotations
 
 import difflib
+import sys
 import inspect
 import typing
 from dataclasses import dataclass
@@ -129,6 +130,9 @@ def register_method(name: str):
         if name in _METHODS:
             raise ValueError(f"self-supervised method {name!r} is registered twice")
         _METHODS[name] = cls
+        tasks = sys.modules.get("vitlab.ssl.tasks")
+        if tasks is not None:  # the pre-training tasks are loaded already: the new method gets its task now
+            tasks.register_method_task(name)
         return cls
 
     return register

@@ -189,7 +189,9 @@ class TrainConfig:
         d = self.to_dict()
         if "task" in overrides and overrides["task"] != self.task:
             d["task"], d["task_args"] = overrides["task"], None
-        for key, value in overrides.items():
+        # a new dataset first: the keys beside it (--data.options.n 3) apply to the new dataset's defaults
+        ordered = sorted(overrides.items(), key=lambda kv: kv[0].replace("-", "_") != "data.dataset")
+        for key, value in ordered:
             parts = key.replace("-", "_").split(".")
             if parts == ["task"]:
                 continue
@@ -208,8 +210,11 @@ class TrainConfig:
                 names = [f.name for f in dataclasses.fields(owner)]
                 if last not in names:
                     prefix = ".".join(parts[:-1])
-                    raise ValueError(_unknown_keys([key], [f"{prefix}.{n}" if prefix else n for n in names],
-                                                   "config"))
+                    known = [f"{prefix}.{n}" if prefix else n for n in names]
+                    if owner is TrainConfig:  # an option of the task given without its prefix
+                        known += [f"task_args.{f.name}" for f in dataclasses.fields(_field_type(
+                            TrainConfig, "task_args", ["task_args"], d))]
+                    raise ValueError(_unknown_keys([key], known, "config"))
                 tp = _field_type(owner, last, parts, d)
                 value = coerce(value, tp, key)
                 if dataclasses.is_dataclass(value) and not isinstance(value, type):

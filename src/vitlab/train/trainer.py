@@ -72,9 +72,11 @@ def resume_config(cfg: TrainConfig) -> TrainConfig:
     default = TrainConfig.for_task(cfg.task)
     changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)
                if getattr(cfg, f.name) != getattr(default, f.name)}
-    if cfg.task != saved.task and cfg.task != default.task:
-        changed["task"] = cfg.task
-    refused = [k for k, v in changed.items() if k not in RESUME_MAY_CHANGE and v != getattr(saved, k)]
+    if cfg.task == default.task and cfg.task != saved.task:  # the task left at its default: the run's
+        changed.pop("task", None)
+        changed.pop("task_args", None)
+    refused = [k for k, v in changed.items()
+               if k not in RESUME_MAY_CHANGE and _differs(v, getattr(saved, k), getattr(default, k))]
     if refused:
         k = refused[0]
         raise ValueError(f"{run} was trained with {k}={_show(getattr(saved, k))}; a resumed run cannot change "
@@ -82,6 +84,16 @@ def resume_config(cfg: TrainConfig) -> TrainConfig:
     changed = {k: v for k, v in changed.items() if k in RESUME_MAY_CHANGE}
     changed.update(resume=str(run), output_dir=str(run))
     return replace(saved, **changed)
+
+
+def _differs(given, saved, default) -> bool:
+    """Whether ``given`` asks for something other than ``saved``: for a nested config, one of the fields it sets
+    (to other than its default) differs (the data's worker count may change)."""
+    if dataclasses.is_dataclass(given) and type(given) is type(saved) is type(default):
+        return any(_differs(getattr(given, f.name), getattr(saved, f.name), getattr(default, f.name))
+                   for f in dataclasses.fields(given) if f.name != "num_workers"
+                   and getattr(given, f.name) != getattr(default, f.name))
+    return given != saved
 
 
 def _show(value) -> str:
@@ -303,8 +315,9 @@ class Trainer:
         if st.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             # the resolved config, reusable as --config for a new run (so without this run's directory)
+            resolved = task.record().data
             cfg_out = replace(cfg, resume=None, output_dir=None, stop_after=None,
-                              data=DataConfig(**task.record().data))
+                              data=DataConfig(**resolved) if resolved else cfg.data)
             cfg_out.save(run_dir / "config.yaml")
             self._write_metrics()
         if rng_to_restore is not None:
