@@ -177,7 +177,8 @@ def accuracy(args) -> None:
     print(f"base: test top1 {base['test_top1']:.2f} ({time.time() - t0:.0f}s)", flush=True)
     ckpt = str(Path(base["run_dir"]) / "last" / "model.safetensors")
     ft_kw = dict(common, model_kwargs=dict(kw, checkpoint_path=ckpt))
-    evit = fit(TrainConfig(**ft_kw, epochs=args.ft_epochs, lr=args.lr / 4, warmup_epochs=0, task_args={"prune": "evit:0.7"},
+    evit = fit(TrainConfig(**ft_kw, epochs=args.ft_epochs, lr=args.lr / 4, warmup_epochs=0,
+                           task_args={"prune": "evit:0.7"},
                            output_dir=str(Path(args.work) / "evit")))
     same = fit(TrainConfig(**ft_kw, epochs=args.ft_epochs, lr=args.lr / 4, warmup_epochs=0,
                            output_dir=str(Path(args.work) / "same")))  # the same fine-tuning without pruning

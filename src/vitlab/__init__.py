@@ -4,7 +4,7 @@ Quick start::
 
     import vitlab
     vitlab.list_models("deit_*")
-    vitlab.list_models(task="segment")                # classify, segment, depth, contrastive
+    vitlab.list_models(task="segment")              # classify, segment, depth, contrastive
     model = vitlab.create_model("vit_base_patch16_224", num_classes=10)
     vitlab.profile_model("vit_giant_patch14_224")   # params, GMACs, memory, without allocating weights
 

@@ -6,8 +6,8 @@ what the model predicts: ``classify`` (image classifiers, the default), ``segmen
 ``contrastive`` (CLIP's image and text embeddings); ``list_models(task=...)`` filters on it.
 
 The core families (:mod:`vitlab.models`) register when ``vitlab`` is imported. A capability package registers its
-models in its ``model_configs`` module (``vitlab.dense.model_configs``, ``vitlab.clip.model_configs``), which is
-imported on the first listing or on a lookup of a name not yet registered: ``import vitlab`` imports no capability.
+models in its ``model_configs`` module (``vitlab/<capability>/model_configs.py``), which is imported on the first
+listing or on a lookup of a name not yet registered: ``import vitlab`` imports no capability.
 """
 
 from __future__ import annotations

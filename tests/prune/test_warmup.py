@@ -12,9 +12,9 @@ import torch
 
 import vitlab
 import vitlab.prune as prune
+from vitlab.classify import ClassificationTask
 from vitlab.data import DataConfig
 from vitlab.train import TrainConfig
-from vitlab.classify import ClassificationTask
 from vitlab.train.trainer import Trainer, resume_config
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import dataclasses
+
+import pytest
 
 from vitlab.classify import ClassifyArgs
 from vitlab.data import DataConfig

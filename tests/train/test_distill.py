@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from tests.train.conftest import tiny_config
-from vitlab.data import DataConfig
 from vitlab.classify import DistillConfig
-from vitlab.train import fit
+from vitlab.data import DataConfig
 from vitlab.train import checkpoint as ck
+from vitlab.train import fit
 
 FAKE10 = DataConfig("fake", fake_num_samples=40, fake_num_classes=10, fake_img_size=16, mixup=0.0, cutmix=0.0)
 

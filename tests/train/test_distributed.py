@@ -90,8 +90,8 @@ def world_of_one(monkeypatch):
 
 def _feature_cfg(out, strategy, **kw):
     from tests.train.conftest import tiny_config
-    from vitlab.data import DataConfig
     from vitlab.classify import DistillConfig
+    from vitlab.data import DataConfig
 
     data = DataConfig("fake", fake_num_samples=32, fake_num_classes=4, fake_img_size=16, mixup=0.0, cutmix=0.0)
     return tiny_config(out, data=data, strategy=strategy, ema_decay=0.9, batch_size=16, epochs=2, distill=DistillConfig(

@@ -74,7 +74,11 @@ class TaskConfigParser(ConfigParser):
         tokens = list(sys.argv[1:] if args is None else args)
         if not getattr(self, "_task_added", False):
             self._task_added = True
-            cls = task_class(task_of(tokens))
+            try:
+                cls = task_class(task_of(tokens))
+            except ValueError as e:  # vitlab pretrain names its tasks methods
+                word = "method" if peek(tokens, "--method") else "task"
+                raise ValueError(str(e).replace("unknown task", f"unknown {word}", 1)) from None
             keys = add_dataclass_arguments(self, cls.Args, prefix="task_args.",
                                            title=f"task_args: the {cls.name} task's options ({cls.Args.__name__})")
             if cls.aliases:

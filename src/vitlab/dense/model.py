@@ -18,7 +18,7 @@ from vitlab.convert import load_state_dict, read_state_dict
 from vitlab.dense.backbone import feature_specs, is_plain, num_levels
 from vitlab.dense.dpt import convert_hf_state_dict
 from vitlab.dense.heads import TASKS, HeadContext, get_head, list_heads
-from vitlab.registry import ModelConfig, UnknownModelError, get_model_config
+from vitlab.registry import ModelConfig, UnknownModelError
 
 
 def _four(n: int) -> list[int]:
@@ -163,7 +163,7 @@ def list_models(pattern: str | list[str] = "*") -> list[str]:
 
 def get_config(name: str) -> ModelConfig:
     """The :class:`~vitlab.registry.ModelConfig` of a registered dense configuration."""
-    cfg = get_model_config(name)
+    cfg = vitlab.get_model_config(name)
     if cfg.task not in TASKS:
         raise UnknownModelError(f"{name!r} is a {cfg.task} model, not a dense configuration; "
                                 f"see vitlab.dense.list_models()")

@@ -169,8 +169,8 @@ def num_params(name: str, **model_kwargs) -> int:
 
 
 def smallest_per_family(task: str | tuple[str, ...] = ("classify", "contrastive")) -> list[str]:
-    """The registered model with the fewest parameters of each family, sorted, among the models of ``task`` (by
-    default those that export: classifiers and CLIP, whose image tower exports)."""
+    """The registered model with the fewest parameters of each family, sorted, among the models of ``task``
+    (default: the classifiers and CLIP, whose image tower exports)."""
     fams: dict[str, list[str]] = {}
     for name in vitlab.list_models(task=task):
         fams.setdefault(vitlab.get_model_config(name).family, []).append(name)

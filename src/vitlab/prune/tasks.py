@@ -5,9 +5,9 @@ EViT and top-k train with the pruning in place and the task's own loss. DynamicV
 of the model as built, i.e. the pretrained weights when fine-tuning from ``--model_kwargs.checkpoint_path``);
 the adaptive method adds the loss that learns its thresholds.
 
-``shrink=(start, epochs)`` (the classification task's ``prune_shrink_start`` / ``prune_shrink_epochs``) adds EViT's keep-rate
-warm-up (:mod:`vitlab.prune.warmup`): a :class:`KeepRateWarmup` child of the trained module, moved after each
-optimiser step and checkpointed with the run."""
+``shrink=(start, epochs)`` (the classification task's ``prune_shrink_start`` / ``prune_shrink_epochs``) adds
+EViT's keep-rate warm-up (:mod:`vitlab.prune.warmup`): a :class:`KeepRateWarmup` child of the trained module,
+moved after each optimiser step and checkpointed with the run."""
 
 from __future__ import annotations
 

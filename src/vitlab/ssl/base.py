@@ -16,8 +16,8 @@ the backbone's patches.
 from __future__ import annotations
 
 import difflib
-import sys
 import inspect
+import sys
 import typing
 from dataclasses import dataclass
 from typing import ClassVar, Literal
