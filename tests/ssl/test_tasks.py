@@ -185,7 +185,7 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
            (["pretrain", "--method", "mae", *COMMON, "--task_args.mask_ratio", "1.5",
              "--output_dir", str(tmp_path / "y")], "mask_ratio must be in (0, 1)"),
            (["pretrain", "--method", "dino", *COMMON, "--task_args.local_crop_size", "4",
-             "--output_dir", str(tmp_path / "z")], "too few pixels"),
+             "--output_dir", str(tmp_path / "z")], "does not fit"),
            (["pretrain", "--method", "mae", *COMMON, "--task_args.local_crops", "x"], "local_crops"),
            (["probe", "--checkpoint", str(tmp_path)], "holds no backbone"),
            (["probe", "--checkpoint", "random:nope", "--data", "digits"], "not a registered model"),
@@ -219,3 +219,16 @@ def test_strategies_resume_exactly(tmp_path, strategy, method):
     wa, wb = _weights(a), _weights(b)
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
+
+
+def test_dino_defaults_fit_the_default_model_and_data():
+    """``vitlab pretrain --method dino --model vit_pico_patch8_32 --data digits``: the local crops derive from the
+    patch size (16 px: two 8-pixel patches a side), not 3/7 of 32 = 14 px."""
+    from vitlab.train.task import create_task
+
+    cfg = TrainConfig.for_task("dino", model="vit_pico_patch8_32", task_args={"out_dim": 64, "hidden_dim": 32,
+                                                                              "bottleneck_dim": 16})
+    task = create_task("dino")
+    task.build(cfg, torch.device("cpu"))
+    views = task.data.train[0][0]
+    assert [v.shape[-1] for v in views] == [32, 32] + [16] * 6
