@@ -67,7 +67,7 @@ class DistillConfig:
 @dataclass
 class ClassifyArgs:
     """The classification task's options (``--task_args.NAME``; short flags: --teacher, --distill, --tome_r,
-    --prune, --init)."""
+    --prune, --prune_shrink_start, --prune_shrink_epochs, --init, --layer_decay, --label_smoothing)."""
 
     label_smoothing: float = 0.1       # of the class loss
     distill: DistillConfig = field(default_factory=DistillConfig)
@@ -220,7 +220,9 @@ class ClassificationTask(Task):
     # short flags of vitlab train for the options users reach for most
     aliases: ClassVar[dict[str, str]] = {
         "teacher": "task_args.distill.teacher", "distill": "task_args.distill.kind", "tome_r": "task_args.tome_r",
-        "prune": "task_args.prune", "init": "task_args.init"}
+        "prune": "task_args.prune", "prune_shrink_start": "task_args.prune_shrink_start",
+        "prune_shrink_epochs": "task_args.prune_shrink_epochs", "init": "task_args.init",
+        "layer_decay": "task_args.layer_decay", "label_smoothing": "task_args.label_smoothing"}
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -2,7 +2,7 @@
 dataclasses are the one source of truth.
 
 - every field is a flag named after it; nested dataclasses are dotted (``--data.mixup 0.8``,
-  ``--distill.alpha 0.5``); dashes and underscores are interchangeable (``--batch-size`` = ``--batch_size``);
+  ``--task_args.distill.alpha 0.5``); dashes and underscores are interchangeable (``--batch-size`` = ``--batch_size``);
 - help is the comment after the field, with its type and default; ``Literal[...]`` fields list their choices;
 - values are read by :func:`vitlab.train.config.coerce` against the field's type (``none`` for ``None``,
   ``1,1`` or ``[1, 1]`` for tuples and lists, YAML for dicts), booleans also as bare switches (``--quiet``);
