@@ -57,6 +57,12 @@ def test_pretrain_run_dir_and_monitors(method, tmp_path):
     assert s["finished"] and (run / "curves.png").is_file()
     if method == "mae":
         assert (run / "reconstructions.png").read_bytes()[:4] == b"\x89PNG"
+    # vitlab eval of a pre-training run: k-NN on its data, from the run record alone
+    import vitlab.train
+
+    r = vitlab.train.evaluate(run, split="val", output_dir=tmp_path / "eval")
+    assert r["task"] == method and r["protocol"] == "knn" and 0 <= r["knn_top1"] <= r["knn_top5"] <= 100
+    assert "k-NN top-1" in r["summary"] and (tmp_path / "eval" / "eval-val.json").is_file()
 
 
 def _weights(run, name="model.safetensors"):

@@ -108,6 +108,28 @@ def test_flags_are_generated_from_the_config_dataclasses(tmp_path, capsys):
     assert "--task_args.head" in out and "--task_args.label_smoothing" not in out
 
 
+def test_python_and_the_command_line_build_the_same_config(tmp_path, capsys):
+    """``TrainConfig.for_task(name, **overrides)`` is what ``vitlab train --task name --FLAGS`` runs: the same
+    resolved config, and the same config.yaml once trained (the run directory aside)."""
+    from vitlab.train import TrainConfig, fit
+
+    cases = [(["--task", "segment"], {}), (["--task", "clip"], {}), (["--task", "classify"], {}),
+             (["--task", "segment", "--epochs", "2", "--task_args.head", "dpt"],
+              {"epochs": 2, "task_args": {"head": "dpt"}}),
+             (["--task", "mae", "--task_args.mask_ratio", "0.6", "--data.img_size", "16"],
+              {"task_args": {"mask_ratio": 0.6}, "data": {"img_size": 16}})]
+    for argv, kw in cases:
+        assert main(["train", "--print-config", *argv]) == 0
+        assert capsys.readouterr().out == TrainConfig.for_task(argv[1], **kw).to_yaml(), argv
+    tiny = {"epochs": 1, "batch_size": 8, "threads": 1, "quiet": True, "model_kwargs": {"depth": 1},
+            "task_args": {"shapes_train": 8, "shapes_eval": 4}}
+    fit(TrainConfig.for_task("segment", output_dir=str(tmp_path / "py"), **tiny))
+    assert main(["train", "--task", "segment", "--epochs", "1", "--batch_size", "8", "--threads", "1", "--quiet",
+                 "--model_kwargs.depth", "1", "--task_args.shapes_train", "8", "--task_args.shapes_eval", "4",
+                 "--output_dir", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "py" / "config.yaml").read_text() == (tmp_path / "cli" / "config.yaml").read_text()
+
+
 def _bad_cases(run, tmp_path) -> dict[str, tuple[list[str], str]]:
     bad_img = tmp_path / "broken.png"
     bad_img.write_bytes(b"not an image")

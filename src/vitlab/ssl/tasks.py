@@ -268,7 +268,7 @@ class PretrainTask(Task):
     # ---- the run record ----------------------------------------------------------------------------------
     def load(self, record: RunRecord) -> nn.Module:
         """The headless backbone (what ``model.safetensors`` holds)."""
-        return create_image_model(record, num_classes=0)
+        return create_image_model(record)
 
     def evaluate(self, model: nn.Module, record: RunRecord, data: str | None, split: str, *, out_dir: Path,
                  batch_size: int = 256, device: str = "cpu", optimize: bool = True) -> dict:

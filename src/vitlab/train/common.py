@@ -74,5 +74,6 @@ def image_record(task: str, cfg, bundle: DataBundle, model_cfg, num_params: int,
 
 def create_image_model(record: RunRecord, **overrides) -> nn.Module:
     """A registered image model as ``record`` describes it (classes, input size, channels, kwargs)."""
-    return vitlab.create_model(record.model, num_classes=record.num_classes, img_size=record.img_size,
-                               in_chans=record.in_chans, **{**record.model_kwargs, **overrides})
+    kwargs = {"num_classes": record.num_classes, "img_size": record.img_size, "in_chans": record.in_chans,
+              **record.model_kwargs, **overrides}
+    return vitlab.create_model(record.model, **kwargs)
