@@ -65,6 +65,10 @@ class TaskConfigParser(ConfigParser):
     """``vitlab train`` / ``pretrain``: before parsing, adds the flags of the task the command line names
     (``--task_args.NAME``, the task's short flags), so ``--help`` lists them and they are typed."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.task_added = False
+
     def parse_known_args(self, args=None, namespace=None):
         import sys
 
@@ -72,8 +76,8 @@ class TaskConfigParser(ConfigParser):
         from vitlab.train.task import task_class
 
         tokens = list(sys.argv[1:] if args is None else args)
-        if not getattr(self, "_task_added", False):
-            self._task_added = True
+        if not self.task_added:
+            self.task_added = True
             try:
                 cls = task_class(task_of(tokens))
             except ValueError as e:  # vitlab pretrain names its tasks methods
