@@ -13,11 +13,11 @@ dataclasses are the one source of truth.
 A small generator over ``dataclasses.fields`` rather than jsonargparse or tyro (both tried on these dataclasses:
 jsonargparse 4.53, tyro 1.0.17). tyro reports parse errors as multi-line boxes; turning them into one line with
 exit code 2 needs its private ``tyro._errors`` hook. jsonargparse can be bent to every rule, but only through an
-adapter as large as this generator: it reads no help from trailing field comments, lets a flag placed before
-``--config`` lose to the file, refuses ``--batch-size`` for ``batch_size``, silently completes ``--epoch`` to ``--epochs``,
-needs ``--quiet true`` instead of a bare switch, ``null`` instead of ``none``, adds ``--data CONFIG`` loader flags
-that clash with ``--data D``, and does not run under argparse subcommands (``parse_known_args`` is not
-implemented). The task's options depend on ``--task`` on the same command line, a two-phase parse either way.
+adapter as large as this generator: it reads no help from trailing field comments, lets a flag placed
+before ``--config`` lose to the file, refuses ``--batch-size`` for ``batch_size``, silently completes ``--epoch``
+to ``--epochs``, needs ``--quiet true`` instead of a bare switch, ``null`` instead of ``none``, adds
+``--data CONFIG`` loader flags that clash with ``--data D``, and does not run under argparse subcommands
+(``parse_known_args`` is not implemented). The task's options depend on ``--task`` on the same command line, a two-phase parse either way.
 """
 
 from __future__ import annotations
