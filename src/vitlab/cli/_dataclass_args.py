@@ -17,7 +17,8 @@ adapter as large as this generator: it reads no help from trailing field comment
 before ``--config`` lose to the file, refuses ``--batch-size`` for ``batch_size``, silently completes ``--epoch``
 to ``--epochs``, needs ``--quiet true`` instead of a bare switch, ``null`` instead of ``none``, adds
 ``--data CONFIG`` loader flags that clash with ``--data D``, and does not run under argparse subcommands
-(``parse_known_args`` is not implemented). The task's options depend on ``--task`` on the same command line, a two-phase parse either way.
+(``parse_known_args`` is not implemented). The task's options depend on ``--task`` on the same command line, a
+two-phase parse either way.
 """
 
 from __future__ import annotations
