@@ -10,6 +10,7 @@ clear error naming missing or unexpected keys unless ``strict=False``.
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
 from pathlib import Path
 
@@ -25,6 +26,19 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded into the model, with the reason in one line."""
 
 
+def unreadable(path: str | os.PathLike, e: Exception, what: str = "checkpoint") -> CheckpointError:
+    """The one-line error for a file its reader (safetensors, ``torch.load``) rejected: pickled objects that
+    ``weights_only`` refuses, else a truncated or corrupt file, with the reader's first sentence."""
+    text = str(e).strip()
+    if isinstance(e, pickle.UnpicklingError) and text.startswith("Weights only load failed"):
+        return CheckpointError(f"cannot read {what} {path}: it holds pickled objects other than tensors, which are "
+                               f"refused (loading them could run code); save its state dict of tensors instead")
+    # torch's text runs on for several sentences and lines (how to retry without weights_only): keep the first
+    first = text.splitlines()[0].split(". ")[0].rstrip(".")[:200] if text else ""
+    return CheckpointError(f"cannot read {what} {path}: the file is truncated or corrupt "
+                           f"({type(e).__name__}{': ' + first if first else ''})")
+
+
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
@@ -37,7 +51,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a corrupt or foreign file: say which, not a deep traceback
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+        raise unreadable(path, e) from None
     for key in _CONTAINER_KEYS:
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
             sd = sd[key]

@@ -5,9 +5,9 @@ normalisation, published figures, hub id) so tools can reason about a model with
 what the model predicts: ``classify`` (image classifiers, the default), ``segment`` and ``depth`` (dense maps),
 ``contrastive`` (CLIP's image and text embeddings); ``list_models(task=...)`` filters on it.
 
-The core families (:mod:`vitlab.models`) register when ``vitlab`` is imported. A capability package registers its
-models in its ``model_configs`` module (``vitlab/<capability>/model_configs.py``), which is imported on the first
-listing or on a lookup of a name not yet registered: ``import vitlab`` imports no capability.
+The core families (:mod:`vitlab.models`) and the capability packages register on the first listing or on a
+lookup of a name not yet registered: the registry then imports :mod:`vitlab.models` and every capability's
+``model_configs`` module (``vitlab/<capability>/model_configs.py``). ``import vitlab`` imports neither.
 """
 
 from __future__ import annotations
@@ -65,11 +65,12 @@ _discovered = False
 
 
 def _discover() -> None:
-    """Import every ``vitlab.<package>.model_configs`` module (once), so the capabilities' models register. Only
-    the packages that have one are imported; the registry names no capability."""
+    """Import the core families (``vitlab.models``) and every ``vitlab.<package>.model_configs`` module (once), so
+    their models register. Only the packages that have one are imported; the registry names no capability."""
     global _discovered
     if _discovered:
         return
+    importlib.import_module(f"{__package__}.models")  # by name, as the capabilities: the families import this module
     for pkg in pkgutil.iter_modules(sys.modules[__package__].__path__):
         spec = importlib.util.find_spec(f"{__package__}.{pkg.name}") if pkg.ispkg else None
         if spec is not None and any(m.name == CONFIGS_MODULE

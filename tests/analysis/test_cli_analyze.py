@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from tests.train.conftest import TINY_MODEL, tiny_config
 from vitlab.cli import main
+from vitlab.train import fit
 
 TINY_LITV2 = ["--model-arg", "embed_dim=16", "--model-arg", "depths=[1,1,1,1]", "--model-arg", "num_heads=[1,2,4,8]"]
 
@@ -68,3 +72,38 @@ def test_unreadable_image(tmp_path, capsys):
     assert main(["analyze", "attention", "--model", "vit_pico_patch8_32", "--images", str(bad),
                  "--out", str(tmp_path)]) == 2
     assert "unreadable image" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def trained_pico(tmp_path_factory):
+    """A 1-epoch run of a 1-block pico ViT on 4 fake classes: (run directory, the --model-arg flags of its model)."""
+    run = fit(tiny_config(tmp_path_factory.mktemp("analyze-run"), epochs=1))["run_dir"]
+    args = [a for k, v in {**TINY_MODEL, "num_classes": 4}.items() for a in ("--model-arg", f"{k}={v}")]
+    return Path(run), args
+
+
+def test_default_output_folders(trained_pico, tmp_path, monkeypatch, capsys):
+    """Without --out: runs/analysis/MODEL (never the working directory itself), RUN/analysis for a run's
+    checkpoint, runs/analysis/MODEL-NAME for a checkpoint file from elsewhere."""
+    run, model_args = trained_pico
+    monkeypatch.chdir(tmp_path)
+    assert main(["analyze", "posembed", "--model", "vit_pico_patch8_32"]) == 0
+    assert (tmp_path / "runs" / "analysis" / "vit_pico_patch8_32" / "posembed.json").is_file()
+    assert main(["analyze", "posembed", "--model", "vit_pico_patch8_32", *model_args,
+                 "--checkpoint", str(run / "best" / "model.safetensors")]) == 0
+    assert (run / "analysis" / "posembed.json").is_file() and (run / "analysis" / "posembed.png").is_file()
+    foreign = tmp_path / "weights" / "pico.safetensors"
+    foreign.parent.mkdir()
+    shutil.copy(run / "best" / "model.safetensors", foreign)
+    assert main(["analyze", "posembed", "--model", "vit_pico_patch8_32", *model_args,
+                 "--checkpoint", str(foreign)]) == 0
+    assert (tmp_path / "runs" / "analysis" / "vit_pico_patch8_32-pico" / "posembed.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "weights"]
+    capsys.readouterr()
+
+
+def test_out_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    assert main(["analyze", "posembed", "--model", "vit_pico_patch8_32", "--out", str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a file" in err

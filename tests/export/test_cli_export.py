@@ -51,7 +51,8 @@ def test_export_torchscript_json(digits_run, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["nope_model", "--format", "onnx"], "neither a registered model"),
+    (["nope_model", "--format", "onnx"], "unknown model 'nope_model'"),
+    (["vit_pico_patch8_3", "--format", "onnx"], "close matches: vit_pico_patch8_32"),
     (["vit_pico_patch8_32", "--format", "exported", "--int8"], "--int8 needs --format onnx"),
     (["vit_pico_patch8_32", "--format", "torchscript", "--dynamic-img-size"], "--dynamic-img-size needs"),
     (["mobilevit_xxs", "--format", "onnx", "--dynamic-img-size", "--img-size", "64", "64"], "single 64-pixel step"),

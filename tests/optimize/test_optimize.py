@@ -170,7 +170,7 @@ def test_auto_picks_the_fastest_never_slower_than_eager(monkeypatch, times, expe
     timer = FakeTimer(times)
     monkeypatch.setattr(_core, "measure", timer)
     _, x, ref = reference("deit_tiny_patch16_224")
-    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"])
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"], tune=True)
     assert model.vitlab_backend == expected and timer.calls == 1
     r = model.vitlab_optimize
     assert r.timings[expected] <= r.timings["none"] and not r.cached
@@ -191,7 +191,7 @@ def test_auto_rejects_a_candidate_that_changes_the_function(monkeypatch):
         return out
 
     monkeypatch.setattr(_core, "_build", broken)
-    model = vo.optimize(tiny("deit_tiny_patch16_224"), candidates=["none", "onednn"], cache=False)
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), candidates=["none", "onednn"], cache=False, tune=True)
     assert model.vitlab_backend == "none" and "differs from eager" in model.vitlab_optimize.rejected["onednn"]
 
 
@@ -199,28 +199,36 @@ def test_auto_caches_the_choice_atomically_keyed_by_isa(monkeypatch, tmp_path):
     timer = FakeTimer({"none": 1.0, "onednn": 0.5})
     monkeypatch.setattr(_core, "measure", timer)
     x = vo.default_input(tiny("deit_tiny_patch16_224"), 2)
-    first = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"])
+    first = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"], tune=True)
     assert timer.calls == 1 and not first.vitlab_optimize.cached
     path = tmp_path / "cache" / "optimize.json"
     assert vo.cache_file() == path
     data = json.loads(path.read_text())
     [entry] = data["entries"].values()
     assert entry["backend"] == "onednn" and entry["key"]["isa"] == cpu.isa()
-    assert entry["key"]["cpu"] == cpu.cpu_model() and entry["key"]["inputs"] == [[2, 3, 32, 32]]
+    assert entry["key"]["cpu"] == cpu.cpu_model() and entry["key"]["inputs"] == [[3, 32, 32]]  # one item's
     assert [p.name for p in path.parent.iterdir()] == ["optimize.json"]  # the temporary file was renamed
 
-    second = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"])
+    second = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"], tune=True)
     assert timer.calls == 1 and second.vitlab_optimize.cached and second.vitlab_backend == "onednn"
     assert any(isinstance(m, OneDNNLinear) for m in second.modules())
 
     monkeypatch.setattr(cpu, "isa", lambda: "AVX2")  # another ISA (e.g. the AVX2 emulation): measured afresh
-    third = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"])
+    third = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"], tune=True)
     assert timer.calls == 2 and not third.vitlab_optimize.cached
     assert len(json.loads(path.read_text())["entries"]) == 2
 
-    vo.optimize(tiny("deit_tiny_patch16_224"), vo.default_input(tiny("deit_tiny_patch16_224"), 4),
-                candidates=["none", "onednn"])  # another input shape: another key
-    assert timer.calls == 3
+    fourth = vo.optimize(tiny("deit_tiny_patch16_224"), vo.default_input(tiny("deit_tiny_patch16_224"), 4),
+                         candidates=["none", "onednn"], tune=True)  # another batch size: the same key
+    assert timer.calls == 2 and fourth.vitlab_optimize.cached
+
+
+def test_cache_key_leaves_the_batch_size_out():
+    model, dev = tiny("deit_tiny_patch16_224"), torch.device("cpu")
+    key = vo.cache_key(model, (torch.zeros(2, 3, 32, 32),), dev, ["none"])
+    assert key == vo.cache_key(model, (torch.zeros(64, 3, 32, 32),), dev, ["none"])
+    assert key != vo.cache_key(model, (torch.zeros(2, 3, 48, 48),), dev, ["none"])  # another item shape
+    assert key != vo.cache_key(model, (torch.zeros(2, 3, 32, 32, dtype=torch.float64),), dev, ["none"])
 
 
 def test_a_broken_cache_file_is_ignored_and_replaced(monkeypatch, tmp_path):
@@ -228,9 +236,99 @@ def test_a_broken_cache_file_is_ignored_and_replaced(monkeypatch, tmp_path):
     path = tmp_path / "cache" / "optimize.json"
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    model = vo.optimize(tiny("deit_tiny_patch16_224"), candidates=["none", "onednn"])
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), candidates=["none", "onednn"], tune=True)
     assert model.vitlab_backend == "none"
     assert json.loads(path.read_text())["version"] == _core.CACHE_VERSION
+
+
+# ---- auto measures only work that wins the measuring back -----------------------------------------------------
+def _refuse(what: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{what} called")
+
+    return refuse
+
+
+def test_a_handful_of_inputs_is_not_measured(monkeypatch, tmp_path):
+    """``vitlab predict`` on two images: nothing is built, compiled or timed, nothing cached; the model runs eager."""
+    timer = FakeTimer({})
+    monkeypatch.setattr(_core, "measure", timer)
+    monkeypatch.setattr(torch, "compile", _refuse("torch.compile"))
+    _, x, ref = reference("deit_tiny_patch16_224")  # two images
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), x)
+    assert model.vitlab_backend == "none" and timer.calls == 0 and not model.vitlab_optimize.cached
+    assert "not measured (2 input items, fewer than 8): eager" in vo.explain(model)
+    assert not (tmp_path / "cache").exists()
+    with torch.no_grad():
+        assert vo.max_abs_diff(model(x), ref) <= 1e-5
+
+
+def test_a_short_eager_call_is_not_measured(monkeypatch):
+    timer = FakeTimer({"none": 1.0, "onednn": 0.5})
+    monkeypatch.setattr(_core, "measure", timer)
+    x = vo.default_input(tiny("deit_tiny_patch16_224"), _core.TUNE_MIN_BATCH)
+    monkeypatch.setattr(_core, "TUNE_MIN_SECONDS", 1e9)  # every eager call is short
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"])
+    assert model.vitlab_backend == "none" and timer.calls == 0 and "ms, under" in vo.explain(model)
+    monkeypatch.setattr(_core, "TUNE_MIN_SECONDS", 0.0)  # every eager call is long enough: measured
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"])
+    assert model.vitlab_backend == "onednn" and timer.calls == 1
+
+
+def test_small_work_takes_the_fastest_cheap_cached_choice(monkeypatch):
+    """A choice measured on a large batch serves a small one by its timings, without compiling anything."""
+    monkeypatch.setattr(_core, "measure", _refuse("measure"))
+    monkeypatch.setattr(torch, "compile", _refuse("torch.compile"))
+    big = vo.default_input(tiny("deit_tiny_patch16_224"), 32)
+    key = vo.cache_key(tiny("deit_tiny_patch16_224"), (big,), torch.device("cpu"), list(vo.BACKENDS))
+
+    def cached(**timings):
+        _core._write_cache(vo.cache_file(), {_core._key_id(key): dict(backend="compile", key=key, timings=timings)})
+
+    cached(none=1.0, onednn=0.8, compile=0.2, **{"onednn+compile": 0.3})
+    for x, tune in ((big[:2], None), (big, False)):
+        model = vo.optimize(tiny("deit_tiny_patch16_224"), x, tune=tune)
+        assert model.vitlab_backend == "onednn" and model.vitlab_optimize.cached
+        assert any(isinstance(m, OneDNNLinear) for m in model.modules())
+        assert model.vitlab_optimize.timings == {"none": 1.0, "onednn": 0.8}
+    cached(none=1.0, onednn=0.995, compile=0.2)  # oneDNN within the margin of eager: eager
+    assert vo.optimize(tiny("deit_tiny_patch16_224"), big[:2]).vitlab_backend == "none"
+
+
+def test_kernels_are_never_built_for_a_model_without_hilo(monkeypatch):
+    from vitlab.optimize import kernels
+
+    monkeypatch.setattr(kernels, "available", _refuse("kernels.available"))
+    monkeypatch.setattr(_core, "measure", FakeTimer({"none": 1.0}))
+    x = vo.default_input(tiny("deit_tiny_patch16_224"), _core.TUNE_MIN_BATCH)
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "kernels"], cache=False, tune=True)
+    assert model.vitlab_optimize.rejected == {"kernels": "does not apply"}
+    assert "no HiLo module to swap" in vo.explain(model)
+    assert vo.optimize(tiny("deit_tiny_patch16_224"), backend="kernels").vitlab_backend == "kernels"  # oneDNN
+    asked = []
+    monkeypatch.setattr(kernels, "available", lambda: asked.append(1) or False)
+    vo.optimize(tiny("litv2_s"), backend="kernels")  # a HiLo model does ask for them
+    assert asked
+
+
+def test_cpp_extension_is_imported_without_its_cuda_warning(tmp_path):
+    """Importing torch's cpp_extension logs "No CUDA runtime is found" where a CUDA toolkit is found and no GPU;
+    vitlab imports it first, quietly, for the HiLo kernels' build and before Inductor's C++ compile."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_HOME": str(tmp_path)}  # a toolkit is found: the warning's condition
+    code = ("import logging, sys; from vitlab.optimize.cpu import cpp_extension; c = cpp_extension(); "
+            "assert c is sys.modules['torch.utils.cpp_extension'] and c.CUDA_HOME; "
+            "assert logging.getLogger(c.__name__).level == logging.NOTSET")  # the logger left as it was
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "No CUDA runtime" not in r.stderr
+    if torch.version.cuda and not torch.cuda.is_available():  # the control: torch's own import warns here
+        r = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert "No CUDA runtime" in r.stderr
 
 
 def test_cache_key_follows_the_isa_emulation(monkeypatch):

@@ -52,3 +52,19 @@ def test_random_baseline_takes_model_kwargs(tmp_path):
     assert model.num_features == 96 and meta["model_kwargs"] == {"embed_dim": 96}
     with pytest.raises(ValueError, match="only applies to a random:MODEL"):
         load_backbone(str(tmp_path), torch.device("cpu"), model_kwargs={"embed_dim": 96})
+
+
+def test_random_baseline_json_goes_under_runs(tmp_path, monkeypatch, capsys):
+    from vitlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["probe", "--checkpoint", "random:vit_pico_patch8_32", "--model-arg", "depth=1", "--data",
+                 "digits", "--k", "5"]) == 0
+    want = tmp_path / "runs" / "probe" / "probe-random-vit_pico_patch8_32-knn.json"
+    assert str(want.relative_to(tmp_path)) in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]  # nothing written into the working directory itself
+    assert want.is_file()
+    out = tmp_path / "elsewhere" / "baseline.json"
+    assert main(["probe", "--checkpoint", "random:vit_pico_patch8_32", "--model-arg", "depth=1", "--data",
+                 "digits", "--k", "5", "--output", str(out)]) == 0
+    assert out.is_file()

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
 
+from vitlab._console import clock, console, say
 from vitlab._io import atomic_write
-from vitlab.bench.timing import matmul_peak_tflops, paired_ratio, round_robin_times
+from vitlab.bench.timing import check_counts, matmul_peak_tflops, paired_ratio, round_robin_times
 from vitlab.convert import load_state_dict
 from vitlab.profile import profile_model
 from vitlab.registry import create_model, get_model_config, list_models
@@ -118,13 +120,18 @@ def bench_models(patterns: str | Iterable[str] = "*", mode: str = "infer", devic
     on this batch, cached; or the backend named by ``optimize``) unless ``optimize=False`` or ``compile=True``
     (both implementations plainly compiled); ``fuse`` folds our BatchNorms for plain eager inference where a
     model has ``fuse()`` (LeViT; optimize does it too). timm's model is timed as timm ships it (eager and / or
-    compiled: ``compare``)."""
+    compiled: ``compare``). ``progress``: a live bar on a terminal, else a line per finished model and mode."""
     if mode not in (*MODES, "both"):
         raise ValueError(f"mode must be 'infer', 'train' or 'both', got {mode!r}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+    check_counts(batch_size, warmup, runs)
     peers = _peers(compare)
-    names = list_models(list(patterns) if not isinstance(patterns, str) else patterns)
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    for pattern in patterns:
+        if not any(c in pattern for c in "*?["):
+            get_model_config(pattern)  # a misspelt name: UnknownModelError naming the close matches
+    names = list_models(patterns)
     if not names:
         raise ValueError(f"no registered model matches {patterns!r}")
     dev, tdtype = torch.device(device), DTYPES[dtype]
@@ -134,18 +141,27 @@ def bench_models(patterns: str | Iterable[str] = "*", mode: str = "infer", devic
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     rows: list[dict] = []
+    live = progress and console.is_terminal  # in a log or a pipe: a plain line per model and mode instead
+    total, done, t0 = len(names) * len(modes), 0, time.perf_counter()
     cols = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*cols, disable=not progress, transient=True) as bar:
-        task = bar.add_task("models", total=len(names) * len(modes))
+    with Progress(*cols, console=console, disable=not live, transient=True) as bar:
+        task = bar.add_task("models", total=total)
         for name in names:
             cfg = get_model_config(name)
             prof = profile_model(name)
             for m in modes:
                 bar.update(task, description=f"{name} {m} ({dev.type}, {dtype}, batch {batch_size})")
-                rows.extend(_bench_one(name, cfg.input_size, prof, m, dev, tdtype, dtype, batch_size, compile,
-                                       channels_last, peers, warmup, runs, peak, fuse and m == "infer",
-                                       optimize if m == "infer" and not compile else False))
+                t_one = time.perf_counter()
+                new = _bench_one(name, cfg.input_size, prof, m, dev, tdtype, dtype, batch_size, compile,
+                                 channels_last, peers, warmup, runs, peak, fuse and m == "infer",
+                                 optimize if m == "infer" and not compile else False)
+                rows.extend(new)
                 bar.advance(task)
+                done += 1
+                if progress and not live:
+                    now = time.perf_counter()
+                    say(f"[{done}/{total}] {name} {m}: "
+                        f"{new[0]['img_per_s']:,.1f} img/s  ({clock(now - t_one)}, {clock(now - t0)} elapsed)")
     return rows
 
 

@@ -25,6 +25,14 @@ def time_once(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def check_counts(batch_size: int, warmup: int, runs: int) -> None:
+    """Refuse in one line a batch size or a number of timed runs below 1, or a negative warmup: they would
+    time nothing (or fail deep inside a model on an empty batch)."""
+    for name, value, least in (("batch size", batch_size, 1), ("runs", runs, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
 def median_time(fn: Callable[[], object], device: torch.device, warmup: int = 3, runs: int = 10) -> float:
     """Median seconds of ``fn()`` over ``runs`` timed calls after ``warmup`` untimed ones."""
     for _ in range(warmup):

@@ -13,14 +13,16 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+import time
 
 import torch
 import torch.nn as nn
 
+from vitlab._console import clock, console, metric_text, say
 from vitlab._io import atomic_write
 from vitlab.attention import Block
 from vitlab.bench.models import DTYPES, _peak_mem_mb, _step_fn
-from vitlab.bench.timing import paired_ratio, round_robin_times
+from vitlab.bench.timing import check_counts, paired_ratio, round_robin_times
 from vitlab.models.vision_transformer import VisionTransformer
 from vitlab.profile import count_macs
 from vitlab.prune.patch import apply as prune_apply
@@ -103,9 +105,11 @@ def bench_tokens(name: str | None, r_values: list[int], prune: list[str] | None 
                  checkpoint: str | None = None, data: str | None = None, split: str = "test", device: str = "cpu",
                  dtype: str = "fp32", batch_size: int = 32, warmup: int = 3, runs: int = 10,
                  progress: bool = True) -> list[dict]:
-    """One row per setting (see the module docstring)."""
+    """One row per setting (see the module docstring). ``progress``: a spinner on a terminal while timing, else a
+    line when the timing starts and one per finished setting."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+    check_counts(batch_size, warmup, runs)
     dev, tdtype = torch.device(device), DTYPES[dtype]
     base, bundle, input_size = _load(name, checkpoint, data)
     base = base.eval()
@@ -118,11 +122,17 @@ def bench_tokens(name: str | None, r_values: list[int], prune: list[str] | None 
     steps = {label: _step_fn(m, x, "infer", tdtype) for label, m in models.items()}
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), disable=not progress, transient=True) as bar:
-        bar.add_task(f"timing {len(steps)} settings in round robin ({dev.type}, {dtype}, batch {batch_size})")
+    live = progress and console.is_terminal  # in a log or a pipe: plain lines instead
+    what = f"timing {len(steps)} settings in round robin ({dev.type}, {dtype}, batch {batch_size})"
+    t0 = time.perf_counter()
+    if progress and not live:
+        say(what)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console, disable=not live,
+                  transient=True) as bar:
+        bar.add_task(what)
         times = round_robin_times(steps, dev, warmup, runs)
     rows = []
-    for label, spec in grid:
+    for i, (label, spec) in enumerate(grid, 1):
         m = models[label]
         cpu_model = copy.deepcopy(m).cpu().float()
         med, lo, hi = paired_ratio(times, label, "r=0")
@@ -143,6 +153,10 @@ def bench_tokens(name: str | None, r_values: list[int], prune: list[str] | None 
             loader = bundle.loader(split if getattr(bundle, split, None) is not None else "val", batch_size=256)
             row["top1"] = round(evaluate_model(m, loader, dev, bundle.num_classes)["top1"], 3)
         rows.append(row)
+        if progress and not live:
+            top1 = "" if row["top1"] is None else f", top-1 {metric_text('top1', row['top1'])}"
+            say(f"[{i}/{len(grid)}] {label}: {row['img_per_s']:,.1f} img/s{top1}  ({clock(time.perf_counter() - t0)} "
+                f"elapsed)")
     return rows
 
 

@@ -156,8 +156,9 @@ def build_teacher(d, bundle, device: torch.device) -> nn.Module:
         except ImportError:
             raise ValueError("a timm teacher needs timm installed (pip install timm)") from None
         name = spec[5:]
+        kw = {"num_classes": bundle.num_classes, "in_chans": bundle.in_chans, **d.teacher_kwargs}
+        in_chans = kw["in_chans"]
         try:
-            kw = {"num_classes": bundle.num_classes, "in_chans": bundle.in_chans, **d.teacher_kwargs}
             teacher = timm.create_model(name, pretrained=d.teacher_checkpoint is None, **kw)
         except Exception as e:
             raise CheckpointError(f"cannot build timm teacher {name!r}: {type(e).__name__}: "
@@ -170,14 +171,22 @@ def build_teacher(d, bundle, device: torch.device) -> nn.Module:
         # built for this data's image size; convert.load_state_dict resamples the position embedding
         record.img_size = bundle.img_size
         record.model_kwargs = {**record.model_kwargs, **d.teacher_kwargs}
+        in_chans = record.model_kwargs.get("in_chans", record.in_chans)
         teacher = create_task(record.task).load(record)
         load_state_dict(teacher, sd, source=spec)
     elif vitlab.is_model(spec):
         kw = {"num_classes": bundle.num_classes, "img_size": bundle.img_size, "in_chans": bundle.in_chans,
               **d.teacher_kwargs}
+        in_chans = kw["in_chans"]
         teacher = vitlab.create_model(spec, checkpoint_path=d.teacher_checkpoint, **kw)
     else:
         raise ValueError(f"teacher {spec!r} is neither a checkpoint path, 'timm:NAME', nor a registered model")
+    # checked here, not left to the teacher's first forward, whose error would not say which model is wrong
+    if int(in_chans) != bundle.in_chans:
+        fix = ("drop in_chans from its teacher_kwargs" if "in_chans" in d.teacher_kwargs
+               else f"distil from a teacher trained on {bundle.in_chans}-channel images")
+        raise ValueError(f"the teacher {spec} takes {in_chans} input channels but the data has {bundle.in_chans}; "
+                         f"{fix}")
     n_out = getattr(teacher, "num_classes", bundle.num_classes)
     check_num_classes(bundle, n_out, what=f"the teacher {spec}")
     teacher.eval().requires_grad_(False)

@@ -1,6 +1,7 @@
 """The ``vitlab`` command line: a thin layer over the Python API (parse, call, print).
 
-Each module of this package adds its subcommands through ``register(subparsers)``:
+Each subcommand is listed in :data:`COMMANDS` with the module of this package whose ``register(subparsers)``
+builds its parser:
 
     vitlab models [PATTERN ...] [--json]     registered models with params, GMACs and input size   (models.py)
     vitlab info NAME                         a model's config record, structure and profile        (models.py)
@@ -13,9 +14,12 @@ Each module of this package adds its subcommands through ``register(subparsers)`
     vitlab zeroshot | vitlab retrieval       CLIP zero-shot classification and retrieval           (zeroshot.py,
                                                                                                     retrieval.py)
 
+Start-up is lazy: ``vitlab --help`` imports none of those modules (nor torch); a subcommand's parser is built when
+the command line names it, so each command imports only what it uses.
+
 Plugins: ``vitlab --import MODULE ...`` or ``vitlab train --import MODULE ...`` (repeatable) imports a user's
 module first, so the tasks, datasets, dense heads, SSL methods and models it registers are there; installed
-packages are found through the entry-point group ``vitlab.plugins``.
+packages are found through the entry-point group ``vitlab.plugins``, loaded before a subcommand's parser is built.
 
 User errors (bad flags, names, paths, data) print one line ``vitlab: error: ...`` and exit with code 2: the
 parsers raise instead of printing argparse's usage block (``_dataclass_args.Parser``).
@@ -23,31 +27,81 @@ parsers raise instead of printing argparse's usage block (``_dataclass_args.Pars
 
 from __future__ import annotations
 
+import argparse
 import importlib
-import pkgutil
 import sys
 
 import vitlab
-from vitlab.cli._dataclass_args import Parser
-from vitlab.convert import CheckpointError
 
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, CheckpointError)
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)  # and vitlab.convert.CheckpointError
+
+# subcommand -> (the module of this package that registers it, its line in `vitlab --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "models": ("models", "list registered models with params, GMACs and input size"),
+    "info": ("models", "a model's config, structure and profile"),
+    "bench": ("bench", "benchmarks: attention layers, whole models, the optimization ladder"),
+    "train": ("train", "train a model (default: the default model on digits, on the CPU)"),
+    "eval": ("train", "evaluate a checkpoint with its task's metrics (top-1, mIoU, zero-shot, k-NN)"),
+    "predict": ("train", "run a checkpoint on images: labels, masks or depth maps by its task"),
+    "pretrain": ("pretrain", "self-supervised pre-training: MAE, SimCLR, MoCo v3, DINO, DINOv2"),
+    "probe": ("pretrain", "linear probe or k-NN on a backbone's frozen features"),
+    "analyze": ("analyze", "analysis tools: attention maps, spectra, biases, timings, memory"),
+    "export": ("export", "export a model to ONNX / ExportedProgram / TorchScript and validate it"),
+    "zeroshot": ("zeroshot", "zero-shot classification with a CLIP checkpoint: top-1 / top-5"),
+    "retrieval": ("retrieval", "image-text retrieval with a CLIP checkpoint: recall@1/5/10 both ways"),
+}
 
 
-def build_parser() -> Parser:
-    p = Parser(prog="vitlab", description="Build, train, benchmark and analyse Vision Transformers.")
+def command_parsers(module: str) -> dict[str, argparse.ArgumentParser]:
+    """The parsers of the subcommands ``vitlab.cli.<module>`` registers, by name, built now (plugins first: a
+    plugin's tasks add flags to ``vitlab train``)."""
+    from vitlab.cli._dataclass_args import Parser
+    from vitlab.train.task import load_plugins
+
+    load_plugins()
+    sub = Parser(prog="vitlab").add_subparsers(parser_class=Parser)
+    importlib.import_module(f"{__name__}.{module}").register(sub)
+    return dict(sub.choices)
+
+
+class _TopParser(argparse.ArgumentParser):
+    """``vitlab``'s own parser: one-line errors as :class:`~vitlab.cli._dataclass_args.Parser` gives them (its
+    module, which needs torch, is imported on that error path only)."""
+
+    def error(self, message: str):
+        from vitlab.cli._dataclass_args import Parser
+
+        Parser.error(self, message)
+
+
+class _Placeholder(argparse.ArgumentParser):
+    """A subcommand whose parser is not built yet: its name and help line are all ``vitlab --help`` needs."""
+
+
+class _Commands(argparse._SubParsersAction):
+    """The subcommands of ``vitlab``: a placeholder each (enough for ``--help`` and the choice check) until the
+    command line names one, whose module then builds its real parser."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if isinstance(self.choices.get(values[0]), _Placeholder):
+            self.choices.update(command_parsers(COMMANDS[values[0]][0]))
+        super().__call__(parser, namespace, values, option_string)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser, with every subcommand of :data:`COMMANDS` as a placeholder built on use."""
+    p = _TopParser(prog="vitlab", description="Build, train, benchmark and analyse Vision Transformers.")
+    p.register("action", "parsers", _Commands)
     p.add_argument("--version", action="version", version=f"vitlab {vitlab.__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-    for mod in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
-        importlib.import_module(f"{__name__}.{mod}").register(sub)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Placeholder)
+    for name, (_, text) in COMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
     return p
 
 
 def import_plugins(argv: list[str]) -> list[str]:
-    """Import the modules named by ``--import MODULE`` / ``--import=MODULE`` anywhere in ``argv`` and the
-    installed ``vitlab.plugins`` entry points; returns ``argv`` without the ``--import`` flags."""
-    from vitlab.train.task import load_plugins
-
+    """Import the modules named by ``--import MODULE`` / ``--import=MODULE`` anywhere in ``argv``; returns ``argv``
+    without the ``--import`` flags. (The ``vitlab.plugins`` entry points load with a subcommand's parser.)"""
     rest, modules, i = [], [], 0
     while i < len(argv):
         tok = argv[i]
@@ -69,8 +123,14 @@ def import_plugins(argv: list[str]) -> list[str]:
             importlib.import_module(name)
         except ImportError as e:
             raise ValueError(f"--import {name}: {e}") from None
-    load_plugins()
     return rest
+
+
+def _user_error(e: Exception) -> bool:
+    if isinstance(e, USER_ERRORS):
+        return True
+    convert = sys.modules.get("vitlab.convert")  # a CheckpointError can only come from there once it is loaded
+    return convert is not None and isinstance(e, convert.CheckpointError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         argv = import_plugins(list(sys.argv[1:] if argv is None else argv))
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except USER_ERRORS as e:  # user errors: one line, no traceback
-        print(f"vitlab: error: {e}", file=sys.stderr)
+    except Exception as e:
+        if not _user_error(e):
+            raise
+        print(f"vitlab: error: {e}", file=sys.stderr)  # user errors: one line, no traceback
         return 2
     except KeyboardInterrupt:
         print("vitlab: interrupted", file=sys.stderr)

@@ -1,5 +1,7 @@
 """``vitlab analyze TOOL``: the tools of :mod:`vitlab.analysis`, each writing ``TOOL.json`` and ``TOOL.png``
-into ``--out`` (default ``analysis/``) and printing where.
+into a folder and printing where: ``--out DIR``; else ``RUN/analysis/`` when ``--checkpoint`` is a file of a
+``vitlab train`` run; else ``runs/analysis/MODEL/`` (``runs/analysis/MODEL-NAME/`` for a checkpoint file NAME.pth
+from elsewhere; ``runs/analysis/timings/`` for ``timings`` without ``--model``).
 
     vitlab analyze attention --model deit_small_patch16_224 --checkpoint w.pth   maps, rollout, overlays
     vitlab analyze attention --model swin_tiny_patch4_window7_224 --block 5 --query 7,7
@@ -50,6 +52,29 @@ def _query(text: str):
     return r, c
 
 
+ANALYSIS_DIR = Path("runs") / "analysis"  # the default's root: never the working directory itself
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+    """The folder a tool writes into: ``--out``; else the run's ``analysis/`` folder when ``--checkpoint`` lies in
+    a ``vitlab train`` run; else ``runs/analysis/MODEL``, with the checkpoint's name appended for weights from
+    outside a run (so they do not overwrite the random-init results), or the tool's name without a model."""
+    if args.out is not None:
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out} is a file; give a folder for the JSON and PNG files")
+        return Path(args.out)
+    name = getattr(args, "model", None) or args.tool
+    checkpoint = getattr(args, "checkpoint", None)
+    if checkpoint is None:
+        return ANALYSIS_DIR / name
+    from vitlab.train.evaluate import run_dir_of
+
+    run = run_dir_of(checkpoint)
+    if (run / "config.yaml").is_file():  # every run writes its config first
+        return run / "analysis"
+    return ANALYSIS_DIR / f"{name}-{Path(checkpoint).stem}"
+
+
 def _write(out: Path, tool: str, data: dict, pngs: dict[str, bytes] | bytes | None) -> None:
     """``TOOL.json`` and the PNGs (``TOOL.png``, or ``TOOL-KEY.png`` for a dict of them) into ``out``, atomically."""
     from vitlab._io import atomic_write
@@ -85,7 +110,7 @@ def cmd_attention(args) -> int:
                 maps={n: [_round(m) for m in r["maps"][i]] for i, n in enumerate(imgs.names)},
                 rollout=None if r["rollout"] is None else {n: _round(r["rollout"][i])
                                                            for i, n in enumerate(imgs.names)})
-    _write(Path(args.out), "attention", data, png)
+    _write(out_dir(args), "attention", data, png)
     return 0
 
 
@@ -114,7 +139,7 @@ def cmd_spectrum(args) -> int:
     pngs["blocks"] = block_spectrum_png(b, f"{args.model}: relative log amplitude of block outputs (Park & Kim "
                                            f"2022), mean over {len(imgs.names)} images")
     data["blocks"] = b["blocks"]
-    _write(Path(args.out), "spectrum", data, pngs)
+    _write(out_dir(args), "spectrum", data, pngs)
     return 0
 
 
@@ -129,7 +154,7 @@ def cmd_bias(args) -> int:
     data = {"model": args.model, "checkpoint": args.checkpoint, "range": r["range"],
             "layers": [{**{k: v for k, v in lay.items() if k != "maps"}, "maps": lay["maps"].tolist()}
                        for lay in r["layers"]]}
-    _write(Path(args.out), "bias", data, png)
+    _write(out_dir(args), "bias", data, png)
     return 0
 
 
@@ -142,7 +167,7 @@ def cmd_posembed(args) -> int:
     png = posembed_png(r, f"{args.model} {r['name']} ({r['kind']}): cosine similarity, neighbours "
                           f"{r['neighbour_mean']:.2f}, far {r['far_mean']:.2f}")
     data = {"model": args.model, "checkpoint": args.checkpoint, **r, "similarity": _round(r["similarity"], 4)}
-    _write(Path(args.out), "posembed", data, png)
+    _write(out_dir(args), "posembed", data, png)
     return 0
 
 
@@ -182,7 +207,7 @@ def cmd_timings(args) -> int:
         console.print(_timings_table(r))
         png = timings_png(r, f"seed 003 Table 1 here ({args.threads} thread, batch 1, {args.runs} runs) vs the "
                              f"paper (Xeon E5-2698 core)")
-        _write(Path(args.out), "timings", r, png)
+        _write(out_dir(args), "timings", r, png)
         return 0
     model = _model(args)
     cfg = getattr(model, "pretrained_cfg", None)
@@ -194,7 +219,7 @@ def cmd_timings(args) -> int:
     console.print(f"{'rest':<24} {r['rest_us']:9.0f} us\n{'total':<24} {r['total_us']:9.0f} us", highlight=False)
     png = block_timings_png(r, f"{args.model} {r['block']}: {args.threads} thread, batch 1, {size}px, median of "
                                f"{args.runs}")
-    _write(Path(args.out), "timings", {"model": args.model, **r}, png)
+    _write(out_dir(args), "timings", {"model": args.model, **r}, png)
     return 0
 
 
@@ -255,7 +280,7 @@ def cmd_memory(args) -> int:
                                   + (f", MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}"
                                      if args.malloc_mmap_threshold else "")
                                   + (f", SDPA {args.sdpa}" if args.sdpa != "auto" else "") + ")")
-    _write(Path(args.out), "memory", {"measurements": rows, "complexity": table, "model": args.model}, png)
+    _write(out_dir(args), "memory", {"measurements": rows, "complexity": table, "model": args.model}, png)
     return 0
 
 
@@ -269,7 +294,7 @@ def cmd_window_study(args) -> int:
     r = window_study(windows=args.windows, model=args.model, img_size=args.img_size or 224,
                      batch_size=args.batch_size, warmup=args.warmup, runs=args.runs, memory=not args.no_memory,
                      epochs=args.epochs, dataset=args.data, train_img_size=args.train_img_size,
-                     train_batch_size=args.train_batch_size, lr=args.lr, output_dir=str(Path(args.out) / "runs"),
+                     train_batch_size=args.train_batch_size, lr=args.lr, output_dir=str(out_dir(args) / "runs"),
                      model_kwargs=model_arg_pairs(args.model_arg),
                      progress=lambda msg: console.print(msg, highlight=False))
     for row in r["rows"]:
@@ -277,7 +302,7 @@ def cmd_window_study(args) -> int:
                       highlight=False)
     png = window_study_png(r, f"{args.model}, HiLo window s (stage 3): {r['settings']['img_size']}px, batch "
                               f"{args.batch_size}, {torch.get_num_threads()} threads (paper: dashed)")
-    _write(Path(args.out), "window-study", r, png)
+    _write(out_dir(args), "window-study", r, png)
     return 0
 
 
@@ -297,7 +322,7 @@ def cmd_pooled_queries(args) -> int:
                   highlight=False)
     png = pooled_queries_png(r, f"{args.model} with and without pooled queries ({r['settings']['img_size']}px, "
                                 f"batch {args.batch_size}, {torch.get_num_threads()} threads)")
-    _write(Path(args.out), "pooled-queries", r, png)
+    _write(out_dir(args), "pooled-queries", r, png)
     return 0
 
 
@@ -320,14 +345,16 @@ def _common(p, model: str | None = "deit_tiny_patch16_224", images: bool = True)
     if images:
         p.add_argument("--images", nargs="+", default=None, metavar="IMAGE",
                        help="image files (default: the bundled astronaut, coffee, chelsea)")
-    p.add_argument("--out", default="analysis", metavar="DIR", help="output folder (default: analysis)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output folder (default: RUN/analysis for a --checkpoint of a vitlab run, else "
+                        "runs/analysis/MODEL)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
 
 
 def register(sub) -> None:
     from vitlab.analysis.attention import HEAD_FUSIONS
 
-    an = sub.add_parser("analyze", help="analysis tools: attention maps, spectra, biases, timings, memory")
+    an = sub.add_parser("analyze")  # its help line is vitlab.cli.COMMANDS's
     asub = an.add_subparsers(dest="tool", required=True)
 
     a = asub.add_parser("attention", help="per-head attention maps, rollout and overlays")

@@ -1,18 +1,19 @@
 """``vitlab bench attention | models | ladder | tokens``: the benchmarks of vitlab.bench, printed as tables and
-optionally written as JSON (atomically) and PNG plots."""
+optionally written as JSON (atomically) and PNG plots. A batch size or a number of runs below 1 (or a negative
+warmup) is refused in one line before anything is built."""
 
 from __future__ import annotations
 
-from vitlab._console import console
+from vitlab._console import console, say
 
 
 def _save(module, rows, args) -> None:
     if args.json:
         module.write_json(rows, args.json)
-        console.print(f"wrote {args.json}")
+        say(f"wrote {args.json}")
     if args.plot:
         module.plot(rows, args.plot)
-        console.print(f"wrote {args.plot}")
+        say(f"wrote {args.plot}")
 
 
 def _bf16_note(args) -> None:
@@ -26,7 +27,9 @@ def _bf16_note(args) -> None:
 
 def cmd_attention(args) -> int:
     from vitlab.bench import attention
+    from vitlab.bench.timing import check_counts
 
+    check_counts(args.batch_size, args.warmup, args.runs)  # bench_attention checks runs and warmup, not the batch
     _bf16_note(args)
     rows = attention.bench_attention(device=args.device, batch_size=args.batch_size, dtype=args.dtype,
                                      only=args.only, warmup=args.warmup, runs=args.runs, progress=not args.quiet,
@@ -53,7 +56,9 @@ def cmd_models(args) -> int:
 
 def cmd_ladder(args) -> int:
     from vitlab.bench import ladder
+    from vitlab.bench.timing import check_counts
 
+    check_counts(args.batch_size, args.warmup, args.runs)  # bench_ladder itself does not check them
     rows = ladder.bench_ladder(args.model, device=args.device, batch_size=args.batch_size, warmup=args.warmup,
                                runs=args.runs, progress=not args.quiet)
     console.print(ladder.format_table(rows))

@@ -1,7 +1,8 @@
 """``vitlab export``: write a model as ONNX, an ExportedProgram (.pt2) or TorchScript, then validate the file
 against eager PyTorch (exit 1 when the max abs difference exceeds 1e-4 in fp32).
 
-    vitlab export deit_tiny_patch16_224 --format onnx --out deit.onnx
+    vitlab export deit_tiny_patch16_224 --format onnx --out deit.onnx               (random weights: a warning)
+    vitlab export deit_tiny_patch16_224 --checkpoint deit.pth --format onnx --out deit.onnx   (timm or vitlab weights)
     vitlab export runs/RUN --format onnx --int8 --data digits --out model.onnx   (also writes model-int8.onnx)
     vitlab export pvt_tiny --format onnx --dynamic-img-size --out pvt.onnx
     vitlab export runs/RUN --format exported --img-size 64 64 --out model.pt2
@@ -11,6 +12,7 @@ against eager PyTorch (exit 1 when the max abs difference exceeds 1e-4 in fp32).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 SUFFIX = {"onnx": ".onnx", "exported": ".pt2", "torchscript": ".pt"}
@@ -36,7 +38,16 @@ def cmd_export(args) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; give a file name ending in {SUFFIX[args.format]}")
+    named = ex.is_model_name(args.model)  # before any output: a misspelt name fails with its close matches
     kw = dict(img_size=args.img_size, dynamic_batch=args.dynamic_batch)
+    if args.checkpoint is not None:
+        if not named:
+            raise ValueError(f"--checkpoint loads weights into a registered MODEL; {args.model} is a run or "
+                             f"checkpoint, exported with its own weights")
+        if Path(args.checkpoint).is_dir():
+            raise ValueError(f"--checkpoint {args.checkpoint} is a directory: a weights file goes with a MODEL; "
+                             f"export a vitlab run as MODEL (vitlab export {args.checkpoint} ...)")
+        kw["checkpoint_path"] = args.checkpoint
     if not args.json:  # exporting a large model takes minutes: say what is happening
         print(f"exporting {args.model} as {args.format} to {out}, then validating against eager PyTorch ...",
               flush=True)
@@ -47,6 +58,10 @@ def cmd_export(args) -> int:
         report = ex.exported_program(args.model, out, dynamic_img_size=args.dynamic_img_size, **kw)
     else:
         report = ex.torchscript(args.model, out, **kw)
+    # warned once the export stands (bad input keeps its one error line), on stderr (--json keeps stdout JSON)
+    if named and args.checkpoint is None:
+        print(f"warning: no --checkpoint: random-init weights ({args.model} exported untrained, its predictions "
+              f"are meaningless); pass --checkpoint PATH, or a run directory as MODEL", file=sys.stderr)
     result = {"path": report.path, "format": report.format, "exporter": report.exporter, "notes": report.notes,
               "size_bytes": report.size_bytes, "max_abs_diff": report.diffs, "ok": report.ok}
     if not args.json:
@@ -71,10 +86,12 @@ def cmd_export(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("export", help="export a model to ONNX / ExportedProgram / TorchScript and validate it",
-                       description="Export a registered model (random weights) or a vitlab-trained run, then "
-                                   "validate the file against eager PyTorch on random and real images; exit 1 when "
-                                   "the max abs difference exceeds 1e-4.")
+                       description="Export a registered model (random weights unless --checkpoint) or a "
+                                   "vitlab-trained run, then validate the file against eager PyTorch on random and "
+                                   "real images; exit 1 when the max abs difference exceeds 1e-4.")
     p.add_argument("model", metavar="MODEL|RUN", help="a registered model name or a run / checkpoint directory")
+    p.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="weights (timm or vitlab format) for a registered MODEL; without it MODEL has random weights")
     p.add_argument("--format", required=True, choices=list(SUFFIX))
     p.add_argument("--out", required=True, metavar="FILE")
     p.add_argument("--img-size", type=int, nargs=2, metavar=("H", "W"), default=None,

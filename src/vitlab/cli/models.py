@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rich.table import Table
-
 import vitlab
-from vitlab._console import console
 
 
 def _fmt(v, spec: str) -> str:
@@ -19,6 +16,10 @@ def cmd_models(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    from rich.table import Table
+
+    from vitlab._console import console
+
     if not rows:
         task = f" of task {args.task}" if args.task else ""
         console.print(f"no model{task} matches {' '.join(args.pattern) or '*'}")
@@ -35,7 +36,9 @@ def cmd_models(args) -> int:
     return 0
 
 
-def _structure(model, max_rows: int = 40) -> Table:
+def _structure(model, max_rows: int = 40):
+    from rich.table import Table
+
     table = Table(title="structure (top-level modules)")
     table.add_column("module")
     table.add_column("type")
@@ -51,6 +54,9 @@ def _structure(model, max_rows: int = 40) -> Table:
 
 def cmd_info(args) -> int:
     import torch
+    from rich.table import Table
+
+    from vitlab._console import console
 
     cfg = vitlab.get_model_config(args.name)
     with torch.device("meta"):
@@ -75,14 +81,15 @@ def cmd_info(args) -> int:
 
 
 def register(sub) -> None:
-    m = sub.add_parser("models", help="list registered models with params, GMACs and input size")
+    # the commands' help lines are vitlab.cli.COMMANDS's (vitlab --help builds no subcommand)
+    m = sub.add_parser("models")
     m.add_argument("pattern", nargs="*", help="fnmatch patterns, e.g. 'deit_*'")
     m.add_argument("--task", default=None,
                    help="only the models of this task: classify, segment, depth, contrastive (or a plugin's)")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
     m.set_defaults(func=cmd_models)
 
-    i = sub.add_parser("info", help="a model's config, structure and profile")
+    i = sub.add_parser("info")
     i.add_argument("name")
     i.add_argument("--img-size", type=int, default=None)
     i.add_argument("--batch-size", type=int, default=1)

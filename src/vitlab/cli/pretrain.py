@@ -88,6 +88,8 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="the JSON file (default RUN/probe-<protocol>.json)")
+    p.add_argument("--output", default=None, metavar="FILE",
+                   help="the JSON file (default RUN/probe-<protocol>.json; for random:MODEL "
+                        "runs/probe/probe-random-MODEL-<protocol>.json)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_probe)

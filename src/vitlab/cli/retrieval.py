@@ -26,7 +26,7 @@ def cmd_retrieval(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("retrieval", help="image-text retrieval with a CLIP checkpoint: recall@1/5/10 both ways")
+    p = sub.add_parser("retrieval")  # its help line is vitlab.cli.COMMANDS's
     add_checkpoint_args(p)
     p.add_argument("--data", default=None, help="captions:PATH or digits (default: the run's)")
     p.add_argument("--split", default=None, choices=["train", "val", "test"],

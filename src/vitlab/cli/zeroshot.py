@@ -44,7 +44,7 @@ def cmd_zeroshot(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("zeroshot", help="zero-shot classification with a CLIP checkpoint: top-1 / top-5",
+    p = sub.add_parser("zeroshot",  # its help line is vitlab.cli.COMMANDS's
                        description="Zero-shot classification: class weights from the text tower (prompt "
                                    "ensembling over the templates), images classified by cosine similarity.")
     add_checkpoint_args(p)

@@ -30,6 +30,7 @@ from vitlab.export._source import (
     ExportMeta,
     export_meta,
     image_model,
+    is_model_name,
     load_source,
     num_params,
     real_images,
@@ -39,5 +40,6 @@ from vitlab.export._source import (
 from vitlab.export._validate import FP32_ATOL, ExportReport
 
 __all__ = ["FP32_ATOL", "ExportMeta", "ExportReport", "export_meta", "exported_program", "image_model",
-           "load_exported", "load_source", "num_params", "onnx", "onnx_session", "predict_onnx", "quantize_onnx",
-           "read_onnx_meta", "real_images", "require_onnx", "smallest_per_family", "too_big_to_export", "torchscript"]
+           "is_model_name", "load_exported", "load_source", "num_params", "onnx", "onnx_session", "predict_onnx",
+           "quantize_onnx", "read_onnx_meta", "real_images", "require_onnx", "smallest_per_family",
+           "too_big_to_export", "torchscript"]

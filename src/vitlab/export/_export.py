@@ -187,10 +187,22 @@ def write_onnx(proto, path: Path, meta: ExportMeta | None = None) -> int:
     return path.stat().st_size + (path.parent / data).stat().st_size
 
 
+def _unreadable_onnx(path: str | os.PathLike, reason: str) -> ValueError:
+    """The one-line error for a file that does not load as an ONNX model. Every ONNX writer serialises the
+    ModelProto's fields in order, so a model starts with field 1 (``ir_version``, the byte 0x08): such a file was an
+    ONNX model and has been cut or damaged; any other is not an ONNX model."""
+    with open(path, "rb") as f:
+        starts_as_onnx = f.read(1) == b"\x08"
+    if starts_as_onnx:
+        return ValueError(f"{path} is truncated or corrupt: it starts as an ONNX model but {reason}")
+    return ValueError(f"{path} is not an ONNX model: it {reason}")
+
+
 def onnx_session(path: str | os.PathLike, threads: int | None = None):
     """An ONNX Runtime CPU session on ``path`` (all graph optimisations)."""
     require_onnx()
     import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidProtobuf
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"ONNX file not found: {path}")
@@ -198,17 +210,29 @@ def onnx_session(path: str | os.PathLike, threads: int | None = None):
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except InvalidProtobuf:
+        raise _unreadable_onnx(path, "does not parse in ONNX Runtime") from None
 
 
 def read_onnx_meta(path: str | os.PathLike) -> ExportMeta:
-    """The :class:`ExportMeta` embedded in an ONNX file by :func:`onnx`."""
+    """The :class:`ExportMeta` embedded in an ONNX file by :func:`onnx`; a one-line ValueError naming the file when
+    it is not an ONNX model, is truncated or corrupt, or was not written by vitlab."""
     require_onnx()
     import onnx
+    from google.protobuf.message import DecodeError
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"ONNX file not found: {path}")
-    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except DecodeError:
+        raise _unreadable_onnx(path, "does not parse as an ONNX ModelProto") from None
+    # protobuf parses any prefix that ends between two fields: a model cut there lacks its graph or its opsets
+    if not proto.HasField("graph") or not proto.opset_import:
+        raise _unreadable_onnx(path, f"has no {'graph' if not proto.HasField('graph') else 'opset imports'}")
+    props = {p.key: p.value for p in proto.metadata_props}
     if META_KEY not in props:
         raise ValueError(f"{path} carries no vitlab metadata (it was not written by vitlab export)")
     return ExportMeta.from_json(props[META_KEY])

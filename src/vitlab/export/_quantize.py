@@ -103,6 +103,8 @@ def predict_onnx(path: str | os.PathLike, images: list[str | os.PathLike], topk:
     meta = read_onnx_meta(path)
     _need_classifier(meta, path, "predict")
     for p in images:
+        if Path(p).is_dir():
+            raise ValueError(f"{p} is a directory; pass image files (e.g. {p}/*.png)")
         if not Path(p).is_file():
             raise FileNotFoundError(f"image not found: {p}")
     tf = meta.transform()

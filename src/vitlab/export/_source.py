@@ -77,7 +77,7 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
     holds it as a constant. ``model_kwargs`` go to :func:`vitlab.create_model` for a model name."""
     size = _size2(img_size)
     extra = {"dynamic_img_size": True} if dynamic_img_size else {}
-    if vitlab.is_model(str(source)):
+    if is_model_name(source):
         kw = {**model_kwargs, **extra}
         if size is not None:
             kw["img_size"] = size
@@ -88,8 +88,6 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
         meta = replace(export_meta(model, size), dynamic_img_size=dynamic_img_size)
         return image_model(model)[0].eval(), meta
     path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"{source} is neither a registered model (see `vitlab models`) nor a path")
     from vitlab.convert import load_state_dict
     from vitlab.train.checkpoint import load_weights
     from vitlab.train.task import RunRecord, create_task
@@ -111,6 +109,18 @@ def load_source(source: str | Path, img_size: int | tuple[int, int] | None = Non
                       num_classes=int(ck["num_classes"]), class_names=list(ck.get("class_names") or []),
                       dynamic_img_size=dynamic_img_size, output=output)
     return model.eval(), meta
+
+
+def is_model_name(source: str | os.PathLike) -> bool:
+    """Whether an export source is a registered model name (True) or an existing run / checkpoint path (False);
+    for neither, the registry's UnknownModelError, whose message lists the close matches of a misspelt name."""
+    if not vitlab.is_model(str(source)) and Path(source).exists():
+        return False  # a name wins over a file or folder of the same name in the working directory
+    try:
+        vitlab.get_model_config(str(source))  # an unregistered name raises, listing the close matches
+    except vitlab.UnknownModelError as e:
+        raise vitlab.UnknownModelError(f"{e} (nor is {source} a run or checkpoint path)") from None
+    return True
 
 
 def export_meta(model: nn.Module, img_size: int | tuple[int, int] | None = None) -> ExportMeta:

@@ -21,9 +21,17 @@ Backends (each returns a model in eval mode whose outputs equal eager's within 1
   this machine and returns the fastest. ``"none"`` is always a candidate and another wins only when it is
   faster by ``margin``, so the result is never measurably slower than plain eager. The choice is cached in
   ``optimize.json`` under the user cache dir (``$VITLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/vitlab`` or
-  ``~/.cache/vitlab``), written atomically and keyed by the model's class and parameter shapes, the input's
-  shape and dtype, the device (CPU model, the ISA in use -- caps set in the environment included -- and thread
-  count) and the torch version: a second call with the same key measures nothing.
+  ``~/.cache/vitlab``), written atomically and keyed by the model's class and parameter shapes, the shape of one
+  input item (the batch size left out: one choice serves every batch) and its dtype, the device (CPU model, the
+  ISA in use -- caps set in the environment included -- and thread count) and the torch version: a second call
+  with the same key measures nothing.
+
+  Tuning pays for itself or does not happen: building the candidates costs seconds (a ``torch.compile`` tens of
+  seconds on a small CPU) and timing them dozens of calls, which a handful of images called once (``vitlab
+  predict``) never wins back. So ``auto`` measures only an example of at least :data:`TUNE_MIN_BATCH` items
+  whose eager call takes at least :data:`TUNE_MIN_SECONDS`; smaller work gets the fastest *cheap* backend
+  (:data:`CHEAP`: module swaps, nothing compiled or built) by the cached timings of this model and item shape,
+  or eager when none are cached. ``tune=True`` measures whatever the work, ``tune=False`` never does.
 
 The returned model carries ``vitlab_backend`` (the backend used) and ``vitlab_optimize`` (an
 :class:`OptimizeReport`: timings, cache hit, notes); :func:`explain` formats it. ``optimize`` never changes the
@@ -56,8 +64,11 @@ from vitlab.optimize import cpu as cpuinfo
 log = logging.getLogger("vitlab.optimize")
 
 BACKENDS = ("none", "onednn", "kernels", "compile", "onednn+compile")
-CACHE_VERSION = 1
+CHEAP = ("none", "onednn")  # built in milliseconds (module swaps): what auto uses when it does not measure
+CACHE_VERSION = 2  # 2: keyed by the shape of one input item, not the batch's
 TOLERANCE = 1e-5
+TUNE_MIN_BATCH = 8  # fewer items is a one-off call (vitlab predict on a few images): never measured
+TUNE_MIN_SECONDS = 0.05  # an eager call this short needs thousands of calls to win back a compile: not measured
 
 
 @dataclasses.dataclass
@@ -124,11 +135,15 @@ def _swap_onednn(model: nn.Module, notes: list[str]) -> int:
 
 
 def _swap_kernels(model: nn.Module, notes: list[str]) -> int:
-    """HiLo kernel swaps (from the kernels' own module, imported lazily); 0 when unavailable or no HiLo."""
+    """HiLo kernel swaps (from the kernels' own module, imported lazily); 0 when unavailable or no HiLo. The
+    extension is built or loaded only for a model with a HiLo module to swap."""
     try:
         from vitlab.optimize import hilo, kernels
     except ImportError as e:  # not built into this checkout
         notes.append(f"kernels: unavailable ({e})")
+        return 0
+    if not hilo.hilo_modules(model):
+        notes.append("kernels: no HiLo module to swap")
         return 0
     if not kernels.available():
         notes.append(f"kernels: unavailable ({kernels.status()})")
@@ -138,6 +153,7 @@ def _swap_kernels(model: nn.Module, notes: list[str]) -> int:
 
 def _compile(model: nn.Module, device: torch.device, options: dict | None = None) -> CompiledInference:
     if device.type == "cpu":
+        cpuinfo.cpp_extension()  # imported quietly now, before Inductor's C++ build imports it and warns
         opts = {**cpuinfo.inductor_options(), **(options or {})}
         compiled = torch.compile(model, options=opts)
     else:
@@ -157,6 +173,8 @@ def _build(model: nn.Module, backend: str, device: torch.device, notes: list[str
     if device.type != "cpu":
         notes.append(f"{backend}: CPU only")
         return model if explicit else None
+    if backend == "kernels" and not _swap_kernels(model, notes) and not explicit:
+        return None  # checked first: no oneDNN swaps for a candidate that does not apply
     n = _swap_onednn(model, notes)
     if backend == "onednn":
         return model if n or explicit else None
@@ -169,10 +187,6 @@ def _build(model: nn.Module, backend: str, device: torch.device, notes: list[str
             if isinstance(m, OneDNNLinear):
                 m.record_in_graph()
         return _compile(model, device)
-    k = _swap_kernels(model, notes)
-    if not k:
-        notes.append("kernels: no HiLo module swapped")
-        return model if explicit else None
     return model
 
 
@@ -321,10 +335,11 @@ def device_key(device: torch.device) -> dict:
 
 
 def cache_key(model: nn.Module, args: Sequence, device: torch.device, candidates: Sequence[str]) -> dict:
-    """What an ``auto`` choice depends on (see the module docstring)."""
+    """What an ``auto`` choice depends on (see the module docstring): ``inputs`` holds each tensor's shape
+    without its first (batch) dimension."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     return dict(model=f"{type(model).__module__}.{type(model).__qualname__}", arch=model_fingerprint(model),
-                inputs=[list(t.shape) for t in tensors], dtype=[str(t.dtype) for t in tensors],
+                inputs=[list(t.shape[1:]) for t in tensors], dtype=[str(t.dtype) for t in tensors],
                 torch=torch.__version__, candidates=sorted(candidates), **device_key(device))
 
 
@@ -355,16 +370,48 @@ def _finish(model: nn.Module, report: OptimizeReport) -> nn.Module:
     return model
 
 
+def _items(args: Sequence) -> int:
+    """The batch size of the example: the first dimension of its first tensor (1 for a 0-d tensor)."""
+    t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return int(t.shape[0]) if t is not None and t.dim() else 1
+
+
+def _fastest(timings: dict[str, float], margin: float) -> str:
+    """The fastest of ``timings`` (which hold ``"none"``), kept only when it beats eager by ``margin``."""
+    best = min(timings, key=timings.get)
+    return best if best == "none" or timings[best] < timings["none"] * (1 - margin) else "none"
+
+
+def _untuned(model: nn.Module, entry: dict | None, names: Sequence[str], device: torch.device, margin: float,
+             report: OptimizeReport, why: str) -> nn.Module:
+    """``auto`` without measuring: the fastest :data:`CHEAP` backend by the timings cached for this key
+    (``entry``, measured on an earlier, larger example), else eager."""
+    timings = {n: t for n, t in (entry or {}).get("timings", {}).items() if n in CHEAP and n in names}
+    report.cached = "none" in timings  # every measurement times eager
+    report.timings = timings if report.cached else {}
+    report.cache_file = report.cache_file if report.cached else None
+    best = _fastest(timings, margin) if report.cached else "none"
+    built = _build(model, best, device, report.notes)
+    if built is None:  # the cached choice no longer applies here (e.g. oneDNN switched off since)
+        best, built = "none", model
+    report.backend = best
+    report.notes.append(f"not measured ({why}): " + ("the fastest cheap backend by the cached timings"
+                                                     if report.cached else "eager"))
+    return _finish(built, report)
+
+
 def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = None, backend: str = "auto", *,
              candidates: Sequence[str] | None = None, cache: bool = True, margin: float = 0.02,
-             runs: int | None = None) -> nn.Module:
+             runs: int | None = None, tune: bool | None = None) -> nn.Module:
     """An inference model computing what ``model`` computes (eval mode; see the module docstring).
 
     ``example_inputs``: a tensor or a tuple of positional inputs like those the model will see (the choice of
-    ``auto`` is measured and cached for their shape); default: one random image at the model's input size.
-    ``backend``: ``"auto"`` or one of :data:`BACKENDS`. ``candidates`` restricts ``auto``'s choice;
-    ``cache=False`` measures afresh and records nothing; a candidate must beat ``"none"`` by ``margin``
-    (fraction of its time) to be chosen."""
+    ``auto`` is measured on them and cached for the shape of one item); default: a batch of
+    :data:`TUNE_MIN_BATCH` random images at the model's input size. ``backend``: ``"auto"`` or one of
+    :data:`BACKENDS`. ``candidates`` restricts ``auto``'s choice; ``cache=False`` measures afresh and records
+    nothing; a candidate must beat ``"none"`` by ``margin`` (fraction of its time) to be chosen. ``tune``
+    (``auto``): None measures only work large enough to win the measuring back (see the module docstring),
+    True whatever the work, False never (a cached choice is used either way)."""
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"unknown backend {backend!r}; choose from {['auto', *BACKENDS]}")
     model = _eval_fused(model)
@@ -382,13 +429,18 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
         return _finish(built, OptimizeReport(backend=backend, requested=backend, notes=notes))
 
     if args is None:
-        args = (default_input(model),)
+        args = (default_input(model, TUNE_MIN_BATCH),)
     names = [c for c in (candidates or _candidates(device)) if c in _candidates(device)]
     if "none" not in names:
         names.insert(0, "none")
     key = cache_key(model, args, device, names)
     path = cache_file()
     entry = _read_cache(path).get(_key_id(key)) if cache else None
+    items = _items(args)
+    if tune is False or (tune is None and items < TUNE_MIN_BATCH):
+        why = "tune=False" if tune is False else f"{items} input items, fewer than {TUNE_MIN_BATCH}"
+        return _untuned(model, entry, names, device, margin, OptimizeReport(
+            backend="none", requested="auto", key=key, notes=notes, cache_file=str(path)), why)
     if entry and entry.get("backend") in names:
         report = OptimizeReport(backend=entry["backend"], requested="auto", timings=entry.get("timings", {}),
                                 rejected=entry.get("rejected", {}), cached=True, cache_file=str(path), key=key,
@@ -401,7 +453,14 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
     report = OptimizeReport(backend="none", requested="auto", key=key, notes=notes,
                             cache_file=str(path) if cache else None)
     with torch.no_grad():
+        _sync(device)
+        t0 = time.perf_counter()
         ref = model(*args)
+        _sync(device)
+        eager_s = time.perf_counter() - t0
+    if tune is None and eager_s < TUNE_MIN_SECONDS:
+        return _untuned(model, None, names, device, margin, report,
+                        f"one eager call takes {eager_s * 1e3:.1f} ms, under {TUNE_MIN_SECONDS * 1e3:g} ms")
     scale = max(1.0, _scale(ref))
     built: dict[str, nn.Module] = {"none": model}
     for name in names:
@@ -426,10 +485,7 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
     # each candidate ran once in its check (compiled there): one more untimed call each is warm-up enough
     timings = measure({n: (lambda m=m: m(*args)) for n, m in built.items()}, device, warmup=1, runs=runs)
     report.timings = {n: round(t, 6) for n, t in timings.items()}
-    best = min(timings, key=timings.get)
-    if best != "none" and not timings[best] < timings["none"] * (1 - margin):
-        best = "none"
-    report.backend = best
+    best = report.backend = _fastest(timings, margin)
     if cache:
         try:
             entries = _read_cache(path)

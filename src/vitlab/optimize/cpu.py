@@ -9,11 +9,13 @@ measured under one never serves the other.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+import types
 
 import torch
 
@@ -37,6 +39,24 @@ def inductor_options() -> dict:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     return {"freezing": True, "cpp.simdlen": pick_vec_isa().bit_width()}
+
+
+def cpp_extension() -> types.ModuleType:
+    """``torch.utils.cpp_extension``, imported without the warning it logs at import on a machine with a CUDA
+    toolkit but no CUDA runtime ("No CUDA runtime is found, using CUDA_HOME=..."). The HiLo kernels build with it
+    and Inductor imports it when it compiles C++: importing it here first keeps that line off the user's screen
+    (it says nothing about the CPU paths vitlab builds)."""
+    if "torch.utils.cpp_extension" not in sys.modules:
+        logger = logging.getLogger("torch.utils.cpp_extension")
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            import torch.utils.cpp_extension  # noqa: F401
+        finally:
+            logger.setLevel(level)
+    return sys.modules["torch.utils.cpp_extension"]
+
+
 _KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
               "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 

@@ -30,7 +30,7 @@ from vitlab.attention._window import grid_size
 from vitlab.attention.hilo import HiLo
 from vitlab.optimize import kernels
 
-__all__ = ["KernelHiLo", "swap_hilo"]
+__all__ = ["KernelHiLo", "hilo_modules", "swap_hilo"]
 
 
 def _plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
@@ -119,14 +119,20 @@ class KernelHiLo(HiLo):
         return out.view(B, N, C)
 
 
+def hilo_modules(model: nn.Module) -> list[HiLo]:
+    """The modules of ``model`` (itself included) that :func:`swap_hilo` swaps: plain :class:`HiLo`, not a
+    subclass (KernelHiLo, a user's)."""
+    return [m for m in model.modules() if type(m) is HiLo]
+
+
 def swap_hilo(model: nn.Module) -> int:
     """Make every :class:`HiLo` in ``model`` (the model itself included) a :class:`KernelHiLo`, in place.
 
     The modules keep their parameters, buffers, state-dict keys and hooks (only their class changes), and
     compute the same function; subclasses of HiLo other than KernelHiLo are left alone. Returns how many
     modules were swapped: 0 when the kernels are not available on this machine (``kernels.status()`` says
-    why), in which case nothing changes."""
-    targets = [m for m in model.modules() if type(m) is HiLo]
+    why), in which case nothing changes. A model without HiLo never builds or loads the kernels."""
+    targets = hilo_modules(model)
     if not targets or not kernels.available():
         return 0
     for m in targets:

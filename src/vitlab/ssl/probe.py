@@ -34,6 +34,7 @@ from vitlab.data import DataConfig, build
 from vitlab.ssl.methods import pooled_features
 
 PROTOCOLS = ("linear", "knn")
+RANDOM_PROBE_DIR = Path("runs") / "probe"  # where a random:MODEL baseline's JSON goes without an explicit output
 
 
 def check_blocks(model: nn.Module, blocks: int) -> None:
@@ -143,9 +144,10 @@ def load_backbone(checkpoint: str, device: torch.device, seed: int = 0,
         raise ValueError("model_kwargs only applies to a random:MODEL baseline (a checkpoint records its own)")
     if checkpoint.startswith("random:"):
         name = checkpoint[len("random:"):]
-        if not vitlab.is_model(name):
-            raise ValueError(f"random:{name}: {name!r} is not a registered model (vitlab models)")
-        cfg = vitlab.get_model_config(name)
+        try:
+            cfg = vitlab.get_model_config(name)
+        except vitlab.UnknownModelError as e:  # its message lists the close matches of a misspelt name
+            raise vitlab.UnknownModelError(f"{checkpoint}: not a registered model ({e})") from None
         meta = {"model": name, "model_kwargs": dict(model_kwargs or {}), "in_chans": cfg.input_size[0],
                 "img_size": cfg.input_size[-1],
                 "mean": list(cfg.mean), "std": list(cfg.std), "data": None, "random_init": True}
@@ -174,12 +176,18 @@ def probe(checkpoint: str, data: str | None = None, protocol: str = "knn", outpu
           model_kwargs: dict | None = None) -> dict:
     """Probe ``checkpoint``'s frozen backbone on ``data`` (default: the data it was trained on) with ``protocol``
     ('linear' or 'knn') on its pre-logits over the last ``blocks`` blocks: train on the train split, score
-    ``split``; writes the JSON to ``output`` (default
-    RUN/probe-<protocol>.json, or ./probe-random-MODEL-<protocol>.json for a random backbone)."""
+    ``split``; writes the JSON to ``output`` (default RUN/probe-<protocol>.json, or
+    runs/probe/probe-random-MODEL-<protocol>.json for a random backbone, never the working directory itself)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
-    if k < 1 or temperature <= 0 or epochs < 1 or lr <= 0 or blocks < 1:
-        raise ValueError("k, epochs, blocks must be >= 1 and temperature, lr > 0")
+    for flag, value, ok, rule in (("--k", k, k >= 1, ">= 1"), ("--epochs", epochs, epochs >= 1, ">= 1"),
+                                  ("--blocks", blocks, blocks >= 1, ">= 1"),
+                                  ("--batch-size", batch_size, batch_size >= 1, ">= 1"),
+                                  ("--temperature", temperature, temperature > 0, "> 0"), ("--lr", lr, lr > 0, "> 0")):
+        if not ok:  # also refuses nan, which fails every comparison
+            raise ValueError(f"{flag} must be {rule}, got {value}")
+    if output is not None and Path(output).is_dir():
+        raise ValueError(f"--output {output} is a directory; give the JSON file's name (e.g. {output}/probe.json)")
     t0 = time.perf_counter()
     dev = torch.device(device)
     model, meta = load_backbone(checkpoint, dev, seed, model_kwargs)
@@ -211,7 +219,7 @@ def probe(checkpoint: str, data: str | None = None, protocol: str = "knn", outpu
     if output is None:
         tag = protocol if blocks == 1 else f"{protocol}-last{blocks}"
         if checkpoint.startswith("random:"):
-            output = Path(f"probe-random-{meta['model']}-{tag}.json")
+            output = RANDOM_PROBE_DIR / f"probe-random-{meta['model']}-{tag}.json"
         else:
             run = Path(checkpoint)
             output = (run if run.is_dir() else run.parent) / f"probe-{tag}.json"

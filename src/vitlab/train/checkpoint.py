@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from vitlab._io import _fsync_dir, atomic_write, make_temp_dir  # noqa: F401  (atomic_write: re-exported)
-from vitlab.convert import CheckpointError, read_state_dict
+from vitlab.convert import CheckpointError, read_state_dict, unreadable
 
 WEIGHTS = "model.safetensors"
 EMA_WEIGHTS = "ema.safetensors"
@@ -173,9 +173,8 @@ def read_meta(weights_path: str | Path) -> dict:
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             meta = f.metadata() or {}
-    except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {weights_path}: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    except Exception as e:  # the safetensors reader's own error types
+        raise unreadable(weights_path, e) from None
     return json.loads(meta["vitlab"]) if "vitlab" in meta else {}
 
 
@@ -202,10 +201,12 @@ def load_weights(path: str | Path, weights: str = "auto") -> tuple[dict, dict]:
 
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict:
+    """The trainer state (optimiser, scheduler, RNGs ...) of a checkpoint directory; a one-line CheckpointError
+    naming the file when it is missing, truncated or corrupt."""
     f = Path(ckpt_dir) / TRAINER
     if not f.is_file():
         raise CheckpointError(f"{ckpt_dir} has no trainer state ({TRAINER}); cannot resume from it")
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # torch.load's error types vary with where the file is cut
+        raise unreadable(f, e, what="trainer state") from None

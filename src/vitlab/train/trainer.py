@@ -2,7 +2,9 @@
 setup, resume, train an epoch, validate, save -- and ``fit(TrainConfig) -> summary``.
 
 The run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one line per epoch),
-``curves.png``, ``last`` / ``best`` checkpoints (see :mod:`vitlab.train.checkpoint`) and ``summary.json``.
+``curves.png``, ``last`` / ``best`` checkpoints (see :mod:`vitlab.train.checkpoint`) and ``summary.json``. A
+fresh run that fails or is interrupted before its first checkpoint removes the directory it created; Ctrl-C
+says which epoch the run can resume from.
 
 Exact resume: the trainer state stores optimiser, scheduler, scaler, EMA, epoch, step and every RNG state at the
 end of an epoch, and the training loader's shuffle is seeded with (seed, epoch); so on CPU a resumed run
@@ -16,6 +18,7 @@ import dataclasses
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import replace
 from datetime import datetime
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from vitlab._console import metric_text
 from vitlab.convert import CheckpointError
 from vitlab.data import DataConfig
 from vitlab.train import checkpoint as ck
@@ -165,6 +169,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(st.device.type, enabled=cfg.amp == "fp16")
         self.forward = torch.compile(self.wrapped) if cfg.compile else self.wrapped
         self.start_epoch, self.step = 0, 0
+        self.saved_epoch = 0  # the epoch of the last checkpoint (0: none yet)
         self.best = {"monitor": None, "epoch": None, "weights": "raw"}
         self.metrics: list[dict] = []
 
@@ -205,6 +210,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.start_epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.saved_epoch = self.start_epoch
         best = dict(state["best"])
         if best["epoch"] is None:
             best["monitor"] = None
@@ -215,6 +221,8 @@ class Trainer:
             self.metrics = [m for m in rows if m["epoch"] <= self.start_epoch]
         if self.start_epoch >= cfg.epochs:
             self.say(f"{self.run_dir} already finished {self.start_epoch} of {cfg.epochs} epochs", always=True)
+        else:
+            self.say(f"resuming {self.run_dir} from epoch {self.start_epoch}/{cfg.epochs}")
         rng = state["rng"]
         return rng[min(self.strategy.rank, len(rng) - 1)] if isinstance(rng, list) else rng
 
@@ -228,6 +236,7 @@ class Trainer:
         self.strategy.save(self.run_dir, f"epoch-{epoch:04d}", self.task.module, self.optimizer, state, meta,
                            self._split, ema.module if ema is not None else None,
                            links=("last", "best") if is_best else ("last",))
+        self.saved_epoch = epoch
 
     # ---------------------------------------------------------------- epochs
     def train_epoch(self, epoch: int, progress: Progress) -> dict:
@@ -310,8 +319,26 @@ class Trainer:
     def _fit(self) -> dict:
         cfg, st = self.cfg, self.strategy
         self.setup()
-        task, run_dir = self.task, self.run_dir
         rng_to_restore = self.resume() if cfg.resume else None
+        run_dir = self.run_dir
+        # the directories a fresh run creates: one that fails before its first checkpoint takes them away again,
+        # rather than leave a stub run (a config and no weights) that looks like a run to resume
+        made = [] if cfg.resume or not st.is_main else [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+        try:
+            return self._train(rng_to_restore)
+        except BaseException:
+            if made and not (run_dir / "last").exists():
+                shutil.rmtree(made[0], ignore_errors=True)
+                for parent in made[1:]:  # e.g. runs/, unless another run has appeared in it meanwhile
+                    try:
+                        parent.rmdir()
+                    except OSError:
+                        break
+            raise
+
+    def _train(self, rng_to_restore: dict | None) -> dict:
+        cfg, st = self.cfg, self.strategy
+        task, run_dir = self.task, self.run_dir
         if st.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             # the resolved config, reusable as --config for a new run (so without this run's directory)
@@ -332,40 +359,54 @@ class Trainer:
                  f"for {cfg.epochs} epochs, {self.steps_per_epoch} steps/epoch, global batch {self.global_batch}, "
                  f"lr {self.base_lr:.2e}, {st.device}{'' if st.world_size == 1 else f' x{st.world_size}'} "
                  f"-> {run_dir}")
-        progress = Progress(enabled=st.is_main and not cfg.quiet)
         end_epoch = cfg.epochs if cfg.stop_after is None else min(cfg.epochs, cfg.stop_after)
-        mon = task.monitor
-        for epoch in range(self.start_epoch, end_epoch):
-            row = self.train_epoch(epoch, progress)
-            is_best = False
-            if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == end_epoch or epoch + 1 == cfg.epochs:
-                r = self.validate(self.wrapped)
-                row.update({f"val_{k}": v for k, v in r.items()})
-                candidates = [("raw", r[mon])]
-                if self.ema is not None:
-                    e = self.validate(self.ema.module)
-                    row.update({f"ema_val_{k}": v for k, v in e.items()})
-                    candidates.append(("ema", e[mon]))
-                lower = task.monitor_mode == "min"
-                pick = min if lower else max
-                which, value = pick(candidates, key=lambda c: c[1])  # ties keep the raw weights
-                old = self.best["monitor"]
-                if old is None or (value < old if lower else value > old):
-                    is_best = True
-                    self.best = {"monitor": value, "epoch": epoch + 1, "weights": which}
-            self.metrics.append(row)
-            self.save(epoch + 1, row, is_best)
-            if st.is_main:
-                self._write_metrics()
-                if f"val_{mon}" in row:
-                    ck.atomic_write(run_dir / "curves.png",
-                                    curves_png([m for m in self.metrics if f"val_{mon}" in m], mon))
-                ema_txt = f"  ema {row[f'ema_val_{mon}']:.2f}" if f"ema_val_{mon}" in row else ""
-                val_txt = f"  val {mon} {row[f'val_{mon}']:.2f}{ema_txt}" if f"val_{mon}" in row else ""
-                self.say(f"epoch {epoch + 1}/{cfg.epochs}  loss {row['train_loss']:.4f}{val_txt}  "
-                         f"lr {row['lr']:.2e}  {row['img_per_s']:,.0f} img/s  {row['epoch_time_s']:.1f}s"
-                         + ("  *" if is_best else ""))
+        try:
+            # leaving the block stops a live bar, so a failed or interrupted epoch leaves none over what follows
+            with Progress(enabled=st.is_main and not cfg.quiet) as progress:
+                for epoch in range(self.start_epoch, end_epoch):
+                    self._epoch(epoch, end_epoch, progress)
+        except KeyboardInterrupt:
+            # each epoch ends with a checkpoint, so the interrupted one is the one after the last checkpoint
+            saved = self.saved_epoch
+            where = f"interrupted in epoch {min(saved + 1, cfg.epochs)}/{cfg.epochs}; "
+            self.say(where + (f"the last checkpoint is epoch {saved}; continue with: vitlab train --resume {run_dir}"
+                              if saved else "no checkpoint yet, nothing to resume"), always=True)
+            raise
         return self._finish(end_epoch, info)
+
+    def _epoch(self, epoch: int, end_epoch: int, progress: Progress) -> None:
+        """Train epoch ``epoch`` (0-based), validate when due, save the checkpoint and the metrics, say the line."""
+        cfg, st, task, run_dir = self.cfg, self.strategy, self.task, self.run_dir
+        mon = task.monitor
+        row = self.train_epoch(epoch, progress)
+        is_best = False
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == end_epoch or epoch + 1 == cfg.epochs:
+            r = self.validate(self.wrapped)
+            row.update({f"val_{k}": v for k, v in r.items()})
+            candidates = [("raw", r[mon])]
+            if self.ema is not None:
+                e = self.validate(self.ema.module)
+                row.update({f"ema_val_{k}": v for k, v in e.items()})
+                candidates.append(("ema", e[mon]))
+            lower = task.monitor_mode == "min"
+            pick = min if lower else max
+            which, value = pick(candidates, key=lambda c: c[1])  # ties keep the raw weights
+            old = self.best["monitor"]
+            if old is None or (value < old if lower else value > old):
+                is_best = True
+                self.best = {"monitor": value, "epoch": epoch + 1, "weights": which}
+        self.metrics.append(row)
+        self.save(epoch + 1, row, is_best)
+        if st.is_main:
+            self._write_metrics()
+            if f"val_{mon}" in row:
+                ck.atomic_write(run_dir / "curves.png",
+                                curves_png([m for m in self.metrics if f"val_{mon}" in m], mon))
+            ema_txt = f"  ema {metric_text(mon, row[f'ema_val_{mon}'])}" if f"ema_val_{mon}" in row else ""
+            val_txt = f"  val {mon} {metric_text(mon, row[f'val_{mon}'])}{ema_txt}" if f"val_{mon}" in row else ""
+            self.say(f"epoch {epoch + 1}/{cfg.epochs}  loss {row['train_loss']:.4f}{val_txt}  "
+                     f"lr {row['lr']:.2e}  {row['img_per_s']:,.0f} img/s  {row['epoch_time_s']:.1f}s"
+                     + ("  *" if is_best else ""))
 
     def _write_metrics(self) -> None:
         ck.atomic_write(self.run_dir / "metrics.jsonl",
@@ -391,9 +432,8 @@ class Trainer:
             ck.atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
             if finished:
                 t = test.get(f"test_{mon}")
-                test_txt = f"test {mon} {t:.4g}{'%' if mon.startswith('top') else ''}  " if t is not None else ""
-                pct = "%" if mon.startswith("top") else ""
-                val_txt = (f"best val {mon} {summary[f'best_val_{mon}']:.4g}{pct} (epoch {best['epoch']}, "
+                test_txt = f"test {mon} {metric_text(mon, t)}  " if t is not None else ""
+                val_txt = (f"best val {mon} {metric_text(mon, summary[f'best_val_{mon}'])} (epoch {best['epoch']}, "
                            f"{best['weights']})" if best["epoch"] else "")
                 self.say(f"done: {summary['model']} on {summary['dataset']}: {test_txt}{val_txt}  "
                          f"{summary['wall_time_s']:.0f}s  run dir {self.run_dir}", always=True)

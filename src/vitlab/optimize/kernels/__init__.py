@@ -49,6 +49,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from vitlab.optimize.cpu import cpp_extension
+
 SOURCES = (Path(__file__).with_name("hilo_attention.cpp"), Path(__file__).with_name("hilo_body.h"))
 CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")  # no -march: each ISA region has its own `#pragma GCC target`
 LDFLAGS = ("-fopenmp",)
@@ -152,9 +154,7 @@ def _require() -> None:
 def _cache_dir() -> Path:
     if os.environ.get("VITLAB_CACHE_DIR"):
         return Path(os.environ["VITLAB_CACHE_DIR"]) / "kernels"
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(get_default_build_root()) / "vitlab"
+    return Path(cpp_extension().get_default_build_root()) / "vitlab"
 
 
 def _compiler() -> list[str] | None:
@@ -174,8 +174,6 @@ def _key(cxx: list[str]) -> str:
 def _build(cxx: list[str], rebuild: bool = False, load: bool = True) -> Path:
     """The cached library (built once per key; see the module docstring). With ``load`` the operators are
     registered in this process (once a process: a second library of the namespace would clash)."""
-    from torch.utils import cpp_extension
-
     name = f"vitlab_hilo_{_key(cxx)}"
     root = _cache_dir()
     lib = root / f"{name}.so"
@@ -188,7 +186,7 @@ def _build(cxx: list[str], rebuild: bool = False, load: bool = True) -> Path:
             return lib
         with tempfile.TemporaryDirectory(dir=root, prefix=f".{name}.") as tmp:
             if load:
-                cpp_extension.load(name=name, sources=[str(SOURCES[0])], extra_cflags=list(CFLAGS),
+                cpp_extension().load(name=name, sources=[str(SOURCES[0])], extra_cflags=list(CFLAGS),
                                    extra_ldflags=list(LDFLAGS), build_directory=tmp, is_python_module=False,
                                    verbose=False)
             else:
@@ -256,9 +254,7 @@ def _unavailable_reason() -> str | None:
         return f"needs AVX2 or AVX-512; ATen's CPU capability is {torch.backends.cpu.get_cpu_capability()}"
     if _compiler() is None:
         return "no C++ compiler found (set CXX, or install g++)"
-    from torch.utils.cpp_extension import is_ninja_available
-
-    if not is_ninja_available():
+    if not cpp_extension().is_ninja_available():
         return "torch.utils.cpp_extension needs ninja (pip install ninja)"
     return None
 
