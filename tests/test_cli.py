@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from vitlab.cli import main
 
 
@@ -31,3 +33,41 @@ def test_unknown_model_is_one_line_error():
     assert proc.stderr.strip().splitlines() == [
         proc.stderr.strip()] and "close matches: vit_base_patch16_224" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_every_command_is_listed_with_the_module_that_registers_it():
+    """``vitlab --help`` lists :data:`COMMANDS` without importing their modules: the table and the modules'
+    ``register`` must agree, and every module of the package must be in it."""
+    import pkgutil
+
+    from vitlab import cli
+
+    modules = {m.name for m in pkgutil.iter_modules(cli.__path__) if not m.name.startswith("_")}
+    assert {module for module, _ in cli.COMMANDS.values()} == modules
+    for module in sorted(modules):
+        assert set(cli.command_parsers(module)) == {n for n, (m, _) in cli.COMMANDS.items() if m == module}
+
+
+def test_top_level_help_and_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"    {name} " in out for name in ("models", "train", "predict", "retrieval"))
+    assert main(["bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vitlab: error: argument command: invalid choice: 'bogus'") and len(err.splitlines()) == 1
+    assert main([]) == 2 and "required: command" in capsys.readouterr().err
+
+
+def test_a_named_command_builds_its_own_parser(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["predict", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: vitlab predict") and "--no-optimize" in out
+    assert main(["info"]) == 2  # the subcommand's own parser: its one-line error names it
+    assert capsys.readouterr().err == ("vitlab: error: the following arguments are required: name (see vitlab info "
+                                       "--help)\n")
+    assert main(["info", "deit_tiny_patch16_224", "--no-such-flag"]) == 2
+    assert capsys.readouterr().err == "vitlab: error: unrecognized arguments: --no-such-flag (see vitlab --help)\n"

@@ -16,6 +16,7 @@ from torchvision.transforms import v2
 
 import vitlab
 from vitlab.data.transforms import channel_stats, eval_transform
+from vitlab.registry import IMAGENET_MEAN, IMAGENET_STD
 
 META_KEY = "vitlab"  # the key of the JSON description in an ONNX file's metadata_props / a .pt2's extra files
 
@@ -27,8 +28,8 @@ class ExportMeta:
     model: str = ""
     img_size: tuple[int, int] = (224, 224)
     in_chans: int = 3
-    mean: tuple[float, ...] = vitlab.registry.IMAGENET_MEAN
-    std: tuple[float, ...] = vitlab.registry.IMAGENET_STD
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
     crop_pct: float = 0.9
     num_classes: int = 1000
     class_names: list[str] = field(default_factory=list)  # empty: labels are the class indices

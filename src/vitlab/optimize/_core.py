@@ -411,7 +411,8 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
     :data:`BACKENDS`. ``candidates`` restricts ``auto``'s choice; ``cache=False`` measures afresh and records
     nothing; a candidate must beat ``"none"`` by ``margin`` (fraction of its time) to be chosen. ``tune``
     (``auto``): None measures only work large enough to win the measuring back (see the module docstring),
-    True whatever the work, False never (a cached choice is used either way)."""
+    True measures whatever the work (a cached choice still counts), False never does (as for small work, only a
+    cheap backend is built)."""
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"unknown backend {backend!r}; choose from {['auto', *BACKENDS]}")
     model = _eval_fused(model)
