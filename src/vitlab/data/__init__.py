@@ -19,8 +19,8 @@ label) with ``classes``, or None for a split it lacks (see ``vitlab.data.registr
 """
 
 from vitlab.data.core import PRESETS, DataBundle, DataConfig, build, check_num_classes
-from vitlab.data.datasets import DIGITS_SPLIT, load_image
+from vitlab.data.datasets import DIGITS_SPLIT, check_image_files, load_image
 from vitlab.data.registry import DataError, declare_dataset, list_datasets, register_dataset
 
-__all__ = ["DIGITS_SPLIT", "PRESETS", "DataBundle", "DataConfig", "DataError", "build", "check_num_classes",
-           "declare_dataset", "list_datasets", "load_image", "register_dataset"]
+__all__ = ["DIGITS_SPLIT", "PRESETS", "DataBundle", "DataConfig", "DataError", "build", "check_image_files",
+           "check_num_classes", "declare_dataset", "list_datasets", "load_image", "register_dataset"]

@@ -81,6 +81,18 @@ def open_image(path: str | os.PathLike) -> Image.Image:
         raise DataError(f"unreadable image {path}: {e}") from None
 
 
+def check_image_files(paths) -> list[str]:
+    """``paths`` as strings, each an existing file: one-line errors for none, a directory or a missing file."""
+    if not paths:
+        raise ValueError("no images given")
+    for p in map(Path, paths):
+        if p.is_dir():
+            raise ValueError(f"{p} is a directory; pass image files (e.g. {p}/*.png)")
+        if not p.is_file():
+            raise FileNotFoundError(f"image not found: {p}")
+    return [str(p) for p in paths]
+
+
 def load_image(path: str | os.PathLike, in_chans: int) -> Tensor:
     """Read an image file as a uint8 tensor (in_chans, H, W); DataError naming the file when it cannot be read."""
     return to_chans(open_image(path), in_chans)

@@ -96,17 +96,11 @@ def onnx_top1(sess, meta: ExportMeta, data: str, split: str = "test", batch_size
 def predict_onnx(path: str | os.PathLike, images: list[str | os.PathLike], topk: int = 5) -> list[dict]:
     """For each image: ``{"image": path, "top": [(label, probability), ...]}`` from ONNX Runtime, with vitlab's eval
     preprocessing (size, crop, mean, std) and the class names read from the file's metadata."""
-    if not images:
-        raise ValueError("no images given")
-    from vitlab.data import load_image
+    from vitlab.data import check_image_files, load_image
 
+    check_image_files(images)
     meta = read_onnx_meta(path)
     _need_classifier(meta, path, "predict")
-    for p in images:
-        if Path(p).is_dir():
-            raise ValueError(f"{p} is a directory; pass image files (e.g. {p}/*.png)")
-        if not Path(p).is_file():
-            raise FileNotFoundError(f"image not found: {p}")
     tf = meta.transform()
     x = torch.stack([tf(load_image(p, meta.in_chans)) for p in images])
     sess = onnx_session(path)

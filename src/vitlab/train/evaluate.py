@@ -57,14 +57,9 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], output_dir: str | 
     """The checkpoint's task run on ``inputs`` (image paths): one row per input, each with ``line`` (what the
     console prints). Classification: the top-k labels with probabilities; segmentation / depth: overlays and maps
     written under ``output_dir`` (default: ``RUN/predictions``)."""
-    if not inputs:
-        raise ValueError("no inputs given")
-    for p in inputs:
-        p = Path(p)
-        if p.is_dir():
-            raise ValueError(f"{p} is a directory; pass image files (e.g. {p}/*.png)")
-        if not p.is_file():
-            raise FileNotFoundError(f"image not found: {p}")
+    from vitlab.data import check_image_files
+
+    inputs = check_image_files(inputs)
     model, record, task = load_model(checkpoint, weights=weights, device=device)
     out = Path(output_dir) if output_dir else run_dir_of(checkpoint) / "predictions"
-    return task.predict(model, record, [str(p) for p in inputs], out, topk=topk, device=device, optimize=optimize)
+    return task.predict(model, record, inputs, out, topk=topk, device=device, optimize=optimize)
