@@ -73,8 +73,6 @@ SKIPS: tuple[Skip, ...] = (
     Skip(r"fashion-mnist:/usr/share/datasets", "Fashion-MNIST is not on this machine (offline)"),
     Skip(r"--checkpoint (BASE|FT|CONTROL)\b|--config BASE/", "uses the Fashion-MNIST run of the line above"),
     Skip(r"runs/base/", "needs a trained DeiT-S run (runs/base): hours on the CPU"),
-    Skip(r"segfolder:~/data/(ade|voc)", "ViT-B at 384-512 px on the CPU: minutes a step"),
-    Skip(r"captions:~/data/pairs", "CLIP ViT-B/16 in bf16 on the CPU: minutes a step"),
     # benchmark scripts: minutes of timing (kernels built, models compiled, many rounds)
     Skip(r"^python benchmarks/(optimize_vs_timm|hilo_cpu|clip_encode_image|tokens|export_speed|dpt_vs_transformers"
          r"|dense_demo|export_int8)\.py", "a benchmark script: minutes of timing on the CPU"),
@@ -272,6 +270,8 @@ COMMANDS = all_commands()
 FIXTURE_RUNS: dict[str, list[str]] = {
     # the default pico ViT at its own size, so RUN/best/model.safetensors loads into vit_pico_patch8_32
     "classify": ["train", "--epochs", "1", "--quiet"],
+    # a teacher for a student that reads digits as RGB (a DeiT's 3 input channels; the pico ViT's is 1)
+    "teacher": ["train", "--model_kwargs.in_chans", "3", "--epochs", "1", "--quiet"],
     "segment": ["train", "--task", "segment", "--data.img_size", "32", "--task_args.shapes_size", "32",
                 "--task_args.shapes_train", "8", "--task_args.shapes_eval", "2", "--batch_size", "8", "--epochs", "1",
                 "--quiet"],
@@ -290,8 +290,17 @@ DOC_IMAGES = ("img1.png", "img2.png", "img.jpg", "cat.jpg", "dog.png", "a.jpg", 
 # datasets the docs point at that are not here, and the tiny folder of the same layout that stands in
 STANDINS: dict[str, str] = {
     "imagefolder:/data/x": "imagefolder",
+    "segfolder:~/data/ade": "segfolder",
+    "segfolder:~/data/voc": "segfolder",
     "depthfolder:~/data/nyu": "depthfolder",
+    "captions:~/data/pairs": "captions",
 }
+# training lines of a large model on the full default data (digits: an epoch of DeiT-S at 224 px is minutes on
+# the CPU): the slow test appends a few synthetic images of as many classes instead
+SHRINK: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (r"^vitlab train --model deit_\w+(?!.*--data[ .=])",
+     ("--data", "fake", "--data.fake_num_samples", "8", "--data.fake_num_classes", "10")),
+)
 # flags whose value is written, not read: relative there means the working folder, never the repository
 OUTPUT_FLAGS = {"--out", "--json", "--plot", "--output", "--output-dir", "--output_dir"}
 
@@ -398,7 +407,37 @@ def make_depthfolder(root: Path) -> Path:
     return root
 
 
-STANDIN_MAKERS = {"imagefolder": make_imagefolder, "depthfolder": make_depthfolder}
+def make_segfolder(root: Path) -> Path:
+    """``images/`` and ``masks/`` (index PNGs, 3 classes named in ``classes.txt``): five 64-px pictures."""
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    (root / "classes.txt").write_text("background\ncat\nink\n")
+    for i in range(5):
+        picture = np.array(photo(64).rotate(90 * i))
+        mask = np.zeros((64, 64), np.uint8)
+        mask[16:48, 8 * i:8 * i + 32] = 1
+        mask[:8] = 2
+        picture[:8] = 255
+        Image.fromarray(picture).save(root / "images" / f"{i}.png")
+        Image.fromarray(mask).save(root / "masks" / f"{i}.png")
+    return root
+
+
+def make_captions(root: Path) -> Path:
+    """Twelve small pictures (digits and the photo) and ``captions.csv`` with two captions each and the split."""
+    root.mkdir(parents=True)
+    rows = ["image,caption,split"]
+    for i in range(12):
+        split = "train" if i < 8 else "val" if i < 10 else "test"
+        picture, words = (photo(32), "a cat") if i % 3 == 0 else (digit_image(i % 10, 32), f"the digit {i % 10}")
+        picture.save(root / f"{i}.png")
+        rows += [f"{i}.png,a photo of {words},{split}", f"{i}.png,{words} in a picture,{split}"]
+    (root / "captions.csv").write_text("\n".join(rows) + "\n")
+    return root
+
+
+STANDIN_MAKERS = {"imagefolder": make_imagefolder, "depthfolder": make_depthfolder, "segfolder": make_segfolder,
+                  "captions": make_captions}
 
 
 @dataclass
@@ -490,7 +529,7 @@ def substitute(words: list[str], cmd: DocCommand, block: list[DocCommand], world
         prev = words[i - 1] if i else ""
         m = PLACEHOLDER.match(w)
         if m:
-            kind = run_kind(cmd, block)
+            kind = "teacher" if m[0] == "runs/<teacher-run>" else run_kind(cmd, block)
             run = (made or {}).get(kind) or world.runs[kind]
             w = str(run) + w[m.end():]
         elif w in STANDINS:
@@ -515,7 +554,8 @@ def tiny_flags(cmd: DocCommand, words: list[str], n: int) -> list[str]:
             return ["--epochs", "2", "--stop_after", "2", "--quiet"]
         out = [] if flag_value(words, "--output_dir", "--output-dir") else ["--output_dir", f"runs/line{n}"]
         epochs = [] if flag_value(words, "--epochs") else ["--epochs", "1"]
-        return [*epochs, "--stop_after", "1", "--quiet", *out]
+        data = [f for pattern, flags in SHRINK if re.search(pattern, cmd.text) for f in flags]
+        return [*epochs, "--stop_after", "1", "--quiet", *out, *data]
     if cmd.verb.startswith("bench "):
         batch = [] if flag_value(words, "--batch-size") else ["--batch-size", "2"]
         return ["--runs", "1", "--warmup", "0", "--quiet", *batch]
@@ -608,7 +648,7 @@ def test_doc_block_runs(key: tuple[str, int], world: DocWorld, monkeypatch):
             resume = flag_value(words, "--resume")
             if resume:  # resume a copy: the tiny runs stay as they are
                 copy = cwd / "resumed" / f"line{cmd.line}"
-                shutil.copytree(resume, copy)
+                shutil.copytree(resume, copy, symlinks=True)  # last, best: links into checkpoints/
                 words = [str(copy) if w == resume else w for w in words]
             words = words + tiny_flags(cmd, words, cmd.line)
             with monkeypatch.context() as env:

@@ -127,6 +127,7 @@ def import_plugins(argv: list[str]) -> list[str]:
 
 
 def _user_error(e: Exception) -> bool:
+    """Whether ``e`` is the user's (a bad flag, name, path or file): one line, exit code 2, no traceback."""
     if isinstance(e, USER_ERRORS):
         return True
     convert = sys.modules.get("vitlab.convert")  # a CheckpointError can only come from there once it is loaded
