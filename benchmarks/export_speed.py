@@ -41,7 +41,7 @@ def bench_model(name: str, batch: int, threads: int, warmup: int, runs: int, fol
     sess = ex.onnx_session(report.path, threads=threads)
     feed = {sess.get_inputs()[0].name: x.numpy()}
     with torch.inference_mode():
-        fast = optimize(model, example_inputs=(x,), backend=backend)
+        fast = optimize(model, example_inputs=(x,), backend=backend, tune=True)
         chosen = getattr(fast, "vitlab_backend", None) or type(fast).__name__
         fns = {"eager": lambda: model(x), "optimize": lambda: fast(x), "onnxruntime": lambda: sess.run(None, feed)}
         times = round_robin_times(fns, torch.device("cpu"), warmup=warmup, runs=runs)

@@ -178,7 +178,7 @@ def _ours(ours: nn.Module, dev, channels_last: bool, compile_: bool, fuse: bool,
     ours = ours.to(dev)
     if channels_last:
         ours = ours.to(memory_format=torch.channels_last)
-    fast = vitlab_optimize(ours, x, backend="auto" if optimize is True else optimize)
+    fast = vitlab_optimize(ours, x, backend="auto" if optimize is True else optimize, tune=True)
     return fast, fast.vitlab_backend, hasattr(ours, "fuse")
 
 

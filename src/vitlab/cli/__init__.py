@@ -32,6 +32,7 @@ import importlib
 import sys
 
 import vitlab
+from vitlab.cli._dataclass_args import Parser
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)  # and vitlab.convert.CheckpointError
 
@@ -55,23 +56,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def command_parsers(module: str) -> dict[str, argparse.ArgumentParser]:
     """The parsers of the subcommands ``vitlab.cli.<module>`` registers, by name, built now (plugins first: a
     plugin's tasks add flags to ``vitlab train``)."""
-    from vitlab.cli._dataclass_args import Parser
-    from vitlab.train.task import load_plugins
+    from vitlab.plugins import load_plugins
 
     load_plugins()
     sub = Parser(prog="vitlab").add_subparsers(parser_class=Parser)
     importlib.import_module(f"{__name__}.{module}").register(sub)
     return dict(sub.choices)
-
-
-class _TopParser(argparse.ArgumentParser):
-    """``vitlab``'s own parser: one-line errors as :class:`~vitlab.cli._dataclass_args.Parser` gives them (its
-    module, which needs torch, is imported on that error path only)."""
-
-    def error(self, message: str):
-        from vitlab.cli._dataclass_args import Parser
-
-        Parser.error(self, message)
 
 
 class _Placeholder(argparse.ArgumentParser):
@@ -90,7 +80,7 @@ class _Commands(argparse._SubParsersAction):
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser, with every subcommand of :data:`COMMANDS` as a placeholder built on use."""
-    p = _TopParser(prog="vitlab", description="Build, train, benchmark and analyse Vision Transformers.")
+    p = Parser(prog="vitlab", description="Build, train, benchmark and analyse Vision Transformers.")
     p.register("action", "parsers", _Commands)
     p.add_argument("--version", action="version", version=f"vitlab {vitlab.__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Placeholder)

@@ -28,8 +28,6 @@ import dataclasses
 import types
 import typing
 
-from vitlab.train.config import field_help, type_name
-
 
 class UsageError(ValueError):
     """A command line argparse cannot read; printed as one line by ``vitlab.cli.main``."""
@@ -98,6 +96,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, prefix: str = 
     """One flag per field of dataclass ``cls`` (recursively, dotted; but the fields in ``exclude``), in an argument
     group per dataclass. Flags default to 'not given' (absent from the namespace). Returns {dotted key: type} of
     every flag."""
+    from vitlab.train.config import field_help, type_name  # torch: only for the commands built from dataclasses
+
     hints = typing.get_type_hints(cls)
     helps = field_help(cls)
     if title is None:

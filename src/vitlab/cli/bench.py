@@ -101,7 +101,7 @@ def _no_optimize(p) -> None:
 
 
 def register(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: attention layers, whole models, the optimization ladder")
+    bench = sub.add_parser("bench")  # its help line is vitlab.cli.COMMANDS's
     bsub = bench.add_subparsers(dest="bench", required=True)
 
     a = bsub.add_parser("attention", help="one attention layer per mechanism (Table IV of the HiLo paper)")

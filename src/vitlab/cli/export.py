@@ -85,7 +85,7 @@ def cmd_export(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="export a model to ONNX / ExportedProgram / TorchScript and validate it",
+    p = sub.add_parser("export",  # its help line is vitlab.cli.COMMANDS's
                        description="Export a registered model (random weights unless --checkpoint) or a "
                                    "vitlab-trained run, then validate the file against eager PyTorch on random and "
                                    "real images; exit 1 when the max abs difference exceeds 1e-4.")

@@ -58,7 +58,7 @@ def register(sub) -> None:
     from vitlab.cli.train import add_config_command
 
     t = add_config_command(
-        sub, "pretrain", exclude=("task",), help="self-supervised pre-training: MAE, SimCLR, MoCo v3, DINO, DINOv2",
+        sub, "pretrain", exclude=("task",),
         description="Self-supervised pre-training of a backbone (vitlab.ssl). Every TrainConfig field is a flag, as "
                     "in vitlab train; the method's options are --task_args.NAME VALUE (e.g. --task_args.mask_ratio "
                     "0.6).",
@@ -69,7 +69,7 @@ def register(sub) -> None:
                         "(vitlab.ssl.list_methods())")
     t.set_defaults(func=cmd_pretrain)
 
-    p = sub.add_parser("probe", help="linear probe or k-NN on a backbone's frozen features")
+    p = sub.add_parser("probe")  # its help line is vitlab.cli.COMMANDS's
     p.add_argument("--checkpoint", required=True,
                    help="a run directory (its last epoch), checkpoint directory or .safetensors; random:MODEL for "
                         "the baseline (the initialisation of a run with the same --seed)")

@@ -190,7 +190,7 @@ def add_config_command(sub, name: str, exclude: tuple[str, ...] = (), **parser_k
 
 def register(sub) -> None:
     t = add_config_command(
-        sub, "train", help="train a model (default: the default model on digits, on the CPU)",
+        sub, "train",
         description="Train a model. Every TrainConfig field is a flag (dotted for nested configs: --data.img_size 16; "
                     "dashes or underscores), and so is every option of the task (--task_args.NAME; --task TASK "
                     "--help lists them; vitlab.train.list_tasks() names the tasks); precedence: defaults < the "
@@ -199,7 +199,7 @@ def register(sub) -> None:
               "[--data.FIELD VALUE ...] [--task_args.NAME VALUE ...]")
     t.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("eval", help="evaluate a checkpoint with its task's metrics (top-1, mIoU, zero-shot, k-NN)")
+    e = sub.add_parser("eval")  # the help lines of the commands are vitlab.cli.COMMANDS's
     e.add_argument("--checkpoint", required=True, help="a run directory, checkpoint directory or .safetensors")
     e.add_argument("--data", default=None, help="default: the data the checkpoint was trained on")
     e.add_argument("--split", default="test", choices=["train", "val", "test"])
@@ -212,7 +212,7 @@ def register(sub) -> None:
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("predict", help="run a checkpoint on images: labels, masks or depth maps by its task")
+    p = sub.add_parser("predict")
     p.add_argument("--checkpoint", default=None, help="a run directory, checkpoint directory or .safetensors")
     p.add_argument("--onnx", default=None, metavar="FILE",
                    help="instead of --checkpoint: an ONNX file from vitlab export, run with ONNX Runtime")

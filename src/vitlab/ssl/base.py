@@ -140,7 +140,7 @@ def register_method(name: str):
 
 def list_methods() -> list[str]:
     """The registered method names, in registration order (the built-in ones first), plugins included."""
-    from vitlab.train.task import load_plugins
+    from vitlab.plugins import load_plugins
 
     load_plugins()
     return list(_METHODS)

@@ -52,6 +52,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.nn as nn
 
+from vitlab.plugins import load_plugins
 from vitlab.train.recipe import WarmupCosine, param_groups
 
 
@@ -230,22 +231,6 @@ def register_task(name: str):
         return cls
 
     return deco
-
-
-_PLUGINS_LOADED = False
-
-
-def load_plugins() -> None:
-    """Import every installed package's entry point in the group ``vitlab.plugins`` (once): a plugin registers
-    tasks, datasets, dense heads, SSL methods or models when imported."""
-    global _PLUGINS_LOADED
-    if _PLUGINS_LOADED:
-        return
-    _PLUGINS_LOADED = True
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group="vitlab.plugins"):
-        ep.load()
 
 
 def _discover() -> None:
