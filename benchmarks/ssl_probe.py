@@ -1,6 +1,6 @@
-"""Self-supervised pre-training then frozen-feature probes (issue 13's table): for each method, ``vitlab.train.fit``
-of the pre-training task for a fixed wall-clock budget (``--epochs`` per method), then the linear probe (seed
-001's recipe, plain and MAE's BatchNorm variant) and DINO's k-NN on the test split; the same probes of the
+"""Self-supervised pre-training then frozen-feature probes: for each method, ``vitlab.train.fit``
+of the pre-training task for a fixed wall-clock budget (``--epochs`` per method), then the linear probe (plain,
+and MAE's BatchNorm variant) and DINO's k-NN on the test split; the same probes of the
 randomly initialised backbone; and the raw-pixel logistic regression (scikit-learn, the floor). Each probe reads
 the pre-logits of the last N blocks for each N of ``--blocks`` (1: the plain pre-logits; 4: DINO's protocol).
 

@@ -1,4 +1,4 @@
-"""Token merging / pruning: the issue's "must show" numbers, written as JSON (and PNG) under an output folder.
+"""Token merging / pruning: the headline numbers, written as JSON (and PNG) under an output folder.
 
     python benchmarks/tokens.py speed --device cpu --out docs/bench   # deit_small r 0/13, vit_base r 0/16, fp32 b32
     python benchmarks/tokens.py speed --device cuda --dtype bf16 --batch-size 256 --out docs/bench

@@ -14,7 +14,7 @@ writes the same as JSON to ``docs/bench/demo_seeds.json`` (atomically).
 
 Times per seed: ``train_s`` is the sum of the epochs' training time (``epoch_time_s`` in the run's metrics, no
 validation), ``fit_s`` the whole ``fit`` (data, validation every epoch, checkpoints, test; ``wall_time_s`` of the
-run's summary), ``process_s`` the subprocess including Python and torch start-up. The issue's target (issue 12 F):
+run's summary), ``process_s`` the subprocess including Python and torch start-up. The target:
 mean >= 98.5 %, every seed >= 98.0 %, <= 90 s of training on 2 cores; ``--check`` exits 1 when the accuracy part of
 it is missed.
 """

@@ -9,7 +9,8 @@ seconds without allocating its weights.
 A model that takes more than an image says what one forward pass is given: ``model.profile_inputs(x)`` returns
 the arguments (CLIP: the image and one full-context text, so both towers are counted).
 
-The memory estimate of seed 004 is given as well: ``M = P * 4 B / (32 / Q) * 1.2`` for weights at Q bits.
+The memory estimate of the article "Scaling ViTs across Training Compute" is given as well:
+``M = P * 4 B / (32 / Q) * 1.2`` for weights at Q bits.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class ModelProfile:
     gmacs: float  # multiply-accumulates of one forward pass of the batch, billions
     activation_mb: float | None  # tensors saved for backward in one training forward pass (fp32); None: not asked
     weights_mb: float  # fp32 weights
-    memory_estimate_gb: dict  # seed 004's M = P*4B/(32/Q)*1.2 for Q = 32, 16, 8, 4
+    memory_estimate_gb: dict  # serving estimate M = P*4B/(32/Q)*1.2 for Q = 32, 16, 8, 4
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,7 +61,8 @@ def count_params(model: nn.Module) -> tuple[int, int]:
 
 
 def memory_estimate_gb(num_params: int, bits: int = 32, overhead: float = 1.2) -> float:
-    """Seed 004: GPU memory to serve a model, ``P * 4 bytes / (32 / Q) * 1.2`` in GB (1e9 bytes)."""
+    """GPU memory to serve a model, ``P * 4 bytes / (32 / Q) * 1.2`` in GB (1e9 bytes), the estimate of the
+    article "Scaling ViTs across Training Compute"."""
     return num_params * 4 / (32 / bits) * overhead / 1e9
 
 

@@ -1,5 +1,5 @@
 """Analysis tools: attention maps and rollout, frequency spectra, attention biases, position-embedding
-similarity, per-component block timings, memory, and the LITv2 window / pooled-queries studies (seeds 001-004).
+similarity, per-component block timings, memory, and the LITv2 window / pooled-queries studies.
 
 Every function returns data (dicts, tensors); :mod:`vitlab.analysis.plots` draws it and ``vitlab analyze TOOL``
 writes both (JSON + PNG). Models are read, never changed: what a tool needs from inside a model is patched in

@@ -1,9 +1,9 @@
-"""Attention biases of LeViT / EfficientFormer as maps over offsets (seed 003, Appendix B and Figure 1).
+"""Attention biases of LeViT / EfficientFormer as maps over offsets (LeViT supplementary, Appendix B and Figure 1).
 
 LeViT's attention (Graham et al., ICCV 2021, Eq. 1) adds a learned bias per head and per relative offset,
 ``A[h, (x, y), (x', y')] = Q K^T / sqrt(D) + B[h, |x - x'|, |y - y'|]``; the table ``attention_biases`` holds
 one entry per offset (|dy|, |dx|) of the key grid, in raster order. Reshaped to the grid it is exactly the
-bias that the top-left query pixel gives every key (the seed's "the center for which the attention is computed
+bias that the top-left query pixel gives every key (the supplementary's "the center for which the attention is computed
 is the upper left pixel of the map"), and by symmetry of |.| the bias of any query at any offset.
 """
 

@@ -1,18 +1,18 @@
-"""Memory: seed 004's estimate against a measured peak, and seed 001's attention-complexity table.
+"""Memory: a weights-only estimate against a measured peak, and the attention-complexity table of ViT.
 
-* Seed 004 ("Choosing the right GPU"): ``M = P * 4 B / (32 / Q) * 1.2``, P parameters, 4 bytes a parameter at
-  32 bits, Q the bits a parameter is loaded with (32, 16, 8, 4), 1.2 for 20% overhead
-  (:func:`vitlab.profile.memory_estimate_gb`). :func:`measure_memory` puts it beside what a real run takes:
+* The article "Scaling ViTs across Training Compute" ("Choosing the right GPU"): ``M = P * 4 B / (32 / Q) * 1.2``,
+  P parameters, 4 bytes a parameter at 32 bits, Q the bits a parameter is loaded with (32, 16, 8, 4), 1.2 for 20%
+  overhead (:func:`vitlab.profile.memory_estimate_gb`). :func:`measure_memory` puts it beside what a real run takes:
   on the CPU the growth of the process's peak resident set (Linux ``VmHWM``, reset through
   ``/proc/self/clear_refs``) from just before the model is built to the end of the step, on CUDA
   ``torch.cuda.max_memory_allocated`` over the same span; for inference (``torch.inference_mode``) and for a
   training step (forward, cross-entropy, backward, AdamW step) at a given batch. fp32 is Q = 32, bf16 weights
   are Q = 16; vitlab has no 8- / 4-bit weights, so those two rows are estimates only.
-* Seed 001 ("Attention Efficiency", ``attention_complexity_analysis``): tokens N = (img / patch)^2 and N^2
+* Attention complexity (ViT, Dosovitskiy et al., 2021): tokens N = (img / patch)^2 and N^2
   attention scores per head at 224 / 384 / 512 / 1024; :func:`complexity_table` adds, for a model of width D
   with h heads, the attention MACs of one layer (``QK^T`` and ``AV``: 2 N^2 D) and the memory of one layer's
   attention maps (h N^2 fp32 values) when they are materialised.
-* Seed 004's M counts the weights only. :func:`activation_estimate` adds what a forward (and a training step)
+* That M counts the weights only. :func:`activation_estimate` adds what a forward (and a training step)
   keeps alive besides them, derived from the architecture of a plain ViT / DeiT (pre-norm ``msa`` + GELU ``Mlp``
   blocks, :class:`vitlab.attention.block.Block`), with no constant fitted to a measurement. Units, at batch B, N
   tokens (patches + prefix tokens), width D, MLP width F, h heads, b bytes an element: ``U = B N D b`` (one
@@ -80,7 +80,7 @@ from torch.utils._pytree import tree_flatten
 
 BITS = (32, 16, 8, 4)
 SEED001_SIZES = (224, 384, 512, 1024)
-# seed 001's printed output: "M attention ops" (N^2, millions) per size
+# N^2 in millions per size, rounded to two decimals: the reference values the table is checked against
 SEED001_PRINTED_M = {224: 0.04, 384: 0.33, 512: 1.05, 1024: 16.78}
 
 
@@ -175,7 +175,7 @@ def _check(mode: str, dtype: str, device: str = "cpu", sdpa: str = "auto") -> No
 def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device: str = "cpu",
                    dtype: str = "fp32", img_size: int | None = None, sdpa: str = "auto", **create_kwargs) -> dict:
     """Build ``name`` on ``device`` and run one ``mode`` step ('infer' or 'train') at ``batch_size``; return the
-    measured peak growth beside seed 004's estimate, and ``loaded_gb``, the growth once the model and the input
+    measured peak growth beside the weights-only estimate, and ``loaded_gb``, the growth once the model and the input
     batch are in memory, before the step (what the estimate's "loading" covers); the live-tensor peak
     (``tensor_peak_gb``) and weights + input + the activation term (``analytic_gb``, :func:`analytic_memory`,
     traced on a 'meta' copy before the measured span). ``sdpa='math'`` forces SDPA's math kernel for the step
@@ -454,7 +454,7 @@ def block_shape(model: nn.Module, training: bool = False) -> BlockShape:
     name = type(model).__name__
     if not isinstance(model, VisionTransformer):
         raise ValueError(f"the activation term is derived for plain ViT / DeiT models (vit_*, deit_*); {name} "
-                         f"is not one (seed 004's weights-only estimate and the measurement still apply)")
+                         f"is not one (the weights-only estimate and the measurement still apply)")
     why = None
     for blk in model.blocks:
         if type(blk) is not Block or blk.post_norm:
@@ -530,7 +530,7 @@ def activation_estimate(shape: BlockShape, batch_size: int, mode: str, bytes_per
 
 def complexity_table(embed_dim: int = 768, num_heads: int = 12, patch_size: int = 16,
                      sizes: tuple[int, ...] = SEED001_SIZES) -> list[dict]:
-    """Seed 001's table, one row per image size: tokens, N^2 scores per head (and the seed's printed value),
+    """The complexity table, one row per image size: tokens, N^2 scores per head (and its rounded value),
     attention MACs of one layer (2 N^2 D: ``QK^T`` and ``AV``), one layer's fp32 attention maps (h N^2 x 4 B)."""
     rows = []
     for s in sizes:

@@ -70,7 +70,8 @@ def attention_png(display: torch.Tensor, maps: torch.Tensor, rollout: torch.Tens
 
 
 def hilo_spectrum_png(r: dict, title: str) -> bytes:
-    """Figures II and III of seed 002: the 8 channel magnitudes of Hi-Fi (top row) and Lo-Fi (bottom row)."""
+    """Figures II and III of the LITv2 supplementary: the 8 channel magnitudes of Hi-Fi (top row) and Lo-Fi
+    (bottom row)."""
     n = r["hifi"].shape[0]
     fig = _figure((1.5 * n, 3.6))
     axes = fig.subplots(2, n, squeeze=False)
@@ -109,8 +110,8 @@ def block_spectrum_png(r: dict, title: str) -> bytes:
 
 
 def bias_png(r: dict, title: str, max_layers: int = 8) -> bytes:
-    """Seed 003 Figure 1: each layer's per-head bias maps over offsets (the top-left pixel is the query; yellow
-    high, dark blue low), one shared colour scale over the model's range."""
+    """LeViT supplementary, Figure 1: each layer's per-head bias maps over offsets (the top-left pixel is the query;
+    yellow high, dark blue low), one shared colour scale over the model's range."""
     layers = r["layers"][:max_layers]
     heads = max(lay["maps"].shape[0] for lay in layers)
     fig = _figure((1.1 * heads + 1.5, 1.2 * len(layers) + 0.6))
@@ -160,7 +161,7 @@ def posembed_png(r: dict, title: str) -> bytes:
 
 
 def timings_png(r: dict, title: str) -> bytes:
-    """Seed 003 Table 1 beside the measurement: per component, DeiT-tiny and LeViT-256 (ours: median, and the
+    """LeViT supplementary Table 1 beside the measurement: per component, DeiT-tiny and LeViT-256 (ours: median, and the
     fastest run as a tick; the paper's as hatched bars)."""
     from vitlab.analysis.timings import ROWS
 
@@ -211,13 +212,13 @@ def block_timings_png(r: dict, title: str) -> bytes:
 
 
 def memory_png(rows: list[dict], table: list[dict], title: str) -> bytes:
-    """Left: seed 004's estimate for Q = 32 / 16 / 8 / 4 beside each measurement (loaded, peak, live tensors) and
-    weights + input + the activation term where it applies. Right: seed 001's
-    complexity table (attention MACs and attention-map memory of one layer vs image size)."""
+    """Left: the serving-memory estimate for Q = 32 / 16 / 8 / 4 beside each measurement (loaded, peak, live tensors)
+    and weights + input + the activation term where it applies. Right: the complexity table (attention MACs
+    and attention-map memory of one layer vs image size)."""
     fig = _figure((11, 4))
     a1, a2 = fig.subplots(1, 2)
     est = rows[0]["estimate_gb"]
-    labels = [f"seed 004 Q={q} (weights)" for q in est]
+    labels = [f"estimate Q={q} (weights)" for q in est]
     vals = list(est.values())
     colors = ["tab:gray"] * len(est)
     for r in rows:
@@ -237,7 +238,7 @@ def memory_png(rows: list[dict], table: list[dict], title: str) -> bytes:
         a1.annotate(f"{v:.3f}", (v, i), xytext=(2, 0), textcoords="offset points", va="center", fontsize=7)
     a1.set_xlim(0, max(vals) * 1.15)
     a1.set_xlabel(f"GB ({rows[0]['device']})")
-    a1.set_title(f"{rows[0]['model']}: seed 004, the activation term, measured", fontsize=9)
+    a1.set_title(f"{rows[0]['model']}: estimate, the activation term, measured", fontsize=9)
     sizes = [t["img_size"] for t in table]
     a2.plot(sizes, [t["attention_gmacs_per_layer"] for t in table], marker="o", label="attention GMACs / layer")
     a2.plot(sizes, [t["attention_map_mb_per_layer"] / 1024 for t in table], marker="s",
@@ -248,14 +249,14 @@ def memory_png(rows: list[dict], table: list[dict], title: str) -> bytes:
     a2.set_yscale("log")
     a2.set_xlabel("image size (px)")
     a2.legend(fontsize=8)
-    a2.set_title("seed 001: attention cost grows with N^2", fontsize=9)
+    a2.set_title("attention cost grows with N^2", fontsize=9)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return _png(fig)
 
 
 def window_study_png(r: dict, title: str) -> bytes:
-    """Seed 002 Table II: each measured column against the window size, ours (solid, left axis) beside the
+    """LITv2 supplementary Table II: each measured column against the window size, ours (solid, left axis) beside the
     paper's (dashed, right axis: another GPU, batch and dataset)."""
     rows, paper = r["rows"], r["paper"]
     ws = [row["window"] for row in rows]
@@ -281,7 +282,7 @@ def window_study_png(r: dict, title: str) -> bytes:
 
 
 def pooled_queries_png(r: dict, title: str) -> bytes:
-    """Seed 002 Table III: params, GMACs and img/s of both variants, ours beside the paper's."""
+    """LITv2 supplementary Table III: params, GMACs and img/s of both variants, ours beside the paper's."""
     rows = r["rows"]
     paper = list(r["paper"].values())
     fig = _figure((9, 3))

@@ -1,4 +1,4 @@
-"""Position-embedding similarity (seed 001, "Position embeddings": the similarity of each patch's embedding
+"""Position-embedding similarity (the similarity of each patch's embedding
 with all others, which shows the learned 2-D structure; Dosovitskiy et al., ICLR 2021, Figure 7 centre draws
 the same grid with cosine similarity).
 

@@ -1,6 +1,6 @@
 """Frequency spectra of feature maps.
 
-* :func:`frequency_magnitude` is seed 002's Algorithm 1 (LITv2 / HiLo supplementary, Section F): 2-D FFT of a
+* :func:`frequency_magnitude` is Algorithm 1 of the LITv2 / HiLo supplementary (Section F): 2-D FFT of a
   (B, C, H, W) map, shifted so that the zero frequency sits at the centre, log of the amplitude, mean over the
   batch; the figures show the first 8 channels. Two deliberate details: the shift is over the two spatial axes
   (Algorithm 1's bare ``torch.fft.fftshift(x)`` also rolls the batch and channel axes by half, which only changes

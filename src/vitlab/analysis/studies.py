@@ -1,4 +1,4 @@
-"""The LITv2 studies of seed 002 (HiLo supplementary), re-run on the machine at hand.
+"""The studies of the LITv2 / HiLo supplementary (Pan et al., 2022), re-run on the machine at hand.
 
 * :func:`window_study`, Table II (Section C): LITv2-S with HiLo window size s = 2 .. 7 in stage 3
   (``local_ws=(0, 0, s, 1)``): parameters, GMACs (counted on the padded maps the windows really use, so the
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-# seed 002 Table II (CIFAR-100, LITv2-S): s -> params M, GFLOPs, img/s, train GB, test GB, top-1 %
+# LITv2 supplementary, Table II (CIFAR-100, LITv2-S): s -> params M, GFLOPs, img/s, train GB, test GB, top-1 %
 PAPER_TABLE2 = {2: (27, 3.7, 1476, 5.1, 1.2, 85.1), 3: (27, 3.7, 1437, 5.1, 1.2, 84.6),
                 4: (27, 3.8, 1417, 5.1, 1.2, 84.4), 5: (27, 3.7, 1434, 5.1, 1.2, 84.6),
                 6: (27, 3.9, 1413, 5.2, 1.2, 84.8), 7: (27, 3.6, 1442, 4.9, 1.2, 84.8)}
 TABLE2_KEYS = ("params_m", "gflops", "img_per_s", "train_memory_gb", "test_memory_gb", "top1")
-# seed 002 Table III (ImageNet-1K): params M, GFLOPs, img/s, top-1 %
+# LITv2 supplementary, Table III (ImageNet-1K): params M, GFLOPs, img/s, top-1 %
 PAPER_TABLE3 = {"litv2_s": (28, 3.7, 1471, 82.0), "litv2_s pooled queries": (28, 3.5, 1084, 81.9)}
 
 

@@ -1,4 +1,4 @@
-"""Per-component runtime of transformer blocks (seed 003, LeViT supplementary, Appendix A.1 and Table 1).
+"""Per-component runtime of transformer blocks (LeViT supplementary, Graham et al., 2021, Appendix A.1 and Table 1).
 
 Table 1 times a DeiT-tiny block (C = 192, 3 heads of D = 64, GELU replaced by Hardswish "as otherwise it
 dominates the runtime") against a LeViT-256 stage-1 block (C = 256, 4 heads of key dim D = 32, value dim 64,
@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# seed 003, Table 1: microseconds on an Intel Xeon E5-2698 CPU core, batch 1
+# LeViT supplementary, Table 1: microseconds on an Intel Xeon E5-2698 CPU core, batch 1
 PAPER_TABLE1 = {
     "deit_tiny": {"LayerNorm": 49, "Keys Q, K": 299, "Values V": 172, "Product QK^T": 228,
                   "Product Attention AV": 161, "Attention projection": 175, "MLP": 1390, "Total": 2474},
@@ -159,8 +159,8 @@ def _summary(t: dict[str, dict]) -> dict:
 
 
 def seed003_table1(warmup: int = 10, runs: int = 100, threads: int | None = 1, seed: int = 0) -> dict:
-    """Seed 003 Table 1 measured here, beside the paper's numbers (random-init weights: timing does not depend on
-    their values). Returns {'deit_tiny': {...}, 'levit_256': {...}, 'paper': PAPER_TABLE1}, each with
+    """LeViT supplementary Table 1 measured here, beside the paper's numbers (random-init weights: timing does not
+    depend on their values). Returns {'deit_tiny': {...}, 'levit_256': {...}, 'paper': PAPER_TABLE1}, each with
     :func:`component_timings`' fields."""
     import vitlab
 

@@ -1,8 +1,8 @@
-"""The pre-norm transformer block of ViT (seed 001): ``x + DropPath(LS(Attn(Norm(x))))`` then
+"""The pre-norm transformer block of ViT (Dosovitskiy et al., 2021): ``x + DropPath(LS(Attn(Norm(x))))`` then
 ``x + DropPath(LS(MLP(Norm(x))))``. Attention, MLP and norm are pluggable by name, so any mechanism of the
 attention registry (``attn_layer='hilo'``, ...) and any MLP ('mlp', 'swiglu') drops into the same block.
 
-``post_norm=True`` gives the original Transformer's block (Vaswani et al., 2017, Sec. 3.1; seed 004:
+``post_norm=True`` gives the original Transformer's block (Vaswani et al., 2017, Sec. 3.1:
 ``LayerNorm(x + Multihead(x))``): ``x = Norm(x + Attn(x))`` then ``x = Norm(x + MLP(x))``. ``attn_mask`` /
 ``is_causal`` reach the attention (``msa``) for text: causal and padding masks through SDPA."""
 

@@ -1,6 +1,6 @@
 """Cross-shaped window attention with locally-enhanced positional encoding, CSWin (Dong et al., "CSWin
 Transformer: A General Vision Transformer Backbone with Cross-Shaped Windows", CVPR 2022; row "Cross Window"
-of Table IV in seed 002).
+of Table IV in the LITv2 supplementary).
 
 One qkv projection; the channels (and heads) are split in two halves. The first half attends inside vertical
 stripes (full height, ``split_size`` columns wide), the second inside horizontal stripes (``split_size`` rows,

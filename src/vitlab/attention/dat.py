@@ -1,5 +1,5 @@
 """Deformable attention, DAT (Xia, Pan, Song, Li, Huang, "Vision Transformer with Deformable Attention",
-CVPR 2022; row "DAT" of Table IV in seed 002).
+CVPR 2022; row "DAT" of Table IV in the LITv2 supplementary).
 
 Queries come from every token. Keys and values come from ``Hk x Wk`` points (a uniform grid of stride
 ``stride``) that are moved by learned, data-dependent offsets: per group of channels, a small offset network

@@ -1,5 +1,5 @@
 """Focal self-attention (Yang, Li, Zhang, Dai, Xiao, Yuan, Gao, "Focal Self-attention for Local-Global
-Interactions in Vision Transformers", NeurIPS 2021; row "Focal" of Table IV in seed 002).
+Interactions in Vision Transformers", NeurIPS 2021; row "Focal" of Table IV in the LITv2 supplementary).
 
 The queries of each ``window_size`` x ``window_size`` window attend to keys / values at two granularities:
 

@@ -1,5 +1,5 @@
 """HiLo attention (Pan, Cai, Zhuang, "Fast Vision Transformers with HiLo Attention", NeurIPS 2022; LITv2;
-seed 002: Section B for the cost, Table III for the pooled-queries variant, row "HiLo" of Table IV).
+its supplementary: Section B for the cost, Table III for the pooled-queries variant, row "HiLo" of Table IV).
 
 The heads are split in two groups with separate projections:
 
@@ -42,7 +42,7 @@ from vitlab.layers.helpers import check_heads
 
 
 def hilo_flops(N: int, D: int, s: int, alpha: float = 0.5) -> float:
-    """MACs of one HiLo layer by seed 002, Section B: N tokens, D channels, window s, Lo-Fi share alpha.
+    """MACs of one HiLo layer by the LITv2 supplementary, Section B: N tokens, D channels, window s, Lo-Fi share alpha.
 
     Section B takes alpha = 1/2 and gets ``7/4 N D^2 + s^2 N D`` (Hi-Fi) plus
     ``(3/4 + 1/s^2) N D^2 + N^2 D / s^2`` (Lo-Fi). With D_l = alpha D Lo-Fi channels and D_h = D - D_l Hi-Fi

@@ -1,5 +1,5 @@
 """Recursive gated convolution, gnConv (Rao, Zhao, Tang, Zhou, Lim, Lu, "HorNet: Efficient High-Order Spatial
-Interactions with Recursive Gated Convolutions", NeurIPS 2022; row "HorNet" of Table IV in seed 002).
+Interactions with Recursive Gated Convolutions", NeurIPS 2022; row "HorNet" of Table IV in the LITv2 supplementary).
 
 An n-th order spatial interaction built from convolutions and element-wise products: a 1x1 convolution maps x
 to ``[p_0, q_0 .. q_{n-1}]`` with channel widths ``C_k = C / 2^(n-1-k)``; the q's go through one 7x7

@@ -5,7 +5,7 @@ Autoregressive Transformers with Linear Attention", ICML 2020), as given in the 
 Softmax attention ``softmax(q k^T) v`` is replaced by a kernel ``phi(q) phi(k)^T`` with the positive feature
 map ``phi(x) = elu(x) + 1``; associativity then gives ``phi(q) (phi(k)^T v)`` normalised by ``phi(q) sum_n
 phi(k_n)``, linear in the number of tokens N (cost ``O(N d^2)`` per head instead of ``O(N^2 d)``). Global over
-all tokens, so prefix (class) tokens are allowed. No row of Table IV (seed 002); at dim 768 / 12 heads / 14x14
+all tokens, so prefix (class) tokens are allowed. No row in LITv2's Table IV; at dim 768 / 12 heads / 14x14
 it costs the MSA projections (462.4 M MACs) plus 2 x 9.6 M for the two d x d products.
 """
 

@@ -1,5 +1,5 @@
 """Linformer attention (Wang, Li, Khabsa, Fang, Ma, "Linformer: Self-Attention with Linear Complexity",
-arXiv:2006.04768, 2020; row "Linformer" of Table IV in seed 002).
+arXiv:2006.04768, 2020; row "Linformer" of Table IV in the LITv2 supplementary).
 
 Keys and values are projected along the *sequence*: ``K' = E K`` and ``V' = F V`` with learned E, F of shape
 (k, N) shared by all heads; then softmax attention of the N queries over the k projected tokens (through

@@ -1,5 +1,6 @@
 """Local window attention (Liu et al., "Swin Transformer: Hierarchical Vision Transformer using Shifted
-Windows", ICCV 2021, W-MSA; row "Local Window" of Table IV in seed 002). Also the base of ``shifted_window``.
+Windows", ICCV 2021, W-MSA; row "Local Window" of Table IV in the LITv2 supplementary).
+Also the base of ``shifted_window``.
 
 The map is cut into non-overlapping ``window_size`` x ``window_size`` windows and multi-head self-attention
 runs inside each window only: cost ``O(N ws^2 d)`` instead of ``O(N^2 d)``. With ``shift_size > 0`` (see

@@ -3,8 +3,8 @@
 One fused qkv projection, then ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient
 kernels where available). ``forward(..., return_attn=True)`` takes the explicit softmax path and also returns
 the attention weights, for attention maps and analysis. Options: qk-norm (Dehghani et al., 2023), a RoPE
-hook that rotates queries and keys (seed 004), and masks for text: ``attn_mask`` (boolean, True = attend, or
-additive; :func:`vitlab.layers.attention_mask`) and ``is_causal`` (seed 004's causal mask, SDPA's own flag).
+hook that rotates queries and keys (Su et al., 2021), and masks for text: ``attn_mask`` (boolean, True = attend, or
+additive; :func:`vitlab.layers.attention_mask`) and ``is_causal`` (a decoder's causal mask, SDPA's own flag).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Multi-head self-attention with an explicit softmax, registered as ``msa_naive`` (Vaswani et al., "Attention
-Is All You Need", NeurIPS 2017; ViT, Dosovitskiy et al., ICLR 2021; row "MSA" of Table IV in seed 002, whose
-benchmark ran this un-fused form).
+Is All You Need", NeurIPS 2017; ViT, Dosovitskiy et al., ICLR 2021; row "MSA" of Table IV in the LITv2
+supplementary, whose benchmark ran this un-fused form).
 
 ``softmax(q k^T / sqrt(d)) v`` is materialised as an (N, N) matrix per head, as the paper's baseline was
 written, instead of calling the fused ``scaled_dot_product_attention`` of ``msa``. Same parameters and state

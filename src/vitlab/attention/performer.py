@@ -1,5 +1,5 @@
-"""Performer attention, FAVOR+ (Choromanski et al., "Rethinking Attention with Performers", ICLR 2021; seed
-001's efficiency section; row "Performer" of Table IV in seed 002).
+"""Performer attention, FAVOR+ (Choromanski et al., "Rethinking Attention with Performers", ICLR 2021; row
+"Performer" of Table IV in the LITv2 supplementary).
 
 The softmax kernel ``exp(q.k / sqrt(d))`` is approximated by positive random features, ``phi(x) = m^-1/2 exp(W
 x - |x|^2 / 2)`` with ``x = x_raw / d^(1/4)`` and W (m x d) *orthogonal* random Gaussian rows (blocks of an

@@ -1,5 +1,5 @@
 """QuadTree attention, variant B (Tang, Zhang, Zhu, Tan, "QuadTree Attention for Vision Transformers", ICLR
-2022; row "QuadTree" of Table IV in seed 002).
+2022; row "QuadTree" of Table IV in the LITv2 supplementary).
 
 Queries, keys and values are built into pyramids of ``num_levels`` levels (each coarser level halves H and W:
 queries and keys by 2x2 average pooling, values by a learned "value branch" GroupNorm-GELU-conv2x2/2-

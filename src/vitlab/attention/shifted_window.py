@@ -1,5 +1,5 @@
 """Shifted window attention (Liu et al., "Swin Transformer: Hierarchical Vision Transformer using Shifted
-Windows", ICCV 2021, SW-MSA; row "Shifted Window" of Table IV in seed 002).
+Windows", ICCV 2021, SW-MSA; row "Shifted Window" of Table IV in the LITv2 supplementary).
 
 Window attention (see :mod:`vitlab.attention.local_window`) on a map rolled by ``-shift_size`` along both
 axes, rolled back afterwards, so that windows straddle the borders of the unshifted partition. The roll wraps

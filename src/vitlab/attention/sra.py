@@ -1,5 +1,5 @@
 """Spatial-reduction attention, SRA (Wang et al., "Pyramid Vision Transformer: A Versatile Backbone for Dense
-Prediction without Convolutions", ICCV 2021; row "SRA" of Table IV in seed 002).
+Prediction without Convolutions", ICCV 2021; row "SRA" of Table IV in the LITv2 supplementary).
 
 Queries come from every token; keys and values from a map shrunk by ``sr_ratio`` in each direction by a
 strided ``sr_ratio`` x ``sr_ratio`` convolution followed by LayerNorm, so attention costs ``N^2 d / R^2``.

@@ -1,5 +1,5 @@
 """Large-kernel attention of the Visual Attention Network (Guo, Lu, Liu, Cheng, Hu, "Visual Attention
-Network", arXiv:2202.09741, 2022; row "VAN" of Table IV in seed 002).
+Network", arXiv:2202.09741, 2022; row "VAN" of Table IV in the LITv2 supplementary).
 
 VAN's spatial attention unit: ``proj_2(LKA(GELU(proj_1(x)))) + x`` with 1x1 convolutions proj_1 / proj_2 and
 the large-kernel attention ``LKA(u) = u * conv1x1(dwconv7x7_dilation3(dwconv5x5(u)))``: VAN's decomposition of

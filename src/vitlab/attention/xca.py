@@ -1,6 +1,6 @@
 """Cross-covariance attention, XCA (El-Nouby, Touvron, Caron, Bojanowski, Douze, Joulin, Laptev, Neverova,
 Synnaeve, Verbeek, Jegou, "XCiT: Cross-Covariance Image Transformers", NeurIPS 2021; row "XCA" of Table IV in
-seed 002).
+the LITv2 supplementary).
 
 Attention runs over *channels* instead of tokens: per head, queries and keys are transposed to (d, N),
 L2-normalised along the tokens, and the d x d cross-covariance ``softmax(tau * q_hat k_hat^T)`` (with a

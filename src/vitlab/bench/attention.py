@@ -1,11 +1,11 @@
-"""Single-layer attention benchmark, Table IV of the LITv2 / HiLo supplementary (seed 002).
+"""Single-layer attention benchmark, Table IV of the LITv2 / HiLo supplementary (Pan et al., NeurIPS 2022).
 
 Every registered mechanism is built with its defaults (its authors' settings for 1/16-scale maps) at ViT-B's
 shape (dim 768, 12 heads, a 14x14 map) and timed on a batch of 64 token maps: eval mode,
 ``torch.inference_mode``, ``warmup`` untimed calls, then the median of ``runs`` individually timed calls (the
 device synchronised around each), the layers timed in round robin so that a noisy machine's drift falls on all
-of them alike. A reduced precision (bf16 / fp16) means mixed precision by default, as used in training and in
-issue 4: weights and input stay fp32 and the layer runs under ``torch.autocast`` (``autocast=False`` casts the
+of them alike. A reduced precision (bf16 / fp16) means mixed precision by default, as used in
+training: weights and input stay fp32 and the layer runs under ``torch.autocast`` (``autocast=False`` casts the
 module and the input to that dtype instead). Parameters and MACs ("FLOPs" as the paper counts them) are
 counted once at batch 1 on the meta device.
 
@@ -191,7 +191,7 @@ def machine() -> dict:
 def write_json(rows: list[dict], path: str | Path) -> Path:
     """Save the rows as ``{"benchmark", "paper", "paper_settings", "torch", "machine", "rows"}`` JSON,
     atomically. ``machine`` records the CPU model and ISA; each row its ``backend`` (``vitlab.optimize``)."""
-    payload = dict(benchmark="attention", paper="LITv2/HiLo supplementary, Table IV (seed 002)",
+    payload = dict(benchmark="attention", paper="LITv2/HiLo supplementary, Table IV (Pan et al., NeurIPS 2022)",
                    paper_settings={**SETTINGS, "hw": list(SETTINGS["hw"])}, torch=torch.__version__,
                    machine=machine(), rows=rows)
     data = (json.dumps(payload, indent=2) + "\n").encode()

@@ -1,4 +1,5 @@
-"""``vitlab bench ladder``: seed 004's "optimization ladder" for training one model, one rung at a time.
+"""``vitlab bench ladder``: the "optimization ladder" of "Scaling ViTs across Training Compute" for training one model,
+one rung at a time.
 
 Rungs (each adds to the one before): fp32 eager (explicit-softmax attention) -> bf16 autocast -> fused
 attention (SDPA) -> ``torch.compile`` -> channels-last and fused AdamW -> activation checkpointing at the
@@ -6,7 +7,7 @@ largest batch that fits -> FSDP2 over 2 processes (gloo on CPU, NCCL with >= 2 G
 
 Every rung runs in a fresh process, so its peak memory is its own (CUDA: ``max_memory_allocated``; CPU: the
 growth of the process's peak resident set while building and training the model) and no compile cache or
-allocator state leaks from one rung into the next. Beside the measured peak we print seed 004's estimate
+allocator state leaks from one rung into the next. Beside the measured peak we print the article's estimate
 ``M = P * 4 B / (32 / Q) * 1.2`` — an estimate of the memory to *serve* the weights at Q bits, so training
 (weights + gradients + AdamW state + activations) must exceed it; the gap is the point of the ladder.
 """
@@ -262,7 +263,7 @@ def plot(rows: list[dict], path) -> None:
 def format_table(rows: list[dict]):
     from rich.table import Table
 
-    t = Table(title="optimization ladder (training; seed 004 estimate M = P x 4B / (32/Q) x 1.2 serves weights only)")
+    t = Table(title="optimization ladder (training; the estimate M = P x 4B / (32/Q) x 1.2 serves weights only)")
     for c in ("rung", "batch", "img/s", "step ms", "peak MB", "estimate MB", "TFLOP/s", "util", "note"):
         t.add_column(c, justify="left" if c in ("rung", "note") else "right", no_wrap=c == "rung")
     for r in rows:

@@ -1,5 +1,5 @@
 """Table IV of the LITv2 / HiLo supplementary (Pan, Cai, Zhuang, "Fast Vision Transformers with HiLo
-Attention", NeurIPS 2022; seed 002): one attention layer of ViT-B's shape (dim 768, 12 heads of 64, a 14x14
+Attention", NeurIPS 2022): one attention layer of ViT-B's shape (dim 768, 12 heads of 64, a 14x14
 token map), each mechanism with its authors' settings for 1/16-scale maps. Params in millions, FLOPs in
 millions of multiply-accumulates (MACs, fvcore's convention) for one image, throughput in images/s at batch 64
 on an Intel Core i9-10900X CPU and an NVIDIA RTX 3090 GPU. Keys are the attention registry names.

@@ -5,13 +5,13 @@ from elsewhere; ``runs/analysis/timings/`` for ``timings`` without ``--model``).
 
     vitlab analyze attention --model deit_small_patch16_224 --checkpoint w.pth   maps, rollout, overlays
     vitlab analyze attention --model swin_tiny_patch4_window7_224 --block 5 --query 7,7
-    vitlab analyze spectrum --model litv2_s                 HiLo Hi-Fi / Lo-Fi spectra (seed 002 Fig. II-III)
+    vitlab analyze spectrum --model litv2_s                 HiLo Hi-Fi / Lo-Fi spectra (LITv2 supplementary Fig. II-III)
     vitlab analyze spectrum --model deit_tiny_patch16_224   relative log-amplitude of every block's output
-    vitlab analyze bias --model levit_256                   attention biases by offset (seed 003 Fig. 1)
+    vitlab analyze bias --model levit_256                   attention biases by offset (LeViT supplementary, Fig. 1)
     vitlab analyze posembed --model vit_base_patch16_224    position-embedding cosine similarity
-    vitlab analyze timings                                  seed 003 Table 1 (DeiT-tiny vs LeViT-256 block)
-    vitlab analyze memory --model vit_base_patch16_224 --batch-size 64   seed 004's estimate vs measured
-    vitlab analyze window-study / pooled-queries            seed 002 Tables II and III
+    vitlab analyze timings                                  LeViT supplementary, Table 1 (DeiT-tiny vs LeViT-256 block)
+    vitlab analyze memory --model vit_base_patch16_224 --batch-size 64   serving-memory estimate vs measured
+    vitlab analyze window-study / pooled-queries            LITv2 supplementary, Tables II and III
 
 Images default to scikit-image's bundled photos (astronaut, coffee, chelsea); ``--images`` takes files.
 Without ``--checkpoint`` the model has its random initialisation (no download happens).
@@ -176,7 +176,7 @@ def _timings_table(r: dict):
 
     from vitlab.analysis.timings import ROWS
 
-    t = Table(title="seed 003 Table 1: microseconds per component, batch 1, 14x14 (median; fastest run)")
+    t = Table(title="LeViT supplementary, Table 1: microseconds per component, batch 1, 14x14 (median; fastest run)")
     for col in ("component", "DeiT-tiny ours", "DeiT-tiny paper", "LeViT-256 ours", "LeViT-256 paper"):
         t.add_column(col, justify="left" if col == "component" else "right")
 
@@ -205,8 +205,8 @@ def cmd_timings(args) -> int:
     if args.model is None:
         r = timings.seed003_table1(warmup=args.warmup, runs=args.runs, threads=args.threads, seed=args.seed)
         console.print(_timings_table(r))
-        png = timings_png(r, f"seed 003 Table 1 here ({args.threads} thread, batch 1, {args.runs} runs) vs the "
-                             f"paper (Xeon E5-2698 core)")
+        png = timings_png(r, f"LeViT supplementary Table 1 here ({args.threads} thread, batch 1, {args.runs} runs) "
+                             f"vs the paper (Xeon E5-2698 core)")
         _write(out_dir(args), "timings", r, png)
         return 0
     model = _model(args)
@@ -224,8 +224,8 @@ def cmd_timings(args) -> int:
 
 
 def _vit_shape(name: str, extra: dict) -> dict:
-    """embed_dim, num_heads and patch_size of a plain ViT (built on 'meta': no memory); ViT-B/16's (seed 001's
-    example) for any other family."""
+    """embed_dim, num_heads and patch_size of a plain ViT (built on 'meta': no memory); ViT-B/16's for any other
+    family."""
     import torch
 
     import vitlab
@@ -259,9 +259,9 @@ def cmd_memory(args) -> int:
     table = complexity_table(**_vit_shape(args.model, {**extra, **size}))
     for r in rows:
         est = "  ".join(f"Q={q}: {v:.3f}" for q, v in r["estimate_gb"].items())
-        console.print(f"{r['mode']:>5} b{r['batch_size']}: seed 004 (weights only) GB {est} | measured: loaded "
+        console.print(f"{r['mode']:>5} b{r['batch_size']}: estimate (weights only) GB {est} | measured: loaded "
                       f"{r['loaded_gb']:.3f}, peak {r['measured_peak_gb']:.3f} GB = {r['measured_over_estimate']:.2f} "
-                      f"x seed 004 at its dtype", highlight=False)
+                      f"x the estimate at its dtype", highlight=False)
         if r["activation_gb"] is None:
             console.print(f"       no activation term: {r['activation_note']}", highlight=False)
             continue
@@ -273,7 +273,7 @@ def cmd_memory(args) -> int:
                       f"tensors peaked at {r['tensor_peak_gb']:.3f} GB", highlight=False)
     for t in table:
         console.print(f"{t['img_size']:>5} px: N = {t['tokens']:>5}, {t['scores_per_head_m']:.2f} M scores/head "
-                      f"(seed 001: {t['seed001_printed_m']}), {t['attention_gmacs_per_layer']:.3f} GMACs/layer, "
+                      f"(rounded: {t['seed001_printed_m']}), {t['attention_gmacs_per_layer']:.3f} GMACs/layer, "
                       f"{t['attention_map_mb_per_layer']:.1f} MB maps/layer", highlight=False)
     batches = ", ".join(str(b) for b in args.batch_size)
     png = memory_png(rows, table, f"{args.model}: memory at batch {batches} ({args.device}, {args.dtype}"
@@ -381,8 +381,8 @@ def register(sub) -> None:
     pe.add_argument("--table", type=int, default=0, help="which position-embedding table (PVT has one a stage)")
     pe.set_defaults(func=cmd_posembed)
 
-    t = asub.add_parser("timings", help="seed 003 Table 1 (DeiT-tiny vs LeViT-256 block components), or any "
-                                        "model's block with --model")
+    t = asub.add_parser("timings", help="LeViT supplementary, Table 1 (DeiT-tiny vs LeViT-256 block components), or "
+                                        "any model's block with --model")
     _common(t, model=None, images=False)
     t.add_argument("--model", default=None, help="time this model's block instead of Table 1's two blocks")
     t.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
@@ -394,7 +394,8 @@ def register(sub) -> None:
     t.add_argument("--threads", type=int, default=1, help="torch threads while timing (Table 1: 1)")
     t.set_defaults(func=cmd_timings)
 
-    m = asub.add_parser("memory", help="seed 004's memory estimate vs the measured peak; seed 001's complexity table")
+    m = asub.add_parser("memory", help="the serving-memory estimate M = P*4B/(32/Q)*1.2 vs the measured peak; the "
+                                       "attention-complexity table")
     _common(m, model="vit_base_patch16_224", images=False)
     m.add_argument("--batch-size", type=int, nargs="+", default=[64], help="one or more batch sizes")
     m.add_argument("--mode", default="infer", choices=["infer", "train", "both"])
@@ -407,7 +408,7 @@ def register(sub) -> None:
                         "tensor over 128 KiB gets its own mapping, returned when freed)")
     m.set_defaults(func=cmd_memory)
 
-    w = asub.add_parser("window-study", help="seed 002 Table II: LITv2 with HiLo window s = 2..7")
+    w = asub.add_parser("window-study", help="LITv2 supplementary, Table II: LITv2 with HiLo window s = 2..7")
     _study_args(w, batch_size=8, runs=5)
     _common(w, model=None, images=False)
     w.add_argument("--windows", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7], help="window sizes (default 2..7)")
@@ -419,7 +420,7 @@ def register(sub) -> None:
     w.add_argument("--lr", type=float, default=None, help="learning rate at batch 512 (default: vitlab train's)")
     w.set_defaults(func=cmd_window_study)
 
-    pq = asub.add_parser("pooled-queries", help="seed 002 Table III: LITv2 with and without pooled queries")
+    pq = asub.add_parser("pooled-queries", help="LITv2 supplementary, Table III: LITv2 with and without pooled queries")
     _study_args(pq, batch_size=8, runs=10)
     _common(pq, model=None, images=False)
     pq.set_defaults(func=cmd_pooled_queries)

@@ -138,7 +138,8 @@ def register(sub) -> None:
     tok.add_argument("--split", default="test", choices=["train", "val", "test"])
     tok.set_defaults(func=cmd_tokens)
 
-    lad = bsub.add_parser("ladder", help="seed 004's optimization ladder for training one model")
+    lad = bsub.add_parser("ladder", help="the optimization ladder of 'Scaling ViTs across Training Compute' "
+                                             "for training one model")
     lad.add_argument("model")
     _common(lad, 8, 5)
     lad.set_defaults(func=cmd_ladder)

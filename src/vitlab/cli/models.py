@@ -75,7 +75,7 @@ def cmd_info(args) -> int:
     t.add_row("GMACs", f"{prof.gmacs:.3f}", _fmt(cfg.published_gmacs, ".2f"))
     t.add_row("activations saved for backward (MB, fp32)", f"{prof.activation_mb:.1f}", "")
     for q, gb in prof.memory_estimate_gb.items():
-        t.add_row(f"serving memory, seed 004 formula, {q}-bit (GB)", f"{gb:.3f}", "")
+        t.add_row(f"serving memory, P*4B/(32/Q)*1.2, {q}-bit (GB)", f"{gb:.3f}", "")
     console.print(t)
     return 0
 

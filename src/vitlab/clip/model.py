@@ -8,7 +8,7 @@ temperature ``t`` (Sec. 2.5 and Fig. 3 of the paper: ``logit_scale``, initialise
   models (Swin, PVT, ...) give their pooled features.
 - :class:`TextTransformer`: CLIP's causal text transformer (Sec. 2.4: pre-norm blocks, a causal mask, the
   activation of the end-of-text token after the final LayerNorm, linearly projected), or, with ``style='llama'``,
-  the Llama-2 tower of seed 004 (1-D RoPE instead of learned positions, RMSNorm, SwiGLU, causal mask), both
+  the Llama-2 tower (Touvron et al., 2023: 1-D RoPE instead of learned positions, RMSNorm, SwiGLU, causal mask), both
   from :mod:`vitlab.layers` / :class:`vitlab.attention.Block`. Causal attention means the end-of-text token sees
   only the text before it, so padding after it needs no mask.
 - :class:`CLIP`: ``encode_image``, ``encode_text``, ``forward(image, text) -> (image_features, text_features,

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from vitlab.export._source import ExportMeta, real_images
 
-FP32_ATOL = 1e-4  # the bound for fp32 exports (ONNX Runtime / torch.export / TorchScript vs eager)
+FP32_ATOL = 1e-4  # the bound for fp32 exports (ONNX Runtime / torch.export / TorchScript vs eager)
 
 
 @dataclass

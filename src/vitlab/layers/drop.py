@@ -1,5 +1,5 @@
 """Stochastic depth (Huang et al., 2016, "Deep Networks with Stochastic Depth") in the per-sample 'row' mode
-that ViT/DeiT and seed 000 (HaLViT) use: each sample's residual branch is dropped with probability ``p`` and
+that ViT/DeiT and HaLViT use: each sample's residual branch is dropped with probability ``p`` and
 the kept ones are scaled by ``1 / (1 - p)``, so the expectation is unchanged."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Attention masks for ``F.scaled_dot_product_attention`` (boolean, True = may attend).
 
-- causal (Vaswani et al., 2017, Sec. 3.2.3; the decoder mask of seed 004): token i sees tokens j <= i, the
-  upper triangle above the diagonal is masked (seed 004 fills it with -inf before the softmax; a boolean mask
+- causal (Vaswani et al., 2017, Sec. 3.2.3; the decoder mask of Llama 2): token i sees tokens j <= i, the
+  upper triangle above the diagonal is masked (an additive mask puts -inf there before the softmax; a boolean mask
   makes SDPA do the same);
 - key padding: a (B, N) boolean of the tokens that are real (True) or padding (False); padding is never
   attended to. Combined with causal the mask is (B, 1, N, N) and broadcasts over the heads.

@@ -1,10 +1,10 @@
 """Feed-forward layers of the transformer block.
 
-- :class:`Mlp`: Linear -> GELU (exact, or the tanh approximation of seed 004) -> Linear (ViT, Dosovitskiy 2021).
+- :class:`Mlp`: Linear -> GELU (exact, or its tanh approximation) -> Linear (ViT, Dosovitskiy 2021).
 - :class:`QuickGELU`: ``x * sigmoid(1.702 x)``, the GELU approximation of OpenAI's CLIP (Radford et al., 2021;
   Hendrycks & Gimpel, 2016, Sec. 2), activation ``'quick_gelu'``.
-- :class:`SwiGLU`: ``W3(silu(W1 x) * W2 x)`` (Shazeer 2020, "GLU Variants Improve Transformer"; the Llama MLP of
-  seed 004), with the hidden size from the Llama rule: 2/3 of ``mlp_ratio * dim``, rounded up to a multiple.
+- :class:`SwiGLU`: ``W3(silu(W1 x) * W2 x)`` (Shazeer 2020, "GLU Variants Improve Transformer"; the Llama 2 MLP,
+  Touvron et al., 2023), with the hidden size from the Llama rule: 2/3 of ``mlp_ratio * dim``, rounded up to a multiple.
 """
 
 from __future__ import annotations

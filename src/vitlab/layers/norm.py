@@ -1,5 +1,5 @@
-"""Normalisation layers: LayerNorm (Ba et al., 2016) and RMSNorm (Zhang & Sennrich, 2019; the Llama-2 norm of
-seed 004: ``x / RMS(x) * gamma``), behind one factory so a model names its norm with a string."""
+"""Normalisation layers: LayerNorm (Ba et al., 2016) and RMSNorm (Zhang & Sennrich, 2019; the Llama-2 norm:
+``x / RMS(x) * gamma``), behind one factory so a model names its norm with a string."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@
   the reshaped kernel. Same function, much faster than the convolution kernels: on an H100 in bf16 at batch
   256, 0.29 ms against cuDNN's 2.3 ms for ViT-B/16 (which also converts layouts NCHW <-> NHWC around it);
   on the CPU 1.25x faster in fp32 (oneDNN GEMM);
-- :class:`LinearPatchEmbed`: seed 001/004's unfold ``b c (h p1) (w p2) -> b (h w) (p1 p2 c)`` then a Linear,
-  optionally with LayerNorm before and after (seed 000's HaLViT embedding).
+- :class:`LinearPatchEmbed`: the unfold ``b c (h p1) (w p2) -> b (h w) (p1 p2 c)`` then a Linear,
+  optionally with LayerNorm before and after (HaLViT's embedding).
 
 Both check the input (4-D, channel count, size divisible by the patch unless ``dynamic_img_pad``) and raise
 one clear error instead of failing deep inside a matmul.
@@ -115,7 +115,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class LinearPatchEmbed(_PatchGrid):
-    """Unfold + Linear formulation (seeds 000/001/004), with optional LayerNorm on the raw patch (``pre_norm``)
+    """Unfold + Linear formulation, with optional LayerNorm on the raw patch (``pre_norm``)
     and on the embedding (``norm_layer``), as HaLViT does."""
 
     def __init__(self, img_size=224, patch_size=16, in_chans: int = 3, embed_dim: int = 768,

@@ -1,4 +1,4 @@
-"""Turning a token sequence into one vector (seed 001, "alternative pooling strategies"): the CLS token
+"""Turning a token sequence into one vector: the CLS token
 ('token'), the mean or max of the patch tokens ('avg', 'max'), or a learned attention pooling ('attn':
 softmax over a linear score per token, then the weighted sum).
 

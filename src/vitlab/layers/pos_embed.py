@@ -5,12 +5,12 @@
   ``torch.export`` the bicubic resize is :func:`bicubic_resize_separable`: PyTorch's bicubic kernel (Keys, 1981,
   "Cubic convolution interpolation for digital image processing": the cubic convolution kernel with parameter
   ``a``) written as two interpolation matrices, so a symbolic grid size exports exactly.
-- :func:`sincos_2d_pos_embed`: the fixed 2-D sine-cosine embedding (MoCo v3 / MAE; seed 001).
-- :class:`RotaryEmbedding2D`: axial 2-D RoPE. Seed 004 builds 1-D RoPE for Llama-2 from
+- :func:`sincos_2d_pos_embed`: the fixed 2-D sine-cosine embedding (MoCo v3, Chen, Xie, He, 2021; MAE, He et al., 2022).
+- :class:`RotaryEmbedding2D`: axial 2-D RoPE. The 1-D RoPE of Llama 2 is built from
   ``theta_i = base ** (-2i / d)`` and rotates consecutive pairs ``(x_{2i}, x_{2i+1})`` by ``m * theta_i``;
   here the first half of each head's channels is rotated by the row index and the second half by the column
   index, so q.k depends only on the 2-D offset between two patches.
-- :class:`RotaryEmbedding1D`: seed 004's 1-D RoPE itself, for text (the Llama-style CLIP text tower).
+- :class:`RotaryEmbedding1D`: the 1-D RoPE itself, for text (the Llama-style CLIP text tower).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def sincos_2d_pos_embed(grid_size, dim: int, temperature: float = 10000.0) -> to
 
 
 def rope_frequencies(dim: int, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Seed 004's ``m * theta``: angles (len(positions), dim/2) with ``theta_i = base ** (-2i / dim)``."""
+    """RoPE's ``m * theta``: angles (len(positions), dim/2) with ``theta_i = base ** (-2i / dim)``."""
     if dim % 2:
         raise ValueError(f"RoPE needs an even dimension, got {dim}")
     theta = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
@@ -149,14 +149,14 @@ class RotaryEmbedding2D(nn.Module):
 
 
 def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2, x3, x4, ...) -> (-x2, x1, -x4, x3, ...): the second vector of seed 004's rotation formula."""
+    """(x1, x2, x3, x4, ...) -> (-x2, x1, -x4, x3, ...): the second vector of RoPE's rotation formula."""
     x = x.unflatten(-1, (-1, 2))
     return torch.stack([-x[..., 1], x[..., 0]], dim=-1).flatten(-2)
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate the last ``len(cos)`` tokens of ``x`` (B, heads, N, head_dim); leading prefix tokens (CLS) are
-    left unrotated. Real arithmetic ``x*cos + rot(x)*sin`` equals seed 004's complex product."""
+    left unrotated. Real arithmetic ``x*cos + rot(x)*sin`` equals RoPE's complex product."""
     cos, sin = rope
     n = cos.shape[0]
     prefix, tokens = x[..., : x.shape[-2] - n, :], x[..., x.shape[-2] - n :, :]
@@ -165,7 +165,7 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 
 class RotaryEmbedding1D(nn.Module):
-    """1-D RoPE of seed 004 (Su et al., 2021, "RoFormer", Eq. 34) for token sequences: position m rotates each
+    """1-D RoPE (Su et al., 2021, "RoFormer", Eq. 34) for token sequences: position m rotates each
     pair ``(x_{2i}, x_{2i+1})`` of a head by ``m * theta_i``, ``theta_i = base ** (-2i / head_dim)``, so the
     score q_m . k_n depends only on m - n. ``forward(seq_len)`` returns the (cos, sin) tables, each
     (seq_len, head_dim), that :func:`apply_rope` uses (the Llama-2 attention rotates queries and keys only)."""

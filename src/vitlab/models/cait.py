@@ -1,4 +1,4 @@
-"""CaiT (Touvron et al., 2021, "Going deeper with Image Transformers", ICCV 2021; seed 001's chapter).
+"""CaiT (Touvron et al., 2021, "Going deeper with Image Transformers", ICCV 2021).
 
 Two changes make deep ViTs train, and a third separates the two jobs of the class token:
 

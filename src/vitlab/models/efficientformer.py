@@ -1,5 +1,4 @@
-"""EfficientFormer (Li et al., 2022, "EfficientFormer: Vision Transformers at MobileNet Speed", NeurIPS 2022;
-seed 001's efficiency section).
+"""EfficientFormer (Li et al., 2022, "EfficientFormer: Vision Transformers at MobileNet Speed", NeurIPS 2022).
 
 What it computes: a dimension-consistent design in two parts.
 

@@ -1,4 +1,4 @@
-"""HaLViT (seed 000, "Half of the Weights are Enough"): a ViT whose layers use one matrix twice.
+"""HaLViT ("Half of the Weights are Enough", supplementary material): a ViT whose layers use one matrix twice.
 
 - Feed-forward: ONE matrix W (dim x hidden): ``h = GELU(LN(x) W + b1)``, ``y = h W^T + b2``.
 - Attention: ``q`` (dim x inner) gives the queries and, transposed, the output projection; ``kv`` gives the
@@ -7,7 +7,7 @@
   ``dim == heads * dim_head``.
 - Patch embedding Rearrange -> LayerNorm -> Linear -> LayerNorm; learned position embedding and tokens drawn
   from N(0, 1); row-mode stochastic depth with a linear schedule; cls or mean pooling; optional DeiT
-  distillation token. Initialisation as the seed: Kaiming-uniform matrices, fan-in bounded biases.
+  distillation token. Initialisation as in the HaLViT code: Kaiming-uniform matrices, fan-in bounded biases.
 
 Each shared matrix is a single Parameter used twice: one tensor in the state dict, and autograd sums the
 gradients of both uses into it.
@@ -87,7 +87,7 @@ class HaLViTAttention(nn.Module):
 
 
 class HaLViTBlock(nn.Module):
-    """``x + SD(Attention(x))`` then ``x + SD(FF(x))``; each layer normalises its own input (seed 000)."""
+    """``x + SD(Attention(x))`` then ``x + SD(FF(x))``; each layer normalises its own input (as in HaLViT)."""
 
     def __init__(self, dim: int, num_heads: int, dim_head: int = 64, mlp_ratio: float = 4.0, proj_drop: float = 0.0,
                  attn_drop: float = 0.0, drop_path: float = 0.0, norm_layer="layernorm_eps5", act_layer="gelu"):
@@ -113,10 +113,10 @@ class HaLViT(VisionTransformer):
             fc_norm=False, global_pool=global_pool, weight_init="none", **kwargs)
         for tok in (self.cls_token, self.dist_token, self.pos_embed):
             if isinstance(tok, nn.Parameter):
-                nn.init.normal_(tok)  # the seed's torch.randn
+                nn.init.normal_(tok)  # HaLViT's torch.randn
 
 
-_PAPER = "HaLViT: Half of the Weights are Enough (supplementary, seed 000)"
+_PAPER = "HaLViT: Half of the Weights are Enough (supplementary material)"
 
 
 def _cfg(params: float | None = None) -> ModelConfig:

@@ -1,5 +1,5 @@
 """LeViT (Graham et al., 2021, "LeViT: a Vision Transformer in ConvNet's Clothing for Faster Inference", ICCV
-2021; seed 001's efficiency section, seed 003 the supplementary with the ablations A1 and A6).
+2021; its supplementary gives the ablations A1 and A6).
 
 What it computes:
 
@@ -537,10 +537,10 @@ _CFGS = {
     "levit_192": dict(embed_dim=(192, 288, 384), key_dim=32, num_heads=(3, 5, 6), depth=(4, 4, 4)),
     "levit_256": dict(embed_dim=(256, 384, 512), key_dim=32, num_heads=(4, 6, 8), depth=(4, 4, 4)),
     "levit_384": dict(embed_dim=(384, 512, 768), key_dim=32, num_heads=(6, 9, 12), depth=(4, 4, 4)),
-    # seed 003, A1 (no pyramid): LeViT-128S's 2+3+4 blocks and 2 shrinking blocks become one stage of 11 blocks
-    # at 14x14, D = 19, N = 3 heads, C = 2ND = 114 (values 2D per head), keeping the FLOPs of LeViT-128S
+    # LeViT supplementary, A1 (no pyramid): LeViT-128S's 2+3+4 blocks and 2 shrinking blocks become one stage of
+    # 11 blocks at 14x14, D = 19, N = 3 heads, C = 2ND = 114 (values 2D per head), keeping the FLOPs of LeViT-128S
     "levit_128s_ablation_a1": dict(embed_dim=(114,), key_dim=19, num_heads=(3,), depth=(11,)),
-    # seed 003, A6 (no wider blocks): LeViT-128S with DeiT-like blocks: Q, K, V all of dimension D = 30
+    # LeViT supplementary, A6 (no wider blocks): LeViT-128S with DeiT-like blocks: Q, K, V all of dimension D = 30
     # (attn_ratio 1), C = ND = 120 / 180 / 240 (N = 4, 6, 8), MLP ratio 4 (in the shrinking blocks too), and the
     # shrinking attentions with N = 4C/D = 16, 24 heads of value dimension D
     "levit_128s_ablation_a6": dict(embed_dim=(120, 180, 240), key_dim=30, num_heads=(4, 6, 8), depth=(2, 3, 4),
@@ -592,16 +592,16 @@ def levit_384(**kwargs) -> Levit:
 
 
 @register_model(config=_cfg("levit_128s_ablation_a1", None, None, None, hub=False,
-                            smoke={"img_size": 64, "depth": (2,)}, ablation="A1 of LeViT-128S (seed 003)",
+                            smoke={"img_size": 64, "depth": (2,)}, ablation="A1 of LeViT-128S (LeViT supplementary)",
                             target_gmacs=0.305))
 def levit_128s_ablation_a1(**kwargs) -> Levit:
-    """Seed 003's ablation A1 of LeViT-128S (no pyramid): one 14x14 stage of 11 blocks, D = 19, N = 3, C = 114."""
+    """Ablation A1 of LeViT-128S (no pyramid): one 14x14 stage of 11 blocks, D = 19, N = 3, C = 114."""
     return _create("levit_128s_ablation_a1", **kwargs)
 
 
 @register_model(config=_cfg("levit_128s_ablation_a6", None, None, None, hub=False,
-                            ablation="A6 of LeViT-128S (seed 003)", target_gmacs=0.305))
+                            ablation="A6 of LeViT-128S (LeViT supplementary)", target_gmacs=0.305))
 def levit_128s_ablation_a6(**kwargs) -> Levit:
-    """Seed 003's ablation A6 of LeViT-128S (no wider blocks): D = 30 for Q, K, V, C = 120/180/240, MLP ratio 4,
+    """Ablation A6 of LeViT-128S (no wider blocks): D = 30 for Q, K, V, C = 120/180/240, MLP ratio 4,
     shrinking attentions with 16 and 24 heads."""
     return _create("levit_128s_ablation_a6", **kwargs)

@@ -1,4 +1,4 @@
-"""LITv2 (Pan, Cai, Zhuang, "Fast Vision Transformers with HiLo Attention", NeurIPS 2022; seed 002: the
+"""LITv2 (Pan, Cai, Zhuang, "Fast Vision Transformers with HiLo Attention", NeurIPS 2022; the
 supplementary's Table I gives the stage specifications, Figure I the framework).
 
 A four-stage pyramid (strides 4, 8, 16, 32; widths C, 2C, 4C, 8C) without position embeddings:
@@ -252,7 +252,7 @@ class LITv2(TimmApiMixin, nn.Module):
         norm_layer: str | Callable = "layernorm_eps5",
         act_layer: str | Callable = "gelu",
         dynamic_img_size: bool = True,  # always on: nothing in the model depends on the input size
-        pooled_queries: bool = False,  # seed 002 Table III: Lo-Fi queries from the pooled map (HiLo's option)
+        pooled_queries: bool = False,  # supplementary Table III: Lo-Fi queries from the pooled map (HiLo's option)
     ):
         super().__init__()
         check_pool(global_pool, _POOL_TYPES)
@@ -404,7 +404,7 @@ def _create(config: dict, kwargs: dict) -> LITv2:
     return LITv2(**args)
 
 
-# The paper's ImageNet-1K table (224x224; S also in seed 002 Table III): params (M), GFLOPs (= MACs), top-1
+# The paper's ImageNet-1K table (224x224; S also in the supplementary's Table III): params (M), GFLOPs (= MACs), top-1
 @register_model(config=_cfg(28.0, 3.7, 82.0))
 def litv2_s(**kwargs) -> LITv2:
     """LITv2-S: C = 96, depths (2, 2, 6, 2), heads (3, 6, 12, 24)."""

@@ -1,5 +1,5 @@
 """MobileViT (Mehta & Rastegari, 2022, "MobileViT: Light-weight, General-purpose, and Mobile-friendly Vision
-Transformer", ICLR 2022; seed 001's "Mobile-optimized architectures").
+Transformer", ICLR 2022).
 
 A CNN backbone whose later stages interleave MobileNetV2 inverted residuals (Sandler et al., 2018) with
 *MobileViT blocks*, which model global context with a transformer while keeping the spatial layout:

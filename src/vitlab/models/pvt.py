@@ -1,5 +1,5 @@
 """Pyramid Vision Transformer v1 (Wang et al., 2021, "Pyramid Vision Transformer: A Versatile Backbone for
-Dense Prediction without Convolutions", ICCV 2021; seed 001's PVT section).
+Dense Prediction without Convolutions", ICCV 2021).
 
 A transformer with a CNN-like feature pyramid: four stages at strides 4, 8, 16, 32. Each stage
 

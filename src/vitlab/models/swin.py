@@ -1,5 +1,5 @@
 """Swin Transformer (Liu et al., 2021, "Swin Transformer: Hierarchical Vision Transformer using Shifted
-Windows", ICCV 2021; seed 001's chapter).
+Windows", ICCV 2021).
 
 A hierarchical ViT. A 4x4 patch embedding gives a (H/4, W/4) token grid; four stages follow, each (except
 the first) opening with *patch merging* (concatenate every 2x2 neighbourhood, LayerNorm, Linear 4C -> 2C), so

@@ -1,7 +1,7 @@
-"""Vision Transformer (Dosovitskiy et al., 2021, "An Image is Worth 16x16 Words"), seed 001's chapter and
-seed 004's article: patch embedding -> [CLS] (+ distillation, register tokens) + position embedding ->
+"""Vision Transformer (Dosovitskiy et al., 2021, "An Image is Worth 16x16 Words"):
+patch embedding -> [CLS] (+ distillation, register tokens) + position embedding ->
 pre-norm blocks -> norm -> pooling -> linear head. The giant g/14 and G/14 configs are from Zhai et al., 2022,
-"Scaling Vision Transformers" (seed 004).
+"Scaling Vision Transformers".
 
 :class:`VisionTransformer` is also the trunk of DeiT (``deit.py``: distillation token) and HaLViT
 (``halvit.py``: its own patch embedding and blocks). Module names follow timm, so timm state dicts load as

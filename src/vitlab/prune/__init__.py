@@ -1,4 +1,4 @@
-"""Token pruning (seed 001 section 21.5): EViT, DynamicViT and seed 001's DynamicTokenPruning / AdaptiveTokenPruning.
+"""Token pruning: EViT (Liang et al., 2022), DynamicViT (Rao et al., 2021), and top-k / adaptive pruning.
 
     vitlab.prune.apply(model, method="evit", keep_rate=0.7)             # blocks 3, 6, 9 (0-based) by default
     vitlab.prune.apply(model, method="dynamicvit", keep_rate=0.7, locations=[3, 6, 9])

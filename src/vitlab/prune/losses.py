@@ -4,7 +4,7 @@
   ``sum_s mean_b (mean_i D_s[b, i] - rho_s)^2 / S`` with ``rho_s = keep_rate ** (s + 1)`` (Eq. 12), the KL
   divergence of the class predictions from the full model's (Eq. 11) and the MSE of the kept tokens' final
   features to the full model's (Eq. 10); weights 2.0 (ratio) and 0.5 (each distillation), the paper's for DeiT.
-- Seed 001's AdaptiveTokenPruning: the threshold ``t`` is trained by the same kind of keep-ratio loss on a soft
+- Adaptive pruning (``"adaptive"``): the threshold ``t`` is trained by the same kind of keep-ratio loss on a soft
   indicator of the importances above it, ``mean_i sigmoid((s_i - sigmoid(t)) / tau)`` against ``keep_rate``.
 """
 

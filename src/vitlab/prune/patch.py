@@ -14,14 +14,14 @@
   previous one and every later attention is masked with it (Eq. 6, the authors' ``softmax_with_policy``: a
   dropped key only attends to itself); the losses (keep-ratio, distillation to the full model) are in
   :mod:`vitlab.prune.losses`. Inference: hard top-k, ``keep_rate ** (s + 1)`` of the patches after stage s.
-- ``"topk"`` -- seed 001's ``DynamicTokenPruning``: the class token's attention (mean over heads) ranks the
+- ``"topk"`` -- top-k pruning by attention: the class token's attention (mean over heads) ranks the
   tokens; the top ``int(keep_rate * n)`` are kept, the rest dropped (EViT without the fused token).
-- ``"adaptive"`` -- seed 001's ``AdaptiveTokenPruning``: a learned importance ``sigmoid(MLP(x))`` (dim -> dim/4
-  -> 1) and a learned threshold. Training: the tokens are scaled by their importance (the seed's soft mask).
+- ``"adaptive"`` -- adaptive pruning: a learned importance ``sigmoid(MLP(x))`` (dim -> dim/4
+  -> 1) and a learned threshold. Training: the tokens are scaled by their importance (a soft mask).
   Inference: tokens above ``sigmoid(threshold)`` are kept, at least ``min_keep`` of them; a batch keeps the
-  largest such count of its images (each image its most important ones), since one tensor holds the batch. The
-  seed's threshold gets no gradient from its training path; ours learns it through a keep-ratio loss on a
-  soft threshold indicator (:mod:`vitlab.prune.losses`), the DynamicViT way.
+  largest such count of its images (each image its most important ones), since one tensor holds the batch. A
+  threshold used only at inference gets no gradient from the training path; this one learns it through a
+  keep-ratio loss on a soft threshold indicator (:mod:`vitlab.prune.losses`), the DynamicViT way.
 
 Class / distillation / register tokens are never pruned and stay first. ``locations`` are 0-based block indices
 (default 3, 6, 9 for 12 blocks -- EViT's "4th, 7th and 10th layers", DynamicViT's stages -- and the same
@@ -59,7 +59,7 @@ class PruneInfo:
     keep_rate: float
     locations: list[int]
     protected: int
-    min_keep: float = 0.5  # adaptive: the least fraction kept at inference (the seed's min_keep_ratio)
+    min_keep: float = 0.5  # adaptive: the least fraction kept at inference
     train_keep_rate: float | None = None  # the rate of training forwards when it differs (a warm-up); else keep_rate
     aux: dict = field(default_factory=dict, repr=False)
     size: torch.Tensor | None = field(default=None, repr=False)  # EViT: (B, N, 1) patches per token, last forward
@@ -99,7 +99,7 @@ class PredictorLG(nn.Module):
 
 
 class ImportancePredictor(nn.Module):
-    """Seed 001's ``AdaptiveTokenPruning`` scorer: ``sigmoid(Linear(ReLU(Linear(x))))`` and a learned threshold."""
+    """The scorer of ``"adaptive"`` pruning: ``sigmoid(Linear(ReLU(Linear(x))))`` and a learned threshold."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -220,7 +220,7 @@ def run_pruned(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
                 imp = pred(x[:, p:])  # (B, N)
                 if train:
                     stages.append((imp, pred.threshold))
-                    x = torch.cat([x[:, :p], x[:, p:] * imp[..., None]], dim=1)  # the seed's soft mask
+                    x = torch.cat([x[:, :p], x[:, p:] * imp[..., None]], dim=1)  # soft mask: scaled by importance
                 else:
                     n = imp.shape[1]
                     above = int((imp > torch.sigmoid(pred.threshold)).sum(dim=1).max())

@@ -1,7 +1,7 @@
-"""Frozen-feature evaluation of a backbone (seed 001, section 21.3, ``linear_probe``):
+"""Frozen-feature evaluation of a backbone:
 
 - ``linear``: a linear classifier on the frozen pre-logit features, SGD (lr 0.1, momentum 0.9, no weight decay)
-  with a cosine schedule (the seed's recipe); ``bn=True`` puts MAE's BatchNorm without affine parameters in front
+  with a cosine schedule; ``bn=True`` puts MAE's BatchNorm without affine parameters in front
   of it (He et al., 2022, appendix A.2). Features are computed once (eval transform, no augmentation).
 - ``knn``: DINO's weighted k-NN (Caron et al., 2021, section 4.1 and appendix; ``eval_knn.py``): L2-normalised
   features, the k = 20 nearest training images by cosine similarity vote with weight ``exp(sim / 0.07)``.

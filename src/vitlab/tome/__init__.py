@@ -1,4 +1,4 @@
-"""Token Merging (ToMe; Bolya et al., "Token Merging: Your ViT But Faster", ICLR 2023; seed 001 section 21.5).
+"""Token Merging (ToMe; Bolya et al., "Token Merging: Your ViT But Faster", ICLR 2023).
 
     vitlab.tome.apply(model, r=8)              # merge 8 tokens per block: ViT, DeiT (distilled), HaLViT, CaiT
     vitlab.tome.apply(model, r=(8, -1))        # the paper's decreasing schedule (mean 8 per block)

@@ -1,5 +1,5 @@
 """Bipartite soft matching, size-weighted merging, source tracking and un-merging: the algorithm of ToMe
-(Bolya et al., "Token Merging: Your ViT But Faster", ICLR 2023, Section 3 and Appendix; seed 001 section 21.5).
+(Bolya et al., "Token Merging: Your ViT But Faster", ICLR 2023, Section 3 and Appendix).
 
 At a block with ``t`` tokens and a merge budget ``r`` (Sec. 3, "Bipartite Soft Matching"):
 

@@ -164,7 +164,7 @@ def deit_loss(output, target: Tensor, smoothing: float, kind: str = "none", teac
 
 
 class FeatureProjector(nn.Module):
-    """Seed 001's FeatureDistillation, for (B, C, H, W) feature maps: a 1x1 projection of each chosen student
+    """Feature distillation for (B, C, H, W) feature maps: a 1x1 projection of each chosen student
     feature to the teacher's width, the teacher's map resized to the student's grid, and the mean MSE."""
 
     def __init__(self, student_dims: list[int], teacher_dims: list[int]):
