@@ -18,7 +18,7 @@ SOURCE_SUFFIXES = {".py", ".cpp", ".h"}
 def _files() -> list[Path]:
     files = [p for p in (ROOT / "src" / "vitlab").rglob("*") if p.suffix in SOURCE_SUFFIXES]
     files += sorted((ROOT / "scripts").glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))
-    files += [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    files += [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
     return sorted(p for p in files if p.is_file() and "__pycache__" not in p.parts)
 
 

@@ -38,7 +38,8 @@ def test_start_up_imports_no_capability_and_no_heavy_library(code):
     caps = sorted(c for c in CAPABILITIES if f"vitlab.{c}" in loaded)
     heavy = sorted(h for h in HEAVY if h in loaded)
     assert not caps and not heavy, f"{code!r} imported {caps + heavy}"
-    assert sorted(m for m in loaded if m.startswith("vitlab.")) in ([], ["vitlab.cli"])
+    # the command line's own light modules only: its parser classes, no subcommand yet
+    assert set(m for m in loaded if m.startswith("vitlab.")) <= {"vitlab.cli", "vitlab.cli._dataclass_args"}
 
 
 def test_the_public_names_still_resolve_on_first_use():

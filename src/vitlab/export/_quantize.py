@@ -98,9 +98,9 @@ def predict_onnx(path: str | os.PathLike, images: list[str | os.PathLike], topk:
     preprocessing (size, crop, mean, std) and the class names read from the file's metadata."""
     from vitlab.data import check_image_files, load_image
 
-    check_image_files(images)
-    meta = read_onnx_meta(path)
+    meta = read_onnx_meta(path)  # a bad file or a missing runtime is named before the images
     _need_classifier(meta, path, "predict")
+    check_image_files(images)
     tf = meta.transform()
     x = torch.stack([tf(load_image(p, meta.in_chans)) for p in images])
     sess = onnx_session(path)
