@@ -32,13 +32,15 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from filelock import FileLock
 from PIL import Image
 
 from vitlab.cli import build_parser, import_plugins, main
@@ -277,12 +279,20 @@ FIXTURE_RUNS: dict[str, list[str]] = {
                 "--quiet"],
     "clip": ["train", "--task", "clip", "--model_kwargs.image_depth", "1", "--model_kwargs.text_depth", "1",
              "--data.img_size", "16", "--batch_size", "128", "--epochs", "1", "--quiet"],
+    # ToMe's r = 16 a block needs many tokens: the 0.42M-parameter ViT at patch 2 (196 tokens) on digits
+    "tokens": ["train", "--model", "vit_micro_patch2_28", "--data.img_size", "28", "--epochs", "1", "--quiet"],
     # the default pico ViT as the backbone, so `vitlab train --init RUN` fine-tunes the default model
     "mae": ["pretrain", "--method", "mae", "--data", "fake", "--data.fake_num_samples", "32",
             "--data.fake_img_size", "32", "--batch_size", "16", "--task_args.decoder_dim", "16",
             "--task_args.decoder_depth", "1", "--task_args.decoder_heads", "2", "--epochs", "1", "--quiet"],
 }
 SSL_METHODS = {"mae", "simclr", "mocov3", "dino", "dinov2"}
+# the run a placeholder stands for, by the line (first match); other lines: their block's (see run_kind)
+RUN_FOR: tuple[tuple[str, str], ...] = (
+    (r"^vitlab (zeroshot|retrieval) ", "clip"),
+    (r"^vitlab (probe|pretrain) |--init ", "mae"),
+    (r"^vitlab bench tokens ", "tokens"),
+)
 # run placeholders: runs/<run>, runs/<teacher-run>/best, runs/RUN, RUN/best/model.safetensors
 PLACEHOLDER = re.compile(r"^(?:runs/<[\w-]+>|runs/RUN|RUN)(?=/|$)")
 # the images the docs name, made in each command's working folder (real photos, real digits)
@@ -298,7 +308,7 @@ STANDINS: dict[str, str] = {
 # training lines of a large model on the full default data (digits: an epoch of DeiT-S at 224 px is minutes on
 # the CPU): the slow test appends a few synthetic images of as many classes instead
 SHRINK: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (r"^vitlab train --model deit_\w+(?!.*--data[ .=])",
+    (r"^vitlab train --model (deit_\w+(?!.*--data[ .=])|levit_128s --data digits )",
      ("--data", "fake", "--data.fake_num_samples", "8", "--data.fake_num_classes", "10")),
 )
 # flags whose value is written, not read: relative there means the working folder, never the repository
@@ -342,30 +352,13 @@ def runnable(cmd: DocCommand) -> bool:
 
 
 def run_kind(cmd: DocCommand, block: list[DocCommand]) -> str:
-    """Which run a placeholder of ``cmd`` stands for: CLIP's for zeroshot / retrieval, a pre-training's for probe,
-    init and pretrain, else the task of the last line of the block above it that starts a run (else classify)."""
-    if cmd.verb in ("zeroshot", "retrieval"):
-        return "clip"
-    if cmd.verb in ("probe", "pretrain") or "--init" in cmd.words:
-        return "mae"
+    """Which run a placeholder of ``cmd`` stands for: the first match of ``RUN_FOR``, else the task of the last
+    line of the block above it that starts a run (else classify)."""
+    kind = next((k for pattern, k in RUN_FOR if re.search(pattern, cmd.text)), None)
+    if kind:
+        return kind
     above = [c for c in block if c.line < cmd.line and makes_run(c) and runnable(c)]
     return kind_of_task(task_of(above[-1])) if above else "classify"
-
-
-class Runs:
-    """The tiny runs of ``FIXTURE_RUNS``, each trained on first use."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.made: dict[str, Path] = {}
-
-    def __getitem__(self, kind: str) -> Path:
-        if kind not in self.made:
-            out = self.root / kind
-            code, output = run_vitlab([*FIXTURE_RUNS[kind], "--output_dir", str(out)])
-            assert code == 0, f"the {kind} run failed:\n{output}"
-            self.made[kind] = out
-        return self.made[kind]
 
 
 def digit_image(label: int = 7, size: int = 64) -> Image.Image:
@@ -440,23 +433,43 @@ STANDIN_MAKERS = {"imagefolder": make_imagefolder, "depthfolder": make_depthfold
                   "captions": make_captions}
 
 
+def build_once(path: Path, make: Callable[[Path], object]) -> Path:
+    """``make(path)``, unless this process or another pytest-xdist worker already did."""
+    done = path.with_name(path.name + ".done")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            make(path)
+            done.touch()
+    return path
+
+
+def train_fixture(kind: str) -> Callable[[Path], None]:
+    def make(out: Path) -> None:
+        code, output = run_vitlab([*FIXTURE_RUNS[kind], "--output_dir", str(out)])
+        assert code == 0, f"the tiny {kind} run failed:\n{output}"
+
+    return make
+
+
 @dataclass
 class DocWorld:
-    """Everything the commands refer to: the tiny runs, the images, the stand-in data folders."""
+    """Everything the commands refer to: the tiny runs and stand-in data folders (in ``shared``, built on first
+    use), and working folders with the images the docs name (in ``work``)."""
 
-    root: Path
-    runs: Runs
+    shared: Path
+    work: Path
     images: dict[str, Image.Image]
-    standins: dict[str, Path] = field(default_factory=dict)
+
+    def run(self, kind: str) -> Path:
+        return build_once(self.shared / "runs" / kind, train_fixture(kind))
 
     def standin(self, kind: str) -> Path:
-        if kind not in self.standins:
-            self.standins[kind] = STANDIN_MAKERS[kind](self.root / "data" / kind)
-        return self.standins[kind]
+        return build_once(self.shared / "data" / kind, STANDIN_MAKERS[kind])
 
     def workdir(self, name: str) -> Path:
-        """A fresh working folder with the images the docs name."""
-        cwd = self.root / "work" / name
+        cwd = self.work / name
         cwd.mkdir(parents=True)
         for file in DOC_IMAGES:
             self.images["digit" if file.startswith("digit") else "photo"].save(cwd / file)
@@ -465,8 +478,11 @@ class DocWorld:
 
 @pytest.fixture(scope="session")
 def world(tmp_path_factory) -> DocWorld:
-    root = tmp_path_factory.mktemp("doc_commands")
-    return DocWorld(root, Runs(root / "runs"), {"digit": digit_image(), "photo": photo()})
+    # pytest-xdist workers share the base folder's parent: each tiny run is trained once for all of them
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "doc_commands"
+    shared.mkdir(exist_ok=True)
+    return DocWorld(shared, tmp_path_factory.mktemp("doc_work"), {"digit": digit_image(), "photo": photo()})
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -510,7 +526,7 @@ def run_script(words: list[str], env: dict[str, str], cwd: Path) -> tuple[int, s
 
 def check_script_flags(words: list[str]) -> None:
     """A benchmark script line, statically: the script exists and defines every ``--flag`` the line gives it."""
-    script = ROOT / words[1]
+    script = Path(words[1])
     assert script.is_file(), f"{words[1]} does not exist"
     source = script.read_text()
     for w in words[2:]:
@@ -530,7 +546,7 @@ def substitute(words: list[str], cmd: DocCommand, block: list[DocCommand], world
         m = PLACEHOLDER.match(w)
         if m:
             kind = "teacher" if m[0] == "runs/<teacher-run>" else run_kind(cmd, block)
-            run = (made or {}).get(kind) or world.runs[kind]
+            run = (made or {}).get(kind) or world.run(kind)
             w = str(run) + w[m.end():]
         elif w in STANDINS:
             w = f"{w.partition(':')[0]}:{world.standin(STANDINS[w])}"
@@ -556,10 +572,13 @@ def tiny_flags(cmd: DocCommand, words: list[str], n: int) -> list[str]:
         epochs = [] if flag_value(words, "--epochs") else ["--epochs", "1"]
         data = [f for pattern, flags in SHRINK if re.search(pattern, cmd.text) for f in flags]
         return [*epochs, "--stop_after", "1", "--quiet", *out, *data]
-    if cmd.verb.startswith("bench "):
-        batch = [] if flag_value(words, "--batch-size") else ["--batch-size", "2"]
-        return ["--runs", "1", "--warmup", "0", "--quiet", *batch]
-    if cmd.verb in ("analyze timings", "analyze pooled-queries"):
+    if cmd.verb.startswith("bench "):  # batch 2: below vitlab.optimize's tuning threshold, so nothing compiles
+        return ["--runs", "1", "--warmup", "0", "--quiet", "--batch-size", "2"]
+    if cmd.verb == "analyze memory":  # the estimate and the measured peak of one small batch
+        return ["--batch-size", "2"]
+    if cmd.verb == "analyze timings":  # Table 1 is a median of >= 50 runs
+        return ["--runs", "50", "--warmup", "0"]
+    if cmd.verb == "analyze pooled-queries":
         return ["--runs", "1", "--warmup", "0"]
     return []
 
@@ -580,11 +599,19 @@ def blocks() -> dict[tuple[str, int], list[DocCommand]]:
 BLOCKS = blocks()
 
 
+# cheap verbs that are not cheap on these lines: the default test parses them, the slow test runs them
+FAST_PARSE_ONLY: tuple[str, ...] = (
+    r"^vitlab models$",  # profiles every registered model (20 s); test_readme's model-table check does too
+)
+
+
 def fast_mode(cmd: DocCommand, words: list[str]) -> str:
     """How the default test checks a line: 'run' in full, 'config' (``--print_config``), 'parse' (the parser
     only) or 'static' (a benchmark script's flags)."""
     if cmd.script:
         return "static"
+    if any(re.search(pattern, cmd.text) for pattern in FAST_PARSE_ONLY):
+        return "parse"
     if "--help" in words or cmd.verb in ("models", "info", "eval") or (
             cmd.verb == "predict" and flag_value(words, "--checkpoint")):
         return "run"
@@ -612,19 +639,21 @@ def test_doc_command_parses(cmd: DocCommand, world: DocWorld, monkeypatch):
         pytest.skip(skip.reason)
     block = BLOCKS[(cmd.path, cmd.block)]
     for n, words in enumerate(cmd.expanded()):
-        cwd = world.workdir(f"fast-{cmd.path.replace('/', '-')}-{cmd.line}-{n}")
-        words = substitute(words, cmd, block, world, cwd)
         mode = fast_mode(cmd, words)
         if mode == "static":
-            check_script_flags(words)
+            check_script_flags([str(ROOT / w) if w == cmd.script else w for w in words])
             continue
-        argv = cmd_argv(words)
-        if mode == "parse" or skip is not None:
-            code, output = parse_vitlab(argv)
-        else:  # eval / predict as the model is built: vitlab.optimize's tuning is the slow test's
-            monkeypatch.chdir(cwd)
-            extra = {"config": ["--print_config"], "run": ["--no-optimize"] if cmd.verb in ("eval", "predict") else []}
-            code, output = run_vitlab(argv + extra[mode])
+        if mode == "parse" or skip is not None:  # the parser checks no path: placeholders stay
+            code, output = parse_vitlab(cmd_argv(words))
+            check_result(cmd, words, code, output)
+            continue
+        cwd = world.workdir(f"fast-{cmd.path.replace('/', '-')}-{cmd.line}-{n}")
+        words = substitute(words, cmd, block, world, cwd)
+        # train / pretrain: the whole config built and printed; eval / predict as the model is built (tuning it
+        # through vitlab.optimize, seconds of compiling, is the slow test's)
+        extra = ["--print_config"] if mode == "config" else ["--no-optimize"] if cmd.verb in ("eval", "predict") else []
+        monkeypatch.chdir(cwd)
+        code, output = run_vitlab(cmd_argv(words) + extra)
         check_result(cmd, words, code, output)
 
 
@@ -651,10 +680,12 @@ def test_doc_block_runs(key: tuple[str, int], world: DocWorld, monkeypatch):
                 shutil.copytree(resume, copy, symlinks=True)  # last, best: links into checkpoints/
                 words = [str(copy) if w == resume else w for w in words]
             words = words + tiny_flags(cmd, words, cmd.line)
+            start = time.perf_counter()
             with monkeypatch.context() as env:
                 for key_, value in cmd.env:
                     env.setenv(key_, value)
                 code, output = run_vitlab(cmd_argv(words))
+            print(f"{cmd.where}: {time.perf_counter() - start:.1f} s  {' '.join(words)}")
             check_result(cmd, words, code, output)
             if makes_run(cmd):
                 made[kind_of_task(task_of(cmd))] = cwd / flag_value(words, "--output_dir", "--output-dir")
