@@ -92,3 +92,63 @@ def test_pretrained_offline_says_how_to_load_locally(monkeypatch):
         vitlab.create_model(NAME, pretrained=True)
     with pytest.raises(CheckpointError, match="no published weights"):
         vitlab.create_model("halvit_tiny_patch16_224", pretrained=True)
+
+
+# Hugging Face save_pretrained directories: config.json and (sharded) weights
+
+
+def _hf_dir(tmp_path, sharded: bool):
+    import json
+
+    tensors = {"a.weight": torch.randn(3, 4), "b.weight": torch.randn(5), "c.bias": torch.randn(2)}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    if not sharded:
+        save_file(tensors, str(tmp_path / "model.safetensors"))
+        return tensors
+    save_file({k: tensors[k] for k in ("a.weight",)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({k: tensors[k] for k in ("b.weight", "c.bias")}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                                            "b.weight": "model-00002-of-00002.safetensors",
+                                            "c.bias": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tensors
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_read_hf_state_dict(tmp_path, sharded):
+    from vitlab.convert import read_hf_state_dict
+
+    tensors = _hf_dir(tmp_path, sharded)
+    sd = read_hf_state_dict(tmp_path)
+    assert sd.keys() == tensors.keys()
+    for k, v in tensors.items():
+        torch.testing.assert_close(sd[k], v)
+
+
+def test_read_hf_config_refuses_another_architecture(tmp_path):
+    from vitlab.convert import read_hf_config
+
+    _hf_dir(tmp_path, False)
+    assert read_hf_config(tmp_path, ("LlamaForCausalLM",))["model_type"] == "llama"
+    assert read_hf_config(tmp_path / "config.json", ("llama",))["architectures"] == ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match=r"describes LlamaForCausalLM, llama, not CLIPModel$") as e:
+        read_hf_config(tmp_path, ("CLIPModel",))
+    assert "\n" not in str(e.value)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_hf_config(tmp_path / "nothing_here")
+
+
+def test_hf_missing_or_truncated_shard_is_named(tmp_path):
+    from vitlab.convert import read_hf_state_dict
+
+    _hf_dir(tmp_path, True)
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: the file is truncated") as e:
+        read_hf_state_dict(tmp_path)
+    assert "\n" not in str(e.value)
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=r"shard .*model-00002-of-00002.safetensors named in "
+                                                r"model.safetensors.index.json is missing"):
+        read_hf_state_dict(tmp_path)

@@ -5,10 +5,15 @@ Reads ``.safetensors`` directly and pickled ``.pth`` / ``.pt`` / ``.bin`` files 
 'module.' prefixes, torch.compile's '_orig_mod.'); lets the model's ``checkpoint_filter_fn`` adapt keys and
 shapes (e.g. resample position embeddings); drops a classifier of another size with a warning; and raises one
 clear error naming missing or unexpected keys unless ``strict=False``.
+
+Hugging Face ``save_pretrained`` directories are read by :func:`read_hf_config` (``config.json``, refusing one of
+another architecture) and :func:`read_hf_state_dict` (``model.safetensors``, ``pytorch_model.bin`` or a sharded
+``*.index.json``); each family maps the Hugging Face key names to its own.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import warnings
@@ -127,3 +132,89 @@ def resolve_pretrained(model_name: str, hf_hub_id: str | None) -> str:
     except Exception as e:
         raise CheckpointError(f"could not fetch {hf_hub_id} ({type(e).__name__}); offline? pass "
                               f"checkpoint_path=PATH with a local copy of the weights") from e
+
+
+_HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+
+
+def _hf_dir(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    return path if path.is_dir() else path.parent
+
+
+def read_hf_config(path: str | os.PathLike, architectures: tuple[str, ...] = ()) -> dict:
+    """The ``config.json`` of a Hugging Face ``save_pretrained`` directory (``path``: the directory or the file).
+
+    ``architectures``: the accepted class names (``"LlamaForCausalLM"``) or model types (``"llama"``); a config
+    naming neither is refused in one line (``ValueError``). Empty: any config."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face save_pretrained directory")
+    try:
+        cfg = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file} does not hold a JSON object")
+    if architectures:
+        found = list(cfg.get("architectures") or []) + [cfg.get("model_type")]
+        if not set(architectures) & set(found):
+            what = ", ".join(str(a) for a in found if a) or "no architecture"
+            raise ValueError(f"{file} describes {what}, not {' / '.join(architectures)}")
+    return cfg
+
+
+def _read_hf_file(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated shard: name the file in one line
+        raise unreadable(file, e, "weights file") from None
+
+
+def read_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face checkpoint, by its Hugging Face key name.
+
+    ``path``: a ``save_pretrained`` directory (``model.safetensors``, ``pytorch_model.bin``, or a sharded
+    ``model.safetensors.index.json`` / ``pytorch_model.bin.index.json`` whose ``weight_map`` names the shards),
+    or one of those files. A shard the index names that is missing (``FileNotFoundError``), a truncated or corrupt
+    file, or a shard without the tensors the index puts there (:class:`CheckpointError`) is named in one line."""
+    path = Path(path)
+    folder = _hf_dir(path)
+    if path.is_file() and not path.name.endswith(".index.json"):
+        return _read_hf_file(path)
+    if path.is_file():
+        index = path
+    else:
+        index = next((folder / f"{w}.index.json" for w in _HF_WEIGHTS if (folder / f"{w}.index.json").is_file()), None)
+        single = next((folder / w for w in _HF_WEIGHTS if (folder / w).is_file()), None)
+        if index is None:
+            if single is None:
+                raise FileNotFoundError(f"no model.safetensors, pytorch_model.bin or sharded index in {folder}")
+            return _read_hf_file(single)
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index} is not a weights index (a JSON object with a 'weight_map'): "
+                              f"{type(e).__name__}") from None
+    shards: dict[str, list[str]] = {}
+    for key, shard in weight_map.items():
+        shards.setdefault(shard, []).append(key)
+    for shard in shards:  # every shard present before reading any (they can be many GB)
+        if not (folder / shard).is_file():
+            raise FileNotFoundError(f"shard {folder / shard} named in {index.name} is missing")
+    sd: dict[str, torch.Tensor] = {}
+    for shard, keys in shards.items():
+        part = _read_hf_file(folder / shard)
+        absent = [k for k in keys if k not in part]
+        if absent:
+            raise CheckpointError(f"shard {folder / shard} lacks {len(absent)} tensor(s) {index.name} puts there, "
+                                  f"e.g. {absent[0]!r}")
+        sd.update(part)
+    return sd
