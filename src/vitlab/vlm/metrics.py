@@ -1,0 +1,240 @@
+"""Captioning and VQA metrics, computed as the reference evaluation code computes them.
+
+- :func:`bleu` -- BLEU-1..4 (Papineni et al., 2002, "BLEU: a Method for Automatic Evaluation of Machine
+  Translation", Sec. 2) as the COCO caption evaluation toolkit scores a corpus (Chen et al., 2015, "Microsoft
+  COCO Captions: Data Collection and Evaluation Server", Sec. 3.1): clipped n-gram counts summed over the corpus,
+  the brevity penalty against the *closest* reference length of each caption, its 1e-9 / 1e-15 smoothing.
+- :func:`cider` -- CIDEr-D (Vedantam et al., 2015, "CIDEr: Consensus-based Image Description Evaluation",
+  Sec. 3 and 4.2, the variant the COCO server reports): TF-IDF n-gram vectors (n = 1..4, document frequencies
+  over the references of the evaluated set), hypothesis counts clipped by the reference's, a Gaussian length
+  penalty (sigma 6), averaged over references and n, times 10.
+- :func:`vqa_accuracy` -- VQA v2's accuracy (Goyal et al., 2017, "Making the V in VQA Matter", Sec. 3; Antol et
+  al., 2015, "VQA: Visual Question Answering", Sec. 2): ``min(#humans who gave the answer / 3, 1)`` averaged over
+  the 10 leave-one-out subsets of 9 human answers, after the official script's answer normalisation
+  (punctuation, number words to digits, articles dropped, contractions restored), applied to the prediction
+  and the human answers alike (VQA v2 releases its answers normalised, so on them this is the official
+  computation).
+
+Both caption metrics take tokenized text (words joined by spaces). :func:`tokenize_caption` is what the COCO
+toolkit does with Stanford's PTB tokenizer (a Java program), in Python: lower-case, split clitics ("n't", "'s",
+"'re", "'ve", "'ll", "'d", "'m") and punctuation off the words, drop the punctuation tokens. For plain English
+captions it gives the PTB tokenizer's words; the scores are then those of ``pycocoevalcap``'s ``Bleu(4)`` and
+``Cider`` on the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+
+# ---------------------------------------------------------------- tokenization (COCO's PTB step, in Python)
+
+# the tokens the COCO toolkit removes after PTB tokenization
+PTB_PUNCTUATION = frozenset(["''", "'", "``", "`", "-lrb-", "-rrb-", "-lcb-", "-rcb-", ".", "?", "!", ",", ":",
+                             "-", "--", "...", ";"])
+_CLITIC = re.compile(r"(?i)(n't|'s|'re|'ve|'ll|'d|'m)\b")
+_PUNCT = re.compile(r"(\.\.\.|--|[^\w\s'])")
+
+
+def tokenize_caption(text: str) -> str:
+    """``text`` lower-cased and PTB-tokenized with punctuation tokens removed, words joined by single spaces."""
+    text = _CLITIC.sub(r" \1", text.lower())
+    text = _PUNCT.sub(r" \1 ", text)
+    return " ".join(w for w in text.split() if w not in PTB_PUNCTUATION)
+
+
+def _ngrams(words: Sequence[str], n: int) -> Counter:
+    return Counter(tuple(words[i:i + k]) for k in range(1, n + 1) for i in range(len(words) - k + 1))
+
+
+def _check(hyps: Mapping, refs: Mapping) -> list:
+    if set(hyps) != set(refs):
+        raise ValueError("hypotheses and references must have the same keys")
+    if not hyps:
+        raise ValueError("no captions to score")
+    for k, r in refs.items():
+        if isinstance(r, str) or not r:
+            raise ValueError(f"references of {k!r} must be a non-empty list of captions")
+    return list(hyps)
+
+
+# ---------------------------------------------------------------- BLEU
+
+
+def bleu(hyps: Mapping[object, str], refs: Mapping[object, Sequence[str]], n: int = 4) -> list[float]:
+    """Corpus BLEU-1..``n`` of the tokenized captions ``hyps`` (key -> caption) against ``refs`` (key -> list of
+    captions), as the COCO toolkit computes them (``pycocoevalcap.bleu.Bleu(n)``, option 'closest')."""
+    keys = _check(hyps, refs)
+    small, tiny = 1e-9, 1e-15  # the toolkit's smoothing: a corpus with no match scores ~0, never divides by 0
+    guess, correct = [0] * n, [0] * n
+    testlen = reflen = 0
+    for key in keys:
+        words = hyps[key].split()
+        counts = _ngrams(words, n)
+        maxref: dict[tuple, int] = {}
+        lens = []
+        for r in refs[key]:
+            rw = r.split()
+            lens.append(len(rw))
+            for g, c in _ngrams(rw, n).items():
+                maxref[g] = max(maxref.get(g, 0), c)
+        testlen += len(words)
+        reflen += min((abs(ln - len(words)), ln) for ln in lens)[1]  # closest; a tie takes the shorter
+        for g, c in counts.items():
+            correct[len(g) - 1] += min(maxref.get(g, 0), c)
+        for k in range(n):
+            guess[k] += max(0, len(words) - k)
+    scores, prod = [], 1.0
+    for k in range(n):
+        prod *= (correct[k] + tiny) / (guess[k] + small)
+        scores.append(prod ** (1.0 / (k + 1)))
+    ratio = (testlen + tiny) / (reflen + small)
+    if ratio < 1:
+        scores = [s * math.exp(1 - 1 / ratio) for s in scores]
+    return scores
+
+
+# ---------------------------------------------------------------- CIDEr-D
+
+
+def cider(hyps: Mapping[object, str], refs: Mapping[object, Sequence[str]], n: int = 4,
+          sigma: float = 6.0) -> tuple[float, list[float]]:
+    """CIDEr-D of the tokenized captions ``hyps`` against ``refs``: (corpus mean, per-key scores in ``hyps``'
+    order), as ``pycocoevalcap.cider.Cider`` computes them (document frequencies over this set's references)."""
+    keys = _check(hyps, refs)
+    ref_counts = [[_ngrams(r.split(), n) for r in refs[k]] for k in keys]
+    df: Counter = Counter()
+    for rc in ref_counts:
+        df.update({g for c in rc for g in c})
+    log_n = math.log(float(len(keys)))
+
+    def vec(counts: Counter):
+        v: list[dict] = [{} for _ in range(n)]
+        norm = [0.0] * n
+        length = 0
+        for g, tf in counts.items():
+            k = len(g) - 1
+            v[k][g] = w = tf * (log_n - math.log(max(1.0, df[g])))
+            norm[k] += w * w
+            if k == 1:  # the toolkit's length: the number of bigrams (only differences of it are used)
+                length += tf
+        return v, [math.sqrt(x) for x in norm], length
+
+    scores = []
+    for key, rc in zip(keys, ref_counts, strict=True):
+        vh, nh, lh = vec(_ngrams(hyps[key].split(), n))
+        total = [0.0] * n
+        for c in rc:
+            vr, nr, lr = vec(c)
+            penalty = math.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))
+            for k in range(n):
+                val = sum(min(w, vr[k].get(g, 0.0)) * vr[k].get(g, 0.0) for g, w in vh[k].items())
+                if nh[k] != 0 and nr[k] != 0:
+                    val /= nh[k] * nr[k]
+                total[k] += val * penalty
+        scores.append(sum(total) / n / len(rc) * 10.0)
+    return sum(scores) / len(scores), scores
+
+
+def caption_scores(hyps: Mapping[object, str], refs: Mapping[object, Sequence[str]]) -> dict[str, float]:
+    """BLEU-1..4 and CIDEr-D of raw captions (both tokenized by :func:`tokenize_caption` first)."""
+    h = {k: tokenize_caption(v) for k, v in hyps.items()}
+    r = {k: [tokenize_caption(x) for x in v] for k, v in refs.items()}
+    b = bleu(h, r)
+    return {**{f"bleu{i + 1}": b[i] for i in range(4)}, "cider": cider(h, r)[0]}
+
+
+# ---------------------------------------------------------------- VQA accuracy
+
+# the official VQA evaluation script's normalisation tables (vqaEval.py)
+CONTRACTIONS = {
+    "aint": "ain't", "arent": "aren't", "cant": "can't", "couldve": "could've", "couldnt": "couldn't",
+    "couldn'tve": "couldn't've", "couldnt've": "couldn't've", "didnt": "didn't", "doesnt": "doesn't",
+    "dont": "don't", "hadnt": "hadn't", "hadnt've": "hadn't've", "hadn'tve": "hadn't've", "hasnt": "hasn't",
+    "havent": "haven't", "hed": "he'd", "hed've": "he'd've", "he'dve": "he'd've", "hes": "he's", "howd": "how'd",
+    "howll": "how'll", "hows": "how's", "Id've": "I'd've", "I'dve": "I'd've", "Im": "I'm", "Ive": "I've",
+    "isnt": "isn't", "itd": "it'd", "itd've": "it'd've", "it'dve": "it'd've", "itll": "it'll", "let's": "let's",
+    "maam": "ma'am", "mightnt": "mightn't", "mightnt've": "mightn't've", "mightn'tve": "mightn't've",
+    "mightve": "might've", "mustnt": "mustn't", "mustve": "must've", "neednt": "needn't", "notve": "not've",
+    "oclock": "o'clock", "oughtnt": "oughtn't", "ow's'at": "'ow's'at", "'ows'at": "'ow's'at",
+    "'ow'sat": "'ow's'at", "shant": "shan't", "shed've": "she'd've", "she'dve": "she'd've", "she's": "she's",
+    "shouldve": "should've", "shouldnt": "shouldn't", "shouldnt've": "shouldn't've",
+    "shouldn'tve": "shouldn't've", "somebody'd": "somebodyd", "somebodyd've": "somebody'd've",
+    "somebody'dve": "somebody'd've", "somebodyll": "somebody'll", "somebodys": "somebody's",
+    "someoned": "someone'd", "someoned've": "someone'd've", "someone'dve": "someone'd've",
+    "someonell": "someone'll", "someones": "someone's", "somethingd": "something'd",
+    "somethingd've": "something'd've", "something'dve": "something'd've", "somethingll": "something'll",
+    "thats": "that's", "thered": "there'd", "thered've": "there'd've", "there'dve": "there'd've",
+    "therere": "there're", "theres": "there's", "theyd": "they'd", "theyd've": "they'd've",
+    "they'dve": "they'd've", "theyll": "they'll", "theyre": "they're", "theyve": "they've", "twas": "'twas",
+    "wasnt": "wasn't", "wed've": "we'd've", "we'dve": "we'd've", "weve": "we've", "werent": "weren't",
+    "whatll": "what'll", "whatre": "what're", "whats": "what's", "whatve": "what've", "whens": "when's",
+    "whered": "where'd", "wheres": "where's", "whereve": "where've", "whod": "who'd", "whod've": "who'd've",
+    "who'dve": "who'd've", "wholl": "who'll", "whos": "who's", "whove": "who've", "whyll": "why'll",
+    "whyre": "why're", "whys": "why's", "wont": "won't", "wouldve": "would've", "wouldnt": "wouldn't",
+    "wouldnt've": "wouldn't've", "wouldn'tve": "wouldn't've", "yall": "y'all", "yall'll": "y'all'll",
+    "y'allll": "y'all'll", "yall'd've": "y'all'd've", "y'alld've": "y'all'd've", "y'all'dve": "y'all'd've",
+    "youd": "you'd", "youd've": "you'd've", "you'dve": "you'd've", "youll": "you'll", "youre": "you're",
+    "youve": "you've",
+}
+NUMBER_WORDS = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5",
+                "six": "6", "seven": "7", "eight": "8", "nine": "9", "ten": "10"}
+ARTICLES = frozenset(["a", "an", "the"])
+VQA_PUNCT = [";", r"/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`", ",", "?",
+             "!"]
+# kept verbatim, quirks included: "(?!<=\d)" is a look-ahead, so the pattern removes every '.' not followed by a
+# digit; the official call passes re.UNICODE (32) as sub's count, so at most 32 are removed
+_PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)")
+_COMMA_STRIP = re.compile(r"(\d)(\,)(\d)")
+
+
+def _punctuation(text: str) -> str:
+    out = text
+    for p in VQA_PUNCT:
+        if (p + " " in text or " " + p in text) or _COMMA_STRIP.search(text) is not None:
+            out = out.replace(p, "")
+        else:
+            out = out.replace(p, " ")
+    return _PERIOD_STRIP.sub("", out, count=32)
+
+
+def _digits_articles(text: str) -> str:
+    words = [NUMBER_WORDS.get(w, w) for w in text.lower().split()]
+    words = [w for w in words if w not in ARTICLES]
+    return " ".join(CONTRACTIONS.get(w, w) for w in words)
+
+
+def normalize_answer(answer: str) -> str:
+    """An answer as the official VQA script compares it: newlines and tabs to spaces, stripped, lower-cased,
+    punctuation removed or spaced, number words as digits, articles dropped, contractions restored."""
+    text = answer.replace("\n", " ").replace("\t", " ").strip().lower()
+    return _digits_articles(_punctuation(text))
+
+
+def vqa_score(prediction: str, answers: Sequence[str]) -> float:
+    """VQA accuracy of one answer against the human ``answers`` (10 in VQA v2): for each answer left out, the
+    share ``min(#matches among the other answers / 3, 1)``, averaged over the leave-one-out subsets."""
+    if not answers:
+        raise ValueError("a question needs at least one reference answer")
+    pred = normalize_answer(prediction)
+    gts = [normalize_answer(a) for a in answers]
+    accs = [min(1.0, sum(g == pred for j, g in enumerate(gts) if j != i) / 3.0) for i in range(len(gts))]
+    return sum(accs) / len(accs)
+
+
+def vqa_accuracy(predictions: Iterable[str], answers: Iterable[Sequence[str]],
+                 kinds: Iterable[str] | None = None) -> dict[str, float]:
+    """VQA accuracy in percent: ``overall`` and, with ``kinds`` (one per question: count, presence, ...), one
+    entry per kind (``acc_<kind>``)."""
+    scores = [vqa_score(p, a) for p, a in zip(predictions, answers, strict=True)]
+    if not scores:
+        raise ValueError("no questions to score")
+    out = {"overall": 100.0 * sum(scores) / len(scores)}
+    if kinds is not None:
+        by: dict[str, list[float]] = defaultdict(list)
+        for k, s in zip(kinds, scores, strict=True):
+            by[k].append(s)
+        out.update({f"acc_{k}": 100.0 * sum(v) / len(v) for k, v in sorted(by.items())})
+    return out
