@@ -113,8 +113,8 @@ def test_every_module_imports(name):
 
 
 def test_no_global_state_changed_at_import_or_by_plots(tmp_path):
-    """Importing every module leaves the umask, torch's FLOP registry and matplotlib's backend alone; plots use
-    the object API (no pyplot); counting registers nothing globally."""
+    """Importing every module leaves the umask, torch's FLOP registry and matplotlib's backend alone; plots (the
+    training curves, the benchmark figures) use the object API (no pyplot); counting registers nothing globally."""
     import subprocess
     import sys
     import textwrap
@@ -139,6 +139,11 @@ def test_no_global_state_changed_at_import_or_by_plots(tmp_path):
         rows = [{{"epoch": 1, "train_loss": 1.0, "val_loss": 1.0, "val_top1": 50.0, "ema_val_top1": 40.0}}]
         assert curves_png(rows)[:4] == b"\\x89PNG"
         assert confusion_png(torch.eye(3, dtype=torch.long), ["a", "b", "c"], "t")[:4] == b"\\x89PNG"
+        from vitlab.bench import ladder, models
+        ladder.plot([{{"rung": "eager", "img_per_s": 3.0, "peak_mem_mb": 9.0, "batch_size": 2, "model": "m",
+                      "device": "cpu"}}], {str(tmp_path / "l.png")!r})
+        models.plot([{{"impl": "vitlab", "gmacs": 1.0, "img_per_s": 3.0, "model": "m", "mode": "eager",
+                      "device": "cpu", "dtype": "fp32", "batch_size": 2}}], {str(tmp_path / "m.png")!r})
         q = torch.randn(1, 2, 4, 8)
         count_macs(lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x), q)
         assert set(flop_registry) == before, "FLOP formulas registered by counting"

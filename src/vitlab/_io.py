@@ -1,12 +1,15 @@
-"""Atomic file writes shared by every package that saves results (training runs, benchmarks): write a
+"""Atomic file writes shared by every package that saves results (training runs, benchmarks, figures): write a
 temporary file in the target folder, fsync, ``os.replace`` it into place, fsync the folder. A crash or a kill
-at any moment leaves either the previous file or the new one, never a half-written one.
+at any moment leaves either the previous file or the new one, never a half-written one. JSON results and
+matplotlib figures (PNG) go through the same path.
 
 Temporary files and folders are created with ``os.open(..., 0o666)`` / ``os.mkdir(..., 0o777)``, so the kernel
 applies the process umask itself: nothing here reads or changes the umask (no global state touched)."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import secrets
 from pathlib import Path
@@ -72,3 +75,21 @@ def atomic_write(path: str | Path, data: bytes) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def write_json(path: str | Path, payload) -> Path:
+    """``payload`` as indented JSON with a final newline, written atomically."""
+    return atomic_write(path, (json.dumps(payload, indent=2) + "\n").encode())
+
+
+def png_bytes(fig, dpi: int = 100) -> bytes:
+    """A matplotlib ``Figure`` (object API: ``matplotlib.figure.Figure(...)``, no ``pyplot``, no backend switch)
+    rendered to PNG, trimmed to its drawn content."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def write_png(path: str | Path, fig, dpi: int = 100) -> Path:
+    """``fig`` as a PNG at ``path``, written atomically (see :func:`png_bytes`)."""
+    return atomic_write(path, png_bytes(fig, dpi))

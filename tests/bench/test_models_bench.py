@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vitlab.bench import ladder, models
-from vitlab.bench.timing import paired_ratio, paired_times, round_robin_times
+from vitlab.timing import paired_ratio, paired_times, round_robin_times
 
 KEYS = {"model", "impl", "mode", "device", "dtype", "batch_size", "img_per_s", "peak_mem_mb", "gmacs", "tflops",
         "util", "ratio_vs_timm", "ratio_vs_timm_compile", "backend"}

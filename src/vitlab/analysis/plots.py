@@ -1,12 +1,13 @@
-"""PNG figures of the analysis tools, drawn with matplotlib's object API (``Figure``, no ``pyplot``; the
-helpers of :mod:`vitlab.train.plots`). Each function takes the data a tool returned and gives PNG bytes."""
+"""PNG figures of the analysis tools, drawn with matplotlib's object API (``Figure``, no ``pyplot``). Each
+function takes the data a tool returned and gives PNG bytes."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from matplotlib.figure import Figure
 
-from vitlab.train.plots import _figure, _png
+from vitlab._io import png_bytes
 
 
 def _upsample(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -42,7 +43,7 @@ def attention_png(display: torch.Tensor, maps: torch.Tensor, rollout: torch.Tens
     n, heads = maps.shape[:2]
     cols = 1 + heads + (rollout is not None)
     w = min(1.6, 14.0 / cols)  # many heads: narrower panels, the figure stays <= 14 inches wide
-    fig = _figure((w * cols, (w + 0.1) * n + 0.4))
+    fig = Figure(figsize=(w * cols, (w + 0.1) * n + 0.4))
     axes = fig.subplots(n, cols, squeeze=False)
     size = tuple(display.shape[1:3])
     up = _upsample(maps, size)
@@ -66,14 +67,14 @@ def attention_png(display: torch.Tensor, maps: torch.Tensor, rollout: torch.Tens
             _off(ax)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def hilo_spectrum_png(r: dict, title: str) -> bytes:
     """Figures II and III of the LITv2 supplementary: the 8 channel magnitudes of Hi-Fi (top row) and Lo-Fi
     (bottom row)."""
     n = r["hifi"].shape[0]
-    fig = _figure((1.5 * n, 3.6))
+    fig = Figure(figsize=(1.5 * n, 3.6))
     axes = fig.subplots(2, n, squeeze=False)
     for row, branch in enumerate(("hifi", "lofi")):
         for c in range(n):
@@ -83,7 +84,7 @@ def hilo_spectrum_png(r: dict, title: str) -> bytes:
         axes[row][0].set_ylabel({"hifi": "Hi-Fi", "lofi": "Lo-Fi"}[branch], fontsize=9)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def block_spectrum_png(r: dict, title: str) -> bytes:
@@ -92,7 +93,7 @@ def block_spectrum_png(r: dict, title: str) -> bytes:
     from matplotlib import colormaps
 
     rows = r["blocks"]
-    fig = _figure((10, 3.6))
+    fig = Figure(figsize=(10, 3.6))
     a1, a2 = fig.subplots(1, 2)
     cmap = colormaps["plasma"]
     for i, b in enumerate(rows):
@@ -106,7 +107,7 @@ def block_spectrum_png(r: dict, title: str) -> bytes:
     a2.set_ylabel("at the highest frequency")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def bias_png(r: dict, title: str, max_layers: int = 8) -> bytes:
@@ -114,7 +115,7 @@ def bias_png(r: dict, title: str, max_layers: int = 8) -> bytes:
     yellow high, dark blue low), one shared colour scale over the model's range."""
     layers = r["layers"][:max_layers]
     heads = max(lay["maps"].shape[0] for lay in layers)
-    fig = _figure((1.1 * heads + 1.5, 1.2 * len(layers) + 0.6))
+    fig = Figure(figsize=(1.1 * heads + 1.5, 1.2 * len(layers) + 0.6))
     axes = fig.subplots(len(layers), heads, squeeze=False)
     lo, hi = r["range"]
     im = None
@@ -131,7 +132,7 @@ def bias_png(r: dict, title: str, max_layers: int = 8) -> bytes:
     if im is not None:
         fig.colorbar(im, ax=[a for row in axes for a in row], shrink=0.6)
     fig.suptitle(title, fontsize=9)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def _square():
@@ -148,7 +149,7 @@ def posembed_png(r: dict, title: str) -> bytes:
     tiles = torch.full((H, H + 1, W, W + 1), float("nan"))  # the extra row / column: a gap between tiles
     tiles[:, :H, :, :W] = sim.permute(0, 2, 1, 3)  # (i, y, j, x)
     mosaic = tiles.reshape(H * (H + 1), W * (W + 1))
-    fig = _figure((7, 6.4))
+    fig = Figure(figsize=(7, 6.4))
     ax = fig.subplots()
     im = ax.imshow(mosaic.numpy(), cmap="viridis", vmin=float(sim.min()), vmax=1, interpolation="nearest")
     _off(ax)
@@ -157,7 +158,7 @@ def posembed_png(r: dict, title: str) -> bytes:
     fig.colorbar(im, ax=ax, shrink=0.8, label="cosine similarity")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def timings_png(r: dict, title: str) -> bytes:
@@ -166,7 +167,7 @@ def timings_png(r: dict, title: str) -> bytes:
     from vitlab.analysis.timings import ROWS
 
     rows = list(ROWS) + ["Total"]
-    fig = _figure((9, 5))
+    fig = Figure(figsize=(9, 5))
     ax = fig.subplots()
     hgt = 0.2
     styles = [("deit_tiny", "ours", "tab:blue", None), ("deit_tiny", "paper", "tab:blue", "//"),
@@ -192,14 +193,14 @@ def timings_png(r: dict, title: str) -> bytes:
     ax.legend(fontsize=8, loc="upper right")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def block_timings_png(r: dict, title: str) -> bytes:
     """Any block: each leaf module's median microseconds, the rest of the block and its total."""
     names = list(r["components_us"]) + ["rest", "Total"]
     vals = list(r["components_us"].values()) + [max(r["rest_us"], 0.0), r["total_us"]]
-    fig = _figure((8, 0.3 * len(names) + 1.5))
+    fig = Figure(figsize=(8, 0.3 * len(names) + 1.5))
     ax = fig.subplots()
     ax.barh(range(len(names)), vals, color=["tab:blue"] * (len(names) - 2) + ["tab:gray", "tab:red"])
     ax.set_yticks(range(len(names)))
@@ -208,14 +209,14 @@ def block_timings_png(r: dict, title: str) -> bytes:
     ax.set_xlabel("microseconds (median)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def memory_png(rows: list[dict], table: list[dict], title: str) -> bytes:
     """Left: the serving-memory estimate for Q = 32 / 16 / 8 / 4 beside each measurement (loaded, peak, live tensors)
     and weights + input + the activation term where it applies. Right: the complexity table (attention MACs
     and attention-map memory of one layer vs image size)."""
-    fig = _figure((11, 4))
+    fig = Figure(figsize=(11, 4))
     a1, a2 = fig.subplots(1, 2)
     est = rows[0]["estimate_gb"]
     labels = [f"estimate Q={q} (weights)" for q in est]
@@ -252,7 +253,7 @@ def memory_png(rows: list[dict], table: list[dict], title: str) -> bytes:
     a2.set_title("attention cost grows with N^2", fontsize=9)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def window_study_png(r: dict, title: str) -> bytes:
@@ -264,7 +265,7 @@ def window_study_png(r: dict, title: str) -> bytes:
             ("train_memory_gb", "train_memory_gb", "train memory GB"),
             ("test_memory_gb", "test_memory_gb", "test memory GB"), ("top1", "top1", "top-1 %")]
     cols = [c for c in cols if all(c[0] in row for row in rows)]
-    fig = _figure((3.2 * len(cols), 3.2))
+    fig = Figure(figsize=(3.2 * len(cols), 3.2))
     axes = fig.subplots(1, len(cols), squeeze=False)[0]
     for ax, (ours, theirs, label) in zip(axes, cols):
         ax.plot(ws, [row[ours] for row in rows], marker="o", label="ours")
@@ -278,14 +279,14 @@ def window_study_png(r: dict, title: str) -> bytes:
     axes[0].legend(fontsize=7, loc="lower left")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def pooled_queries_png(r: dict, title: str) -> bytes:
     """LITv2 supplementary Table III: params, GMACs and img/s of both variants, ours beside the paper's."""
     rows = r["rows"]
     paper = list(r["paper"].values())
-    fig = _figure((9, 3))
+    fig = Figure(figsize=(9, 3))
     axes = fig.subplots(1, 3)
     for ax, (key, pkey, label) in zip(axes, [("params_m", "params_m", "params (M)"), ("gmacs", "gflops", "GMACs"),
                                               ("img_per_s", "img_per_s", "img/s")]):
@@ -300,4 +301,4 @@ def pooled_queries_png(r: dict, title: str) -> bytes:
     axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)

@@ -8,7 +8,7 @@
   ``create_model('litv2_s', pooled_queries=True)`` (Lo-Fi queries from the pooled map, output resized back
   bilinearly): parameters, GMACs and throughput, the two timed paired in one loop.
 
-Throughputs are medians of round-robin runs (:func:`vitlab.bench.timing.round_robin_times`); the paper's
+Throughputs are medians of round-robin runs (:func:`vitlab.timing.round_robin_times`); the paper's
 numbers (an A100 / RTX 3090 at batch 64, ImageNet or CIFAR-100 training) are returned beside ours.
 """
 
@@ -18,6 +18,8 @@ import statistics
 from pathlib import Path
 
 import torch
+
+from vitlab.timing import round_robin_times
 
 # LITv2 supplementary, Table II (CIFAR-100, LITv2-S): s -> params M, GFLOPs, img/s, train GB, test GB, top-1 %
 PAPER_TABLE2 = {2: (27, 3.7, 1476, 5.1, 1.2, 85.1), 3: (27, 3.7, 1437, 5.1, 1.2, 84.6),
@@ -29,8 +31,6 @@ PAPER_TABLE3 = {"litv2_s": (28, 3.7, 1471, 82.0), "litv2_s pooled queries": (28,
 
 
 def _throughputs(models: dict[str, torch.nn.Module], x: torch.Tensor, warmup: int, runs: int) -> dict[str, float]:
-    from vitlab.bench.timing import round_robin_times
-
     for m in models.values():
         m.eval()
 

@@ -20,7 +20,7 @@ MLP                         fc1 + Hardswish + fc2                              l
 ==========================  =================================================  =================================
 
 The softmax (and LeViT's bias) is counted with QK^T, the table has no row for it. The components and the
-whole block are timed round-robin in one loop (:func:`vitlab.bench.timing.round_robin_times`), medians of
+whole block are timed round-robin in one loop (:func:`vitlab.timing.round_robin_times`), medians of
 ``runs`` >= 50 after warm-up; ``sum / total`` says how much the block spends outside the rows (residual adds,
 reshapes, head split). :func:`block_timings` times the leaf modules of any block the same way.
 """
@@ -34,6 +34,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from vitlab.timing import round_robin_times
 
 # LeViT supplementary, Table 1: microseconds on an Intel Xeon E5-2698 CPU core, batch 1
 PAPER_TABLE1 = {
@@ -57,8 +59,6 @@ def _threads(n: int | None):
 
 
 def _time_round_robin(fns: dict[str, Callable[[], object]], warmup: int, runs: int) -> dict[str, dict]:
-    from vitlab.bench.timing import round_robin_times
-
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     with torch.inference_mode():

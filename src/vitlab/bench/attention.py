@@ -21,8 +21,6 @@ paper_cpu_img_per_s, paper_gpu_img_per_s`` (None for mechanisms without a Table 
 
 from __future__ import annotations
 
-import io
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -31,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from vitlab._io import atomic_write
+from vitlab import _io
 from vitlab.attention import create, list_attention
 from vitlab.bench.paper_table_iv import SETTINGS, paper_row
 from vitlab.profile import count_macs, count_params
@@ -194,17 +192,14 @@ def write_json(rows: list[dict], path: str | Path) -> Path:
     payload = dict(benchmark="attention", paper="LITv2/HiLo supplementary, Table IV (Pan et al., NeurIPS 2022)",
                    paper_settings={**SETTINGS, "hw": list(SETTINGS["hw"])}, torch=torch.__version__,
                    machine=machine(), rows=rows)
-    data = (json.dumps(payload, indent=2) + "\n").encode()
-    return atomic_write(path, data)
+    return _io.write_json(path, payload)
 
 
 def plot(rows: list[dict], path: str | Path) -> Path:
-    """PNG of measured throughput against MACs, one labelled point per mechanism (Agg canvas, no display)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    """PNG of measured throughput against MACs, one labelled point per mechanism."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 5.5), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = Figure(figsize=(8, 5.5))
     ax = fig.add_subplot()
     for r in rows:
         color = "tab:red" if r["name"] == "msa" else "tab:blue"
@@ -220,9 +215,7 @@ def plot(rows: list[dict], path: str | Path) -> Path:
                      f"batch {r0['batch_size']}", fontsize=9)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return atomic_write(path, buf.getvalue())
+    return _io.write_png(path, fig, dpi=120)
 
 
 def format_table(rows: list[dict]):

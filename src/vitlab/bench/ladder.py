@@ -14,7 +14,6 @@ allocator state leaks from one rung into the next. Beside the measured peak we p
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import resource
@@ -23,9 +22,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from vitlab._io import atomic_write
-from vitlab.bench.timing import matmul_peak_tflops, median_time
+from vitlab import _io
+from vitlab.bench.timing import matmul_peak_tflops
 from vitlab.profile import memory_estimate_gb, profile_model
+from vitlab.timing import median_time
 
 
 @dataclass(frozen=True)
@@ -230,20 +230,15 @@ def bench_ladder(name: str, device: str = "cpu", batch_size: int = 8, warmup: in
 
 
 def write_json(rows: list[dict], path) -> None:
-    atomic_write(path, (json.dumps({"benchmark": "ladder", "torch": torch.__version__, "rows": rows}, indent=2)
-                        + "\n").encode())
+    _io.write_json(path, {"benchmark": "ladder", "torch": torch.__version__, "rows": rows})
 
 
 def plot(rows: list[dict], path) -> None:
     """Bars of training images/s per rung, with the peak memory written on each bar."""
-    import io
+    from matplotlib.figure import Figure
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig = Figure(figsize=(9, 4.5))
+    ax = fig.subplots()
     names = [r["rung"] for r in rows]
     vals = [r["img_per_s"] or 0 for r in rows]
     bars = ax.barh(names[::-1], vals[::-1], color="tab:blue")
@@ -254,10 +249,7 @@ def plot(rows: list[dict], path) -> None:
     if rows:
         ax.set_title(f"optimization ladder: {rows[0]['model']} on {rows[0]['device']}")
     ax.set_xlim(0, max(vals + [1]) * 1.6)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    _io.write_png(path, fig, dpi=120)
 
 
 def format_table(rows: list[dict]):

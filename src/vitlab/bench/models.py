@@ -15,7 +15,6 @@ means we are faster), ``ratio_spread_*`` their (min, max).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Iterable
@@ -24,12 +23,13 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
+from vitlab import _io
 from vitlab._console import clock, console, say
-from vitlab._io import atomic_write
-from vitlab.bench.timing import check_counts, matmul_peak_tflops, paired_ratio, round_robin_times
+from vitlab.bench.timing import matmul_peak_tflops
 from vitlab.convert import load_state_dict
 from vitlab.profile import profile_model
 from vitlab.registry import create_model, get_model_config, list_models
+from vitlab.timing import check_counts, paired_ratio, round_robin_times
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("infer", "train")
@@ -240,20 +240,15 @@ def _bench_one(name, input_size, prof, mode, dev, tdtype, dtype, batch_size, com
 def write_json(rows: list[dict], path) -> None:
     from vitlab.bench.attention import machine
 
-    payload = {"benchmark": "models", "torch": torch.__version__, "machine": machine(), "rows": rows}
-    atomic_write(path, (json.dumps(payload, indent=2) + "\n").encode())
+    _io.write_json(path, {"benchmark": "models", "torch": torch.__version__, "machine": machine(), "rows": rows})
 
 
 def plot(rows: list[dict], path) -> None:
     """Throughput against GMACs, one labelled point per (model, impl, mode)."""
-    import io
+    from matplotlib.figure import Figure
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     for impl, marker in (("vitlab", "o"), ("timm", "x"), ("timm-compile", "+")):
         pts = [r for r in rows if r["impl"] == impl]
         ax.scatter([r["gmacs"] for r in pts], [r["img_per_s"] for r in pts], marker=marker, label=impl)
@@ -267,10 +262,7 @@ def plot(rows: list[dict], path) -> None:
         r = rows[0]
         ax.set_title(f"{r['device']} {r['dtype']}, batch {r['batch_size']}")
     ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    _io.write_png(path, fig, dpi=120)
 
 
 def format_table(rows: list[dict]):

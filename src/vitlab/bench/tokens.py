@@ -11,18 +11,16 @@ after the last block, peak CUDA memory (None on the CPU) and, with a checkpoint 
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 import time
 
 import torch
 import torch.nn as nn
 
+from vitlab import _io
 from vitlab._console import clock, console, metric_text, say
-from vitlab._io import atomic_write
 from vitlab.attention import Block
 from vitlab.bench.models import DTYPES, _peak_mem_mb, _step_fn
-from vitlab.bench.timing import check_counts, paired_ratio, round_robin_times
 from vitlab.models.vision_transformer import VisionTransformer
 from vitlab.profile import count_macs
 from vitlab.prune.patch import apply as prune_apply
@@ -30,6 +28,7 @@ from vitlab.prune.patch import remove as prune_remove
 from vitlab.prune.patch import set_keep_rate
 from vitlab.prune.tasks import parse_spec
 from vitlab.registry import create_model, get_model_config
+from vitlab.timing import check_counts, paired_ratio, round_robin_times
 from vitlab.tome.cost import tome_gmacs
 from vitlab.tome.patch import apply as tome_apply
 from vitlab.tome.patch import remove as tome_remove
@@ -163,19 +162,14 @@ def bench_tokens(name: str | None, r_values: list[int], prune: list[str] | None 
 def write_json(rows: list[dict], path) -> None:
     from vitlab.bench.attention import machine
 
-    payload = {"benchmark": "tokens", "torch": torch.__version__, "machine": machine(), "rows": rows}
-    atomic_write(path, (json.dumps(payload, indent=2) + "\n").encode())
+    _io.write_json(path, {"benchmark": "tokens", "torch": torch.__version__, "machine": machine(), "rows": rows})
 
 
 def plot(rows: list[dict], path) -> None:
     """Speed-accuracy: top-1 against images/s when measured (else GMACs against images/s), one point a setting."""
-    import io
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(fig)
     ax = fig.subplots()
     has_acc = all(r["top1"] is not None for r in rows)
     for kind, marker in (("r=0", "s"), ("tome", "o"), ("prune", "^")):
@@ -194,9 +188,7 @@ def plot(rows: list[dict], path) -> None:
     ax.set_title(f"{r0['model']}: token merging and pruning")
     ax.grid(alpha=0.3)
     ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    atomic_write(path, buf.getvalue())
+    _io.write_png(path, fig)
 
 
 def format_table(rows: list[dict]):

@@ -27,7 +27,7 @@ def _bf16_note(args) -> None:
 
 def cmd_attention(args) -> int:
     from vitlab.bench import attention
-    from vitlab.bench.timing import check_counts
+    from vitlab.timing import check_counts
 
     check_counts(args.batch_size, args.warmup, args.runs)  # bench_attention checks runs and warmup, not the batch
     _bf16_note(args)
@@ -56,7 +56,7 @@ def cmd_models(args) -> int:
 
 def cmd_ladder(args) -> int:
     from vitlab.bench import ladder
-    from vitlab.bench.timing import check_counts
+    from vitlab.timing import check_counts
 
     check_counts(args.batch_size, args.warmup, args.runs)  # bench_ladder itself does not check them
     rows = ladder.bench_ladder(args.model, device=args.device, batch_size=args.batch_size, warmup=args.warmup,

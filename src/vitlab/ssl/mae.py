@@ -18,12 +18,11 @@ on one view, a random resized crop and a flip (appendix A.1), and is registered 
 
 from __future__ import annotations
 
-import io
-
 import torch
 import torch.nn as nn
 from torch import Tensor
 
+from vitlab._io import png_bytes
 from vitlab.attention import Block
 from vitlab.layers import init_linears_trunc_normal_, sincos_2d_pos_embed
 from vitlab.models.vision_transformer import VisionTransformer
@@ -232,6 +231,4 @@ def reconstruction_png(imgs: Tensor, rec: Tensor, mask: Tensor, mean, std, n: in
             if i == 0:
                 ax.set_ylabel(title, fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    return buf.getvalue()
+    return png_bytes(fig, dpi=80)

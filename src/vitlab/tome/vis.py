@@ -4,12 +4,11 @@ outlined, so the patches that ended in the same token read as one segment."""
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import torch
 import torch.nn as nn
 
+from vitlab._io import png_bytes
 from vitlab.tome.merge import unmerge_tokens
 
 
@@ -44,7 +43,6 @@ def merge_png(model: nn.Module, image: torch.Tensor, display: torch.Tensor | Non
     """PNG of the merged regions: left the image, right every region in its mean colour with its outline.
     ``image`` is the model's (normalised) input; ``display`` (3 or 1, H, W in [0, 1]) what to paint, default the
     image rescaled to [0, 1]."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     regions = merge_regions(model, image)
@@ -69,14 +67,11 @@ def merge_png(model: nn.Module, image: torch.Tensor, display: torch.Tensor | Non
     edge[:-1, :] |= label[:-1, :] != label[1:, :]
     painted[edge] = 1.0
     fig = Figure(figsize=(8, 4))
-    FigureCanvasAgg(fig)
     for ax, img, title in zip(fig.subplots(1, 2), (pix, painted),
                               ("input", f"{len(np.unique(flat))} merged regions of {gh * gw} patches"), strict=True):
         ax.imshow(np.clip(img, 0, 1))
         ax.set_title(title)
         ax.axis("off")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return buf.getvalue()
+    return png_bytes(fig)
 
 

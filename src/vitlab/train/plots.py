@@ -1,30 +1,17 @@
-"""Training plots, drawn with matplotlib's object API (``Figure`` + ``FigureCanvasAgg``): no ``pyplot``, no
-backend switch, no global state; each returns PNG bytes."""
+"""Training plots, drawn with matplotlib's object API (``Figure``): no ``pyplot``, no backend switch, no global
+state; each returns PNG bytes. matplotlib is imported on the first plot, not with the trainer."""
 
 from __future__ import annotations
 
-import io
-
-
-def _figure(figsize):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return buf.getvalue()
+from vitlab._io import png_bytes
 
 
 def curves_png(metrics: list[dict], monitor: str = "top1") -> bytes:
     """Training and validation loss, and the validation ``monitor`` metric (raw and EMA), per epoch."""
+    from matplotlib.figure import Figure
+
     ep = [m["epoch"] for m in metrics]
-    fig = _figure((10, 3.6))
+    fig = Figure(figsize=(10, 3.6))
     a1, a2 = fig.subplots(1, 2)
     a1.plot(ep, [m["train_loss"] for m in metrics], label="train loss")
     if all("val_loss" in m for m in metrics):
@@ -38,14 +25,16 @@ def curves_png(metrics: list[dict], monitor: str = "top1") -> bytes:
     a2.set_ylabel("%" if monitor.startswith("top") else monitor)
     a2.legend()
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def confusion_png(conf, names: list[str], title: str) -> bytes:
     """A confusion matrix (rows: true class), with counts in the cells for up to 20 classes."""
+    from matplotlib.figure import Figure
+
     k = conf.shape[0]
     size = min(4 + 0.35 * k, 30)
-    fig = _figure((size, size * 0.9))
+    fig = Figure(figsize=(size, size * 0.9))
     ax = fig.subplots()
     im = ax.imshow(conf.numpy(), cmap="Blues")
     fig.colorbar(im, ax=ax, fraction=0.046)
@@ -63,4 +52,4 @@ def confusion_png(conf, names: list[str], title: str) -> bytes:
     ax.set_ylabel("true")
     ax.set_title(title)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
