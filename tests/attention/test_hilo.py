@@ -1,4 +1,4 @@
-"""HiLo (seed 002): Table IV cost, the Section B closed form, reduction to MSA, any grid size, dtypes."""
+"""HiLo: Table IV cost, the Section B closed form, reduction to MSA, any grid size, dtypes."""
 
 from __future__ import annotations
 
@@ -132,7 +132,6 @@ def test_forward_backward(dtype, pooled):
 
 @pytest.mark.parametrize("hw", [(8, 8), (13, 17)])
 def test_autocast_bf16_close_to_fp32(hw):
-    # the Hi-Fi windows run in fp32 under CPU autocast (bf16 SDPA of 4-token windows is slow): same function
     torch.manual_seed(0)
     m = A.create("hilo", 64, 4, alpha=0.5).eval()
     x = torch.randn(2, hw[0] * hw[1], 64)
@@ -142,6 +141,37 @@ def test_autocast_bf16_close_to_fp32(hw):
             out = m(x, hw)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("hw", [(8, 8), (13, 17)])
+@pytest.mark.parametrize("kw", [dict(alpha=0.5), dict(alpha=0.5, pooled_queries=True), dict(window_size=1),
+                                dict(alpha=0.0)], ids=["split", "pooled", "s1", "hifi"])
+def test_attention_weights_give_the_output(hw, kw):
+    """return_attn: (B, heads, N, N) rows summing to 1, and each head group's output is its projection of
+    A @ v with the per-token values (Lo-Fi: pooling commutes with l_kv)."""
+    torch.manual_seed(0)
+    m = A.create("hilo", 48, 6, **kw).eval()
+    B, (H, W) = 2, hw
+    x = torch.randn(B, H * W, 48)
+    with torch.no_grad():
+        out, attn = m(x, hw, return_attn=True)
+        torch.testing.assert_close(out, m(x, hw))
+        assert attn.shape == (B, 6, H * W, H * W)
+        torch.testing.assert_close(attn.sum(-1), torch.ones(B, 6, H * W))
+        d, parts = m.head_dim, []
+        if m.h_heads:
+            v = m.h_qkv(x)[..., 2 * m.h_dim:].reshape(B, H * W, m.h_heads, d).transpose(1, 2)
+            hi = (attn[:, :m.h_heads] @ v).transpose(1, 2).reshape(B, H * W, m.h_dim)
+            parts.append(m.h_proj(hi))
+        if m.l_heads:
+            v = m.l_kv(x)[..., m.l_dim:].reshape(B, H * W, m.l_heads, d).transpose(1, 2)
+            lo = (attn[:, m.h_heads:] @ v).transpose(1, 2).reshape(B, H * W, m.l_dim)
+            parts.append(m.l_proj(lo))
+    torch.testing.assert_close(torch.cat(parts, -1), out, rtol=1e-4, atol=1e-5)
+    if m.h_heads:  # Hi-Fi: nothing outside the query's window
+        rows, cols = torch.arange(H * W) // W, torch.arange(H * W) % W
+        same = ((rows[:, None] // m.ws) == (rows // m.ws)) & ((cols[:, None] // m.ws) == (cols // m.ws))
+        assert (attn[:, :m.h_heads][..., ~same] == 0).all()
 
 
 def test_fullgraph_compile_in_inference():

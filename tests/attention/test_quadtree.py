@@ -101,3 +101,37 @@ def test_prefix_tokens_are_refused():
     m = create("quadtree", 32, 2)
     with pytest.raises(ValueError, match="prefix"):
         m(torch.randn(1, 1 + 16, 32), (4, 4))
+
+
+@pytest.mark.parametrize("hw", [(6, 8), (13, 17)])
+@pytest.mark.parametrize("levels", [2, 3])
+def test_attention_weights_give_each_level_message(hw, levels):
+    """return_attn: one (B, heads, N_l, N_l) map per level, finest first, rows summing to 1, at most 4 topk
+    non-zeros per row below the coarsest level; without LePE the output is the projection of the level-weighted
+    sum of A_l v_l, upsampled (nearest) to the token grid."""
+    torch.manual_seed(0)
+    H, W = hw
+    m = create("quadtree", 32, 2, topk=3, num_levels=levels, lepe=False).eval()
+    torch.nn.init.normal_(m.level_weight)
+    x = torch.randn(2, H * W, 32)
+    with torch.no_grad():
+        out, attn = m(x, hw, return_attn=True)
+        torch.testing.assert_close(out, m(x, hw))
+        f = 2 ** (levels - 1)
+        _, _, v, _ = _grids(m, x, hw, f)
+        vs = [v]
+        for branch in m.value_branches:
+            vs.append(branch(vs[-1]))
+        w = m.level_weight.softmax(0)
+        total = torch.zeros(2, H, W, 32)
+        for lvl, (a, vl) in enumerate(zip(attn, vs)):
+            h, wd = -(-H // 2**lvl), -(-W // 2**lvl)
+            assert a.shape == (2, 2, h * wd, h * wd)
+            torch.testing.assert_close(a.sum(-1), torch.ones(2, 2, h * wd))
+            if lvl < levels - 1:
+                assert ((a > 0).sum(-1) <= 4 * 3).all()
+            msg = a @ _heads(vl[:, :, :h, :wd], 2)  # (B, heads, h*wd, d)
+            msg = msg.transpose(1, 2).reshape(2, h, wd, 32)
+            up = msg.repeat_interleave(2**lvl, 1).repeat_interleave(2**lvl, 2)[:, :H, :W]
+            total += w[lvl] * up
+        torch.testing.assert_close(m.proj(total.reshape(2, H * W, 32)), out, rtol=1e-4, atol=1e-5)

@@ -65,6 +65,7 @@ def hilo_flops(N: int, D: int, s: int, alpha: float = 0.5) -> float:
 @register_attention("hilo")
 class HiLo(nn.Module):
     prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+    window_dtype: torch.dtype | None = None  # dtype of the Hi-Fi window attention (None: the input's)
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, window_size: int = 2, alpha: float = 0.9,
@@ -103,15 +104,12 @@ class HiLo(nn.Module):
         B, s, h, d = qkv.shape[0], self.ws, self.h_heads, self.head_dim
         qkv = pad_to_multiple(qkv, s, s)  # pad after projecting: (B, Hp, Wp, 3 h_dim)
         nh, nw = qkv.shape[1] // s, qkv.shape[2] // s
-        # Window partition, one copy for q, k and v: (3, B, nh, nw, h, s, s, d) -> (3, B, nW * h, s*s, d).
-        # The windows hold s*s = 4 tokens: on the CPU, SDPA of such tiny sequences is several times slower in
-        # bf16 than in fp32 (no low-precision fast path), so reduced precision is computed in fp32 here; the
-        # cast rides on the partition copy (copy=True: ``to`` would return the strided view when the dtype
-        # already matches), and h_proj (autocast or the module's dtype) casts back.
+        # Window partition, one copy for q, k and v: (3, B, nh, nw, h, s, s, d) -> (3, B, nW * h, s*s, d), in
+        # ``window_dtype`` (None: the input's) on the way (copy=True: ``to`` would return the strided view when
+        # the dtype already matches); h_proj gets its own dtype back.
         dtype = qkv.dtype
-        work = torch.float32 if qkv.device.type == "cpu" and qkv.dtype in (torch.bfloat16, torch.float16) else dtype
         qkv = qkv.view(B, nh, s, nw, s, 3, h, d).permute(5, 0, 1, 3, 6, 2, 4, 7)
-        qkv = qkv.to(work, memory_format=torch.contiguous_format, copy=True)
+        qkv = qkv.to(self.window_dtype or dtype, memory_format=torch.contiguous_format, copy=True)
         q, k, v = qkv.view(3, B, nh * nw * h, s * s, d).unbind(0)
         mask = valid_keys(H, W, s, s, qkv.device)  # (nW, 1, s*s) or None when s divides H and W
         if mask is not None:
@@ -157,8 +155,62 @@ class HiLo(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, l_heads, N, d)
         return self.l_proj(o.transpose(1, 2).reshape(B, H, W, self.l_dim))
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+    def attention_weights(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        """x (B, H, W, C) -> the attention of every head over the H*W tokens, (B, heads, N, N), Hi-Fi heads first
+        (their channel order): rows sum to 1 and each head's output before its projection is ``A @ v`` with v
+        the per-token values (for Lo-Fi ``l_kv(x)``: pooling commutes with the linear projection).
+
+        Hi-Fi weights are 0 outside the query's s x s window; a Lo-Fi head's weight on a pooled key is spread
+        evenly over the real tokens that key averages; with ``pooled_queries`` a token's row is the bilinear
+        mix of its pooled queries' rows (the output is resized that way)."""
+        B, s, d = x.shape[0], self.ws, self.head_dim
+        N = H * W
+        maps = []
+        if self.h_heads:
+            h = self.h_heads
+            qkv = pad_to_multiple(self.h_qkv(x), s, s)
+            nh, nw = qkv.shape[1] // s, qkv.shape[2] // s
+            q, k, _ = qkv.view(B, nh, s, nw, s, 3, h, d).permute(5, 0, 1, 3, 6, 2, 4, 7).unbind(0)  # (B,nh,nw,h,s,s,d)
+            q, k = q.reshape(B, nh * nw, h, s * s, d), k.reshape(B, nh * nw, h, s * s, d)
+            logits = (q * d**-0.5) @ k.transpose(-2, -1)  # (B, nW, h, L, L)
+            mask = valid_keys(H, W, s, s, x.device)  # (nW, 1, L)
+            if mask is not None:
+                logits = logits.masked_fill(~mask[:, None], float("-inf"))
+            pos = torch.arange(nh * s * nw * s, device=x.device).view(nh, s, nw, s).permute(0, 2, 1, 3)
+            pos = pos.reshape(nh * nw, s * s)  # window w, slot i -> raster index in the padded map
+            dense = logits.new_zeros(B, h, nh * s * nw * s, nh * s * nw * s)
+            dense[:, :, pos[:, :, None], pos[:, None, :]] = logits.softmax(-1).transpose(1, 2)
+            real = (torch.arange(H, device=x.device)[:, None] * (nw * s) + torch.arange(W, device=x.device)).flatten()
+            maps.append(dense[:, :, real][:, :, :, real])
+        if self.l_heads:
+            h = self.l_heads
+            pooled = F.avg_pool2d(x.permute(0, 3, 1, 2), s, s, ceil_mode=True) if s > 1 else x.permute(0, 3, 1, 2)
+            hs, ws = pooled.shape[-2:]
+            kv_in = pooled.flatten(2).transpose(1, 2)  # (B, M, C)
+            k = self.l_kv(kv_in)[..., :self.l_dim].reshape(B, hs * ws, h, d).transpose(1, 2)  # (B, h, M, d)
+            q_in = kv_in if self.pooled_queries else x.reshape(B, N, -1)
+            q = self.l_q(q_in).reshape(B, q_in.shape[1], h, d).transpose(1, 2)
+            a = ((q * d**-0.5) @ k.transpose(-2, -1)).softmax(-1)  # (B, h, Nq, M)
+            if self.pooled_queries:  # each token's row: the bilinear mix of the pooled rows (sums to 1)
+                eye = torch.eye(hs * ws, dtype=a.dtype, device=x.device).view(1, hs * ws, hs, ws)
+                mix = F.interpolate(eye, size=(H, W), mode="bilinear", align_corners=False).reshape(hs * ws, N)
+                a = mix.t() @ a  # (B, h, N, M)
+            ys, xs = torch.arange(H, device=x.device) // s, torch.arange(W, device=x.device) // s
+            key = (ys[:, None] * ws + xs).flatten()  # pooled key of each token
+            count = torch.bincount(key, minlength=hs * ws).to(a.dtype)  # real tokens per pooled key
+            maps.append(a[..., key] / count[key])
+        return torch.cat(maps, dim=1)
+
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False):
+        """x (B, N, C) tokens of the hw = (H, W) grid -> (B, N, C); with ``return_attn=True`` also the attention
+        weights (B, heads, N, N) of :meth:`attention_weights`."""
         H, W = grid_size(x, hw, "hilo")
+        out = self._forward(x, H, W)
+        if not return_attn:
+            return out
+        return out, self.attention_weights(x.reshape(x.shape[0], H, W, -1), H, W)
+
+    def _forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
         B, N, C = x.shape
         x = x.reshape(B, H, W, C)
         if self.l_heads == 0:

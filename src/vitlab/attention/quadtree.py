@@ -65,6 +65,19 @@ def _gather_children(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return t.reshape(B * h * P, 4 * d).index_select(0, rows).view(B, h, Q, 4 * K, d)
 
 
+def _z_to_raster(attn: torch.Tensor, hw_coarse: tuple[int, int], fine: int, crop: tuple[int, int]) -> torch.Tensor:
+    """(B, heads, L, L) weights over a level's tokens in Z-order below ``hw_coarse`` cells of ``fine`` x ``fine``
+    -> (B, heads, n, n) over the level's first ``crop`` = (h, w) rows and columns in raster order."""
+    Hc, Wc = hw_coarse
+    z = _to_z(torch.arange(Hc * fine * Wc * fine, device=attn.device).view(1, 1, Hc * fine, Wc * fine), 1, fine)
+    z = z.reshape(-1)  # raster index of each Z-order token
+    h, w = crop
+    keep = ((z // (Wc * fine)) < h) & ((z % (Wc * fine)) < w)  # drop cells that hold only padding
+    order = z[keep].argsort()  # Z positions of the kept cells, raster order
+    zi = keep.nonzero().squeeze(1)[order]
+    return attn[:, :, zi][:, :, :, zi]
+
+
 @register_attention("quadtree")
 class QuadTreeAttention(nn.Module):
     prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
@@ -91,7 +104,12 @@ class QuadTreeAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int], return_attn: bool = False):
+        """x (B, N, C) tokens of the hw = (H, W) grid -> (B, N, C). ``return_attn=True`` also returns the
+        attention weights of every level, finest first: a list whose entry l is (B, heads, N_l, N_l) over the
+        level's grid in raster order (level 0: the H x W tokens; level l: the ceil(H / 2^l) x ceil(W / 2^l)
+        cells), 0 outside each query's candidates. Level l's message is ``A_l @ v_l`` with v_l the level's values
+        (level 0: the projected values; coarser: the value branch's output)."""
         B, N, C = x.shape
         H, W = hw
         if N != H * W:
@@ -118,7 +136,6 @@ class QuadTreeAttention(nn.Module):
 
         Hc, Wc = Hp // f, Wp // f
         L = self.num_levels
-        neg = torch.finfo(x.dtype).min
         # level i in Z-order: (B, heads, L_i, d) each, L_i = Hc*Wc*4^(L-1-i); validity (L_i,) or None
         zs = [tuple(_to_z(t, nh, 2 ** (L - 1 - i)) for t in (qs[i], ks[i], vs[i])) for i in range(L)]
         zvalid = [None if m is None else _to_z(m, 1, 2 ** (L - 1 - i)).reshape(-1).bool()
@@ -129,8 +146,10 @@ class QuadTreeAttention(nn.Module):
         qc, kc, vc = zs[L - 1]
         logits = (qc * self.scale) @ kc.transpose(-2, -1)  # (B, heads, Lc, Lc)
         if zvalid[L - 1] is not None:
-            logits = logits.masked_fill(~zvalid[L - 1], neg)
+            # the fill value of the logits' own dtype: under autocast they are bf16 / fp16 while x is fp32
+            logits = logits.masked_fill(~zvalid[L - 1], torch.finfo(logits.dtype).min)
         attn = logits.softmax(dim=-1)
+        weights = [attn]  # per level, coarsest first, Z-order; kept only for return_attn
         messages = [F.dropout(attn, drop, self.training) @ vc]  # (B, heads, Lc, d)
         idx = logits.topk(min(self.topk, logits.shape[-1]), dim=-1).indices  # (B, heads, Lc, K)
 
@@ -143,20 +162,25 @@ class QuadTreeAttention(nn.Module):
             cand_valid = None
             if zvalid[i] is not None:
                 cand_valid = zvalid[i].view(-1, 4)[idx].reshape(B, nh, P, 1, 4 * K)  # (B, heads, P, 1, 4K)
-            if i == 0:  # last level: no selection needed, plain softmax attention per parent group
+            # child positions of the candidates at this level (Z-order)
+            cand = (idx.unsqueeze(-1) * 4 + torch.arange(4, device=idx.device)).flatten(-2)  # (B, h, P, 4K)
+            if i == 0 and not return_attn:  # last level: no selection, plain softmax attention per parent group
                 mask = None if cand_valid is None else cand_valid.flatten(1, 2)
                 msg = F.scaled_dot_product_attention(qg.flatten(1, 2), kg.flatten(1, 2), vg.flatten(1, 2),
                                                      attn_mask=mask, dropout_p=drop)  # (B, heads*P, 4, d)
             else:
                 logits = (qg * self.scale) @ kg.transpose(-2, -1)  # (B, heads, P, 4, 4K)
                 if cand_valid is not None:
-                    logits = logits.masked_fill(~cand_valid, neg)
+                    logits = logits.masked_fill(~cand_valid, torch.finfo(logits.dtype).min)
                 attn = logits.softmax(dim=-1)
                 msg = F.dropout(attn, drop, self.training) @ vg  # (B, heads, P, 4, d)
-                # child positions of the candidates, then each query's own top-k among them
-                cand = (idx.unsqueeze(-1) * 4 + torch.arange(4, device=idx.device)).flatten(-2)  # (B,h,P,4K)
-                sel = logits.topk(min(self.topk, 4 * K), dim=-1).indices  # (B, heads, P, 4, K')
-                idx = cand.unsqueeze(3).expand(-1, -1, -1, 4, -1).gather(-1, sel).flatten(2, 3)  # (B,h,4P,K')
+                if return_attn:
+                    dense = attn.new_zeros(B, nh, P, 4, 4 * P)
+                    weights.append(dense.scatter_(-1, cand[:, :, :, None].expand_as(attn), attn).view(
+                        B, nh, 4 * P, 4 * P))
+                if i:  # each query's own top-k among its candidates selects the next level's parents
+                    sel = logits.topk(min(self.topk, 4 * K), dim=-1).indices  # (B, heads, P, 4, K')
+                    idx = cand.unsqueeze(3).expand(-1, -1, -1, 4, -1).gather(-1, sel).flatten(2, 3)  # (B,h,4P,K')
             messages.append(msg.reshape(B, nh, -1, d))  # (B, heads, L_i, d)
 
         # merge levels coarse to fine: weighted (message + LePE), nearest upsampling = repeat in Z-order
@@ -171,4 +195,9 @@ class QuadTreeAttention(nn.Module):
         out = _from_z(out, (Hc, Wc), f)  # (B, Hp, Wp, C)
         if (Hp, Wp) != (H, W):
             out = out[:, :H, :W]
-        return self.proj_drop(self.proj(out.reshape(B, N, C)))
+        out = self.proj_drop(self.proj(out.reshape(B, N, C)))
+        if not return_attn:
+            return out
+        # weights[j] is level L - 1 - j, whose tokens lie in Z-order below 2^j x 2^j blocks of the coarse cells
+        return out, [_z_to_raster(weights[L - 1 - lvl], (Hc, Wc), 2 ** (L - 1 - lvl),
+                                  (-(-H // 2**lvl), -(-W // 2**lvl))) for lvl in range(L)]

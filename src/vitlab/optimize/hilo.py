@@ -26,7 +26,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.attention._window import grid_size
 from vitlab.attention.hilo import HiLo
 from vitlab.optimize import kernels
 
@@ -96,14 +95,13 @@ class KernelHiLo(HiLo):
         o = self._lofi_attention(x, self.l_q(x) if q is None else q)
         return self.l_proj(o).reshape(B, H, W, self.l_dim)
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
         # Both branches in fp32 inference: as HiLo.forward, with each output projection written by one addmm
         # straight into its channel slice of the output (no projected temporaries, no slice copies).
         if (self.training or self.pooled_queries or not self.l_heads or not self.h_heads or self.h_proj.bias is None
                 or torch.compiler.is_compiling() or not kernels.window_supported(self.head_dim, self.ws)
                 or not self._fast(x)):
-            return super().forward(x, hw)
-        H, W = grid_size(x, hw, "hilo")
+            return super()._forward(x, H, W)
         B, N, C = x.shape
         x = x.reshape(B, H, W, C)
         w = torch.cat((self.h_qkv.weight, self.l_q.weight))  # one projection for Hi-Fi q, k, v and Lo-Fi q
