@@ -1,11 +1,11 @@
 """Inference-only speed-ups applied from outside the models, chosen by measurement on the machine at hand.
 
-``vitlab.optimize`` is both this package and a function::
+::
 
-    import vitlab
-    fast = vitlab.optimize(model, example_batch)     # backend="auto": measured once, cached per machine
-    vitlab.optimize.explain(fast)                    # what it picked and why
-    vitlab.optimize(model, backend="compile")        # or "none", "onednn", "kernels"
+    from vitlab.optimize import explain, optimize
+    fast = optimize(model, example_batch)            # backend="auto": measured once, cached per machine
+    explain(fast)                                    # what it picked and why
+    optimize(model, backend="compile")               # or "none", "onednn", "kernels"
 
 Submodules: :mod:`~vitlab.optimize.onednn` (oneDNN linear swaps), :mod:`~vitlab.optimize.cpu` (CPU model, ISA,
 native bf16), ``kernels`` / ``hilo`` (vitlab's compiled HiLo kernels). See :mod:`vitlab.optimize._core` for the
@@ -13,9 +13,6 @@ backends and the cache.
 """
 
 from __future__ import annotations
-
-import sys
-import types
 
 from vitlab.optimize._core import (
     BACKENDS,
@@ -35,12 +32,3 @@ from vitlab.optimize.cpu import bf16_note, cpu_model, isa, native_bf16
 __all__ = ["BACKENDS", "CompiledInference", "OptimizeReport", "bf16_note", "cache_dir", "cache_file", "cache_key",
            "cpu_model", "default_input", "explain", "isa", "max_abs_diff", "measure", "native_bf16", "optimize"]
 
-
-class _CallablePackage(types.ModuleType):
-    """The package's class: calling ``vitlab.optimize(...)`` calls :func:`optimize`."""
-
-    def __call__(self, model, example_inputs=None, backend: str = "auto", **kwargs):
-        return optimize(model, example_inputs, backend, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage
