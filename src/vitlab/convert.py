@@ -82,8 +82,10 @@ def _drop_mismatched_head(sd: dict, model: nn.Module) -> dict:
 
 
 def load_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> nn.Module:
-    """Load a checkpoint file into ``model`` (in place) and return the model."""
-    return load_state_dict(model, read_state_dict(path), strict=strict, source=str(path))
+    """Load a checkpoint file into ``model`` (in place) and return the model. A model whose family reads its own
+    formats (e.g. a checkpoint directory) has a ``read_checkpoint(path)`` that replaces :func:`read_state_dict`."""
+    read = getattr(model, "read_checkpoint", read_state_dict)
+    return load_state_dict(model, read(path), strict=strict, source=str(path))
 
 
 def load_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True,

@@ -91,3 +91,22 @@ def test_quick_gelu():
     x = torch.linspace(-4, 4, 50)
     torch.testing.assert_close(QuickGELU()(x), x * torch.sigmoid(1.702 * x))
     assert isinstance(get_act_layer("quick_gelu")(), QuickGELU)
+
+
+def test_complex_rope_equals_the_real_form_and_the_article():
+    from vitlab.layers import apply_rotary_embs, precompute_freqs_cis, rope_rotate
+
+    freqs_cis = precompute_freqs_cis(16, 20)
+    assert freqs_cis.shape == (20, 8) and freqs_cis.dtype == torch.complex64
+    torch.testing.assert_close(freqs_cis.to(torch.complex128), _seed004_precompute_freqs_cis(16, 20), atol=1e-6, rtol=0)
+    x = torch.randn(2, 20, 3, 16)  # (B, N, heads, head_dim), the article's layout
+    out = apply_rotary_embs(x, freqs_cis)
+    torch.testing.assert_close(out.double(), _seed004_apply_rotary_embs(x.double(), freqs_cis.to(torch.complex128)))
+    cos, sin = RotaryEmbedding1D(16)(20)
+    real = rope_rotate(x.transpose(1, 2), cos, sin).transpose(1, 2)
+    torch.testing.assert_close(out, real)
+    # per-sequence positions (left padding): tables gathered per row broadcast over the heads
+    pos = torch.tensor([[0, 1, 2, 3], [0, 0, 0, 1]])
+    rot = rope_rotate(x[:, :4].transpose(1, 2), cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)).transpose(1, 2)
+    torch.testing.assert_close(rot[1, 3], apply_rotary_embs(x[1:2, 3:4], freqs_cis[1:2])[0, 0])
+    torch.testing.assert_close(rot[0], out[0, :4])

@@ -23,19 +23,23 @@ from vitlab.layers.pos_embed import (
     RotaryEmbedding1D,
     RotaryEmbedding2D,
     apply_rope,
+    apply_rotary_embs,
+    precompute_freqs_cis,
     resample_abs_pos_embed,
     rope_frequencies,
+    rope_rotate,
     sincos_2d_pos_embed,
 )
 
 __all__ = [
-    "apply_rope", "attention_mask", "AttentionPool", "causal_mask", "check_heads", "checkpoint_seq", "check_image",
+    "apply_rope", "apply_rotary_embs", "attention_mask", "AttentionPool", "causal_mask", "check_heads",
+    "checkpoint_seq", "check_image",
     "check_pool",
     "check_pool_type", "conv_to_linear_patch_weight", "create_classifier", "create_mlp",
     "downsample_size", "drop_path", "drop_path_schedule", "DropPath", "feature_take_indices", "get_act_layer",
     "get_norm_layer", "init_linears_trunc_normal_", "intermediates_plan", "LayerScale", "LayerScale2d",
     "LinearPatchEmbed", "make_divisible", "Mlp", "PatchEmbed", "QuickGELU",
-    "pool_tokens", "resample_abs_pos_embed", "RMSNorm", "rope_frequencies",
+    "pool_tokens", "precompute_freqs_cis", "resample_abs_pos_embed", "RMSNorm", "rope_frequencies", "rope_rotate",
     "RotaryEmbedding1D", "RotaryEmbedding2D", "same_size", "sincos_2d_pos_embed", "SwiGLU", "swiglu_hidden_dim",
     "to_2tuple",
 ]

@@ -57,9 +57,16 @@ class Mlp(nn.Module):
         return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
 
 
-def swiglu_hidden_dim(dim: int, mlp_ratio: float = 4.0, multiple_of: int = 64) -> int:
-    """Llama's rule: ``2/3 * mlp_ratio * dim`` rounded up to ``multiple_of`` (keeps params ~ a GELU MLP's)."""
-    return make_divisible(int(2 * mlp_ratio * dim / 3), multiple_of)
+def swiglu_hidden_dim(dim: int, mlp_ratio: float = 4.0, multiple_of: int = 64,
+                      ffn_dim_multiplier: float | None = None) -> int:
+    """Llama's rule: ``2/3 * mlp_ratio * dim``, times ``ffn_dim_multiplier`` if given, rounded up to
+    ``multiple_of`` (keeps params ~ a GELU MLP's). Llama 2 7B: ``swiglu_hidden_dim(4096, multiple_of=256)`` =
+    11008; 70B: ``swiglu_hidden_dim(8192, multiple_of=4096, ffn_dim_multiplier=1.3)`` = 28672 (Touvron et al.,
+    2023, as in Meta's reference code)."""
+    hidden = int(2 * mlp_ratio * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return make_divisible(hidden, multiple_of)
 
 
 class SwiGLU(nn.Module):

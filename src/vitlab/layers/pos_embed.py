@@ -10,7 +10,10 @@
   ``theta_i = base ** (-2i / d)`` and rotates consecutive pairs ``(x_{2i}, x_{2i+1})`` by ``m * theta_i``;
   here the first half of each head's channels is rotated by the row index and the second half by the column
   index, so q.k depends only on the 2-D offset between two patches.
-- :class:`RotaryEmbedding1D`: the 1-D RoPE itself, for text (the Llama-style CLIP text tower).
+- :class:`RotaryEmbedding1D`: the 1-D RoPE itself, for text (the Llama-style CLIP text tower and the Llama
+  decoder), in real arithmetic (:func:`rope_rotate`); :func:`precompute_freqs_cis` and :func:`apply_rotary_embs`
+  are the same rotation as a complex product (Su et al., 2021, "RoFormer", Sec. 3.4.2; the form of Meta's Llama 2
+  code, Touvron et al., 2023), kept for reading against the paper and tested equal to the real form.
 """
 
 from __future__ import annotations
@@ -154,13 +157,19 @@ def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([-x[..., 1], x[..., 0]], dim=-1).flatten(-2)
 
 
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE's rotation in real arithmetic, ``x*cos + rot(x)*sin`` (RoFormer Eq. 34), with ``cos`` / ``sin``
+    broadcasting against ``x`` (e.g. (B, 1, N, head_dim) tables of per-sequence positions)."""
+    return x * cos + _rotate_pairs(x) * sin
+
+
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate the last ``len(cos)`` tokens of ``x`` (B, heads, N, head_dim); leading prefix tokens (CLS) are
     left unrotated. Real arithmetic ``x*cos + rot(x)*sin`` equals RoPE's complex product."""
     cos, sin = rope
     n = cos.shape[0]
     prefix, tokens = x[..., : x.shape[-2] - n, :], x[..., x.shape[-2] - n :, :]
-    tokens = tokens * cos.to(x.dtype) + _rotate_pairs(tokens) * sin.to(x.dtype)
+    tokens = rope_rotate(tokens, cos.to(x.dtype), sin.to(x.dtype))
     return torch.cat([prefix, tokens], dim=-2) if prefix.shape[-2] else tokens
 
 
@@ -181,3 +190,19 @@ class RotaryEmbedding1D(nn.Module):
         angles = rope_frequencies(self.head_dim, torch.arange(seq_len, device=device), self.base)
         angles = angles.repeat_interleave(2, dim=1)  # one angle per pair (x_2i, x_2i+1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    """RoPE's rotations as unit complex numbers ``exp(i * m * theta_j)``: (end, dim/2) complex64 for positions
+    ``m < end`` and ``theta_j = theta ** (-2j / dim)`` (Su et al., 2021, Sec. 3.4.2; Llama 2's ``freqs_cis``)."""
+    angles = rope_frequencies(dim, torch.arange(end), theta).float()
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_embs(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, N, heads, head_dim) by ``freqs_cis`` (N, head_dim/2): each consecutive pair
+    ``(x_2j, x_2j+1)`` is read as the complex number ``x_2j + i x_2j+1`` and multiplied by its rotation; equal to
+    :func:`rope_rotate` with the real tables of :class:`RotaryEmbedding1D`."""
+    x_c = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, N, heads, head_dim/2)
+    out = torch.view_as_real(x_c * freqs_cis[None, :, None, :]).flatten(-2)
+    return out.type_as(x)

@@ -1,0 +1,234 @@
+"""The Llama decoder: equal to transformers' LlamaForCausalLM for the same (random) weights, loaded from a Hugging
+Face directory and from Meta's layout; the KV cache equal to full recomputation; generation and its checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import vitlab
+from vitlab.convert import CheckpointError
+from vitlab.layers import swiglu_hidden_dim
+from vitlab.models.llama import Llama, LlamaConfig, sample_next_token
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, vocab_size=512, max_seq_len=256)
+
+
+def _hf_model(tmp_path, **kw):
+    """A random-init transformers LlamaForCausalLM of llama_tiny's shape (grouped-query attention, 2 kv heads),
+    saved with save_pretrained into tmp_path."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **kw)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # non-trivial norms, so a swapped norm weight would show
+        for name, p in ref.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    ref.save_pretrained(tmp_path)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_llama")
+    ref = _hf_model(path)
+    return ref, Llama.from_pretrained(path), path
+
+
+def _padded_batch():
+    ids = torch.randint(3, 512, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding: prompts of 9, 5 and 7 tokens
+    mask[2, :2] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def test_llama2_sizes_and_hidden_rule():
+    assert swiglu_hidden_dim(4096, multiple_of=256) == 11008
+    assert swiglu_hidden_dim(5120, multiple_of=256) == 13824
+    assert swiglu_hidden_dim(8192, multiple_of=4096, ffn_dim_multiplier=1.3) == 28672
+    with torch.device("meta"):
+        m = vitlab.create_model("llama2_7b")
+    assert sum(p.numel() for p in m.parameters()) == 6_738_415_616
+    assert m.layers[0].mlp.fc2.in_features == 11008 and m.config.dim == 4096 and m.config.vocab_size == 32000
+    assert not any(n.endswith("bias") for n, _ in m.named_parameters())
+    assert vitlab.get_model_config("llama2_7b").task == "generate"
+    with torch.device("meta"):
+        assert 95e6 < sum(p.numel() for p in vitlab.create_model("llama_100m").parameters()) < 110e6
+
+
+def test_logits_equal_transformers(pair):
+    ref, ours, _ = pair
+    ids = torch.randint(0, 512, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), ref(ids).logits, atol=1e-4, rtol=1e-4)
+        ids, mask = _padded_batch()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        theirs = ref(ids, attention_mask=mask, position_ids=pos).logits
+        mine = ours(ids, attention_mask=mask)  # positions from the mask by default
+    real = mask.bool()
+    torch.testing.assert_close(mine[real], theirs[real], atol=1e-4, rtol=1e-4)
+
+
+def test_create_model_loads_the_hf_directory(pair):
+    ref, ours, path = pair
+    loaded = vitlab.create_model("llama_tiny", checkpoint_path=str(path)).eval()
+    ids = torch.randint(0, 512, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), ours(ids))
+
+
+def test_greedy_generate_equals_transformers(pair):
+    ref, ours, _ = pair
+    ids, mask = _padded_batch()
+    theirs = ref.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[:, ids.shape[1]:]
+    mine = ours.generate(ids, max_new_tokens=12, attention_mask=mask)
+    assert torch.equal(mine, theirs)
+    # the same prompts given as embeddings (how a vision-language model calls it)
+    assert torch.equal(ours.generate(inputs_embeds=ours.embed_tokens(ids), max_new_tokens=12, attention_mask=mask),
+                       mine)
+    # each prompt alone, unpadded, continues the same way
+    for row in range(3):
+        alone = ids[row:row + 1, ~mask[row].eq(0)]
+        assert torch.equal(ours.generate(alone, max_new_tokens=12), mine[row:row + 1])
+
+
+def test_cached_decoding_equals_full_recomputation():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**TINY)).eval()
+    ids, mask = _padded_batch()
+    seq = torch.cat([ids, torch.randint(3, 512, (3, 5))], dim=1)
+    full_mask = torch.cat([mask, torch.ones(3, 5, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        full = model(seq, attention_mask=full_mask)
+        cache = model.new_cache(3, 14)
+        parts = [model(seq[:, :9], attention_mask=full_mask[:, :9], cache=cache)]
+        parts.append(model(seq[:, 9:11], attention_mask=full_mask[:, :11], cache=cache))  # two at once
+        for t in range(11, 14):
+            parts.append(model(seq[:, t:t + 1], attention_mask=full_mask[:, :t + 1], cache=cache))
+        assert cache.length == 14
+        stepped = torch.cat(parts, dim=1)
+        real = full_mask.bool()
+        torch.testing.assert_close(stepped[real], full[real], atol=1e-5, rtol=1e-5)
+        # without padding: no mask at all
+        cache = model.new_cache(3, 14)
+        out = torch.cat([model(seq[:, :10], cache=cache)] + [model(seq[:, t:t + 1], cache=cache)
+                                                               for t in range(10, 14)], dim=1)
+        torch.testing.assert_close(out, model(seq), atol=1e-5, rtol=1e-5)
+
+
+def _meta_permute(w, n_heads):  # transformers' convert_llama_weights_to_hf.py: Meta rows -> Hugging Face rows
+    dim1, dim2 = w.shape
+    return w.view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_meta_checkpoint_equals_its_hf_conversion(tmp_path, shards):
+    """Meta's consolidated.*.pth (one file or two model-parallel shards) loads to the model that the official
+    conversion to Hugging Face's layout gives."""
+    torch.manual_seed(1)
+    cfg = LlamaConfig(**TINY)
+    hd = cfg.head_dim
+    meta = {"tok_embeddings.weight": torch.randn(512, 64), "norm.weight": torch.rand(64) + 0.5,
+            "output.weight": torch.randn(512, 64) * 0.05, "rope.freqs": torch.randn(hd // 2)}
+    for i in range(2):
+        p = f"layers.{i}."
+        meta.update({p + "attention.wq.weight": torch.randn(64, 64) * 0.1,
+                     p + "attention.wk.weight": torch.randn(2 * hd, 64) * 0.1,
+                     p + "attention.wv.weight": torch.randn(2 * hd, 64) * 0.1,
+                     p + "attention.wo.weight": torch.randn(64, 64) * 0.1,
+                     p + "feed_forward.w1.weight": torch.randn(192, 64) * 0.1,
+                     p + "feed_forward.w2.weight": torch.randn(64, 192) * 0.1,
+                     p + "feed_forward.w3.weight": torch.randn(192, 64) * 0.1,
+                     p + "attention_norm.weight": torch.rand(64) + 0.5, p + "ffn_norm.weight": torch.rand(64) + 0.5})
+    if shards == 1:
+        torch.save(meta, tmp_path / "consolidated.00.pth")
+    else:  # model parallel: embedding, wo and w2 split along dim 1, the other matrices along dim 0
+        for r in range(2):
+            part = {k: v if v.ndim == 1 else v.chunk(2, dim=1 if k.endswith(("tok_embeddings.weight", "wo.weight",
+                                                                              "w2.weight")) else 0)[r]
+                    for k, v in meta.items()}
+            torch.save(part, tmp_path / f"consolidated.0{r}.pth")
+    (tmp_path / "params.json").write_text(json.dumps({"dim": 64, "multiple_of": 32, "n_heads": 4, "n_kv_heads": 2,
+                                                      "n_layers": 2, "norm_eps": 1e-5, "vocab_size": -1}))
+    ours = Llama.from_pretrained(tmp_path, max_seq_len=256)
+    hf_cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=256, rms_norm_eps=1e-5)
+    ref = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf = {"model.embed_tokens.weight": meta["tok_embeddings.weight"], "model.norm.weight": meta["norm.weight"],
+          "lm_head.weight": meta["output.weight"]}
+    for i in range(2):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        hf.update({q + "self_attn.q_proj.weight": _meta_permute(meta[p + "attention.wq.weight"], 4),
+                   q + "self_attn.k_proj.weight": _meta_permute(meta[p + "attention.wk.weight"], 2),
+                   q + "self_attn.v_proj.weight": meta[p + "attention.wv.weight"],
+                   q + "self_attn.o_proj.weight": meta[p + "attention.wo.weight"],
+                   q + "mlp.gate_proj.weight": meta[p + "feed_forward.w1.weight"],
+                   q + "mlp.down_proj.weight": meta[p + "feed_forward.w2.weight"],
+                   q + "mlp.up_proj.weight": meta[p + "feed_forward.w3.weight"],
+                   q + "input_layernorm.weight": meta[p + "attention_norm.weight"],
+                   q + "post_attention_layernorm.weight": meta[p + "ffn_norm.weight"]})
+    ref.load_state_dict(hf)
+    ids = torch.randint(0, 512, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), ref(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_hf_directory_of_another_architecture_or_mismatch_is_one_line(tmp_path, pair):
+    _, _, path = pair
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["CLIPModel"], "model_type": "clip"}))
+    with pytest.raises(ValueError, match="describes CLIPModel, clip, not LlamaForCausalLM / llama$"):
+        Llama.from_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="shape mismatch"):
+        vitlab.create_model("llama_tiny", checkpoint_path=str(path), dim=32)
+    with pytest.raises(FileNotFoundError, match="neither config.json"):
+        Llama.from_pretrained(tmp_path / "..")
+
+
+def test_generate_checks_and_eos():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**{**TINY, "max_seq_len": 16})).eval()
+    ids = torch.randint(3, 512, (2, 10))
+    with pytest.raises(ValueError, match=r"the prompt \(10 tokens\) plus max_new_tokens \(7\) exceed the context "
+                                         r"of 16 tokens$"):
+        model.generate(ids, max_new_tokens=7)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        model.generate(ids, max_new_tokens=2, temperature=1.0, top_p=0.0)
+    greedy = model.generate(ids, max_new_tokens=6)
+    eos = int(greedy[0, 2])  # the third greedy token of row 0 as the end of sequence
+    out = model.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out[0, :3], greedy[0, :3]) and (out[0, 3:] == 0).all()
+    row1_stops = (greedy[1] == eos).nonzero()
+    end = int(row1_stops[0]) + 1 if len(row1_stops) else 6
+    assert torch.equal(out[1, :end], greedy[1, :end])
+    streamed = []
+    model.generate(ids, max_new_tokens=4, on_token=streamed.append)
+    assert torch.equal(torch.stack(streamed, 1), greedy[:, :4])
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(sample_next_token(logits), torch.tensor([3, 0]))
+    assert torch.equal(sample_next_token(logits, 1.0, top_k=1, generator=g), torch.tensor([3, 0]))
+    # top_p 0.5: softmax([0,1,2,3]) = .03 .09 .24 .64 -> only the top token is needed to reach 0.5
+    assert torch.equal(sample_next_token(logits, 1.0, top_p=0.5, generator=g), torch.tensor([3, 0]))
+    draws = torch.stack([sample_next_token(logits, 1.0, top_k=2, generator=g) for _ in range(200)])
+    assert set(draws[:, 0].tolist()) == {2, 3} and set(draws[:, 1].tolist()) == {0, 1}
+    a = sample_next_token(logits.repeat(50, 1), 2.0, generator=torch.Generator().manual_seed(3))
+    b = sample_next_token(logits.repeat(50, 1), 2.0, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and len(set(a.tolist())) > 2
+
+
+def test_profile_and_serving_estimate_without_weights():
+    prof = vitlab.profile_model("llama2_7b", activations=False)
+    assert round(prof.params_m * 1e6) == 6_738_415_616
+    assert prof.input_size == (1, 1, 4096)
