@@ -1,0 +1,441 @@
+"""Vision-language data: image + conversation samples for captioning and visual question answering.
+
+Every source is read into :class:`VLSample` lists per split (``train``, ``val``, optional ``test``): the image (a
+file path, or an index into the in-memory images of the scenes set), the conversation's turns (a question and
+its answer; none for a caption), the references it is scored against (all captions of the image, or the human
+answers) and the question's kind. Every row is checked when the file is read, so a bad one is named before
+training starts (one :class:`vitlab.data.DataError`: file, line or entry).
+
+- ``coco:PATH`` -- COCO captions (Chen et al., 2015, "Microsoft COCO Captions"): PATH is an annotations JSON
+  ``{"images": [{"id", "file_name"}], "annotations": [{"image_id", "caption"}]}`` whose images lie in the
+  JSON's folder or its ``images/``; or the COCO folder (``annotations/captions_<split>*.json`` with the images
+  in ``<split>*/`` or ``images/``). Every image is checked (a corrupt or missing file is named).
+- ``vqa:PATH`` -- a JSONL file: ``{"image", "question", "answers": [...]}`` per line (or ``"answer"``; optional
+  ``"kind"`` and ``"split"``), images relative to the file (Antol et al., 2015, "VQA: Visual Question
+  Answering": scored against the human answers).
+- ``llava:PATH`` -- LLaVA's instruction JSON (Liu et al., 2023, "Visual Instruction Tuning", Sec. 3): a list of
+  ``{"image", "conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": ...}]}``;
+  human and model turns alternate, the image placeholder is stripped from the text (the model puts the image
+  first).
+- ``scenes`` (the embedded offline set, :func:`make_scenes`): one to four real objects -- scikit-image's horse
+  silhouette filled with a crop of its photographs, the head of its cat photograph in an oval, a scikit-learn
+  handwritten digit drawn in ink -- each in a cell of a 2 x 2 grid on a tinted crop of its brick, grass or gravel
+  texture, with the exact ground truth (class, cell, box). Captions come from templates (counts of each class
+  and the background), and questions of four kinds: ``count`` (0 to 4), ``presence`` (yes / no), ``position``
+  (where one object is relative to another in its row or column: left, right, above, below) and ``class``
+  (what is in a given corner). The test split's questions and reference captions use templates that training
+  never sees. A deterministic function of (seed, split, index).
+
+Without a validation split, a fixed 10% of the images (at least one) is held out.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from vitlab.data import DataError, declare_dataset
+from vitlab.data.datasets import _image_ok
+
+# read by the vision-language tasks, not vitlab.data.build
+READ_BY = "--task caption, --task vqa or --task blip"
+declare_dataset("scenes", read_by=READ_BY)
+declare_dataset("coco", read_by=READ_BY, needs_root=True)
+declare_dataset("vqa", read_by=READ_BY, needs_root=True)
+declare_dataset("llava", read_by=READ_BY, needs_root=True)
+
+VAL_FRACTION = 0.1
+IMAGE_TOKEN = "<image>"
+
+
+@dataclass
+class VLSample:
+    """One image with its conversation: ``turns`` are (user text, answer) pairs (a caption has none: the caption
+    is drawn from ``refs``); ``refs`` are what the output is scored against (captions or human answers)."""
+
+    image: str | int
+    turns: list[tuple[str, str]] = field(default_factory=list)
+    refs: list[str] = field(default_factory=list)
+    kind: str = ""
+
+
+def _hold_out(samples: list[VLSample], what: str) -> dict[str, list[VLSample]]:
+    """A fixed 10% of the images (all their samples) as validation."""
+    images = sorted({str(s.image) for s in samples})
+    held = set(random.Random(0).sample(images, max(1, round(VAL_FRACTION * len(images)))))
+    if len(held) == len(images):
+        raise DataError(f"{what}: one image cannot give both a training and a validation split; add a split or "
+                        f"more images")
+    return {"train": [s for s in samples if str(s.image) not in held],
+            "val": [s for s in samples if str(s.image) in held]}
+
+
+def _checked_image(path: Path, where: str) -> str:
+    if not path.is_file():
+        raise DataError(f"{where}: image not found: {path}")
+    if not _image_ok(path):
+        raise DataError(f"{where}: corrupt image {path}")
+    return str(path)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+
+
+# ---------------------------------------------------------------- COCO captions
+
+
+def read_coco_file(file: Path, image_dirs: list[Path]) -> list[VLSample]:
+    """One COCO captions JSON: a sample per image with all its captions, every image checked."""
+    d = _read_json(file)
+    if not isinstance(d, dict) or not isinstance(d.get("images"), list) or not isinstance(d.get("annotations"),
+                                                                                           list):
+        raise DataError(f"{file}: a COCO captions file is an object with 'images' and 'annotations' lists")
+    names = {}
+    for i, im in enumerate(d["images"]):
+        if not isinstance(im, dict) or "id" not in im or not isinstance(im.get("file_name"), str):
+            raise DataError(f"{file}: images[{i}] needs 'id' and 'file_name'")
+        names[im["id"]] = im["file_name"]
+    captions: dict[object, list[str]] = {}
+    for i, a in enumerate(d["annotations"]):
+        if not isinstance(a, dict) or a.get("image_id") not in names:
+            raise DataError(f"{file}: annotations[{i}] names no image of the file (image_id "
+                            f"{a.get('image_id') if isinstance(a, dict) else None!r})")
+        c = a.get("caption")
+        if not isinstance(c, str) or not c.strip():
+            raise DataError(f"{file}: annotations[{i}] has an empty caption")
+        captions.setdefault(a["image_id"], []).append(c.strip())
+    if not captions:
+        raise DataError(f"{file}: no captions")
+    out = []
+    for image_id, caps in captions.items():
+        name = names[image_id]
+        path = next((p / name for p in image_dirs if (p / name).is_file()), image_dirs[0] / name)
+        out.append(VLSample(_checked_image(path, str(file)), refs=caps))
+    return out
+
+
+def read_coco(path: str | Path) -> dict[str, list[VLSample]]:
+    """``coco:PATH``: an annotations JSON (images beside it or in its ``images/``) or a COCO folder with
+    ``annotations/captions_<split>*.json``."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        samples = read_coco_file(path, [path.parent, path.parent / "images"])
+        return _hold_out(samples, str(path))
+    if not path.is_dir():
+        raise FileNotFoundError(f"COCO annotations file or folder not found: {path}")
+    splits = {}
+    for split in ("train", "val", "test"):
+        files = sorted((path / "annotations").glob(f"captions_{split}*.json"))
+        if files:
+            stem = files[0].stem.removeprefix("captions_")  # train2017 -> images in PATH/train2017
+            splits[split] = read_coco_file(files[0], [path / stem, path / "images", path])
+    if "train" not in splits:
+        raise DataError(f"{path}: no annotations/captions_train*.json")
+    if "val" not in splits:
+        splits.update(_hold_out(splits["train"], str(path)))
+    return splits
+
+
+# ---------------------------------------------------------------- VQA JSONL, LLaVA conversations, captions
+
+
+def read_vqa(path: str | Path) -> dict[str, list[VLSample]]:
+    """``vqa:PATH``: one ``{"image", "question", "answers"}`` per line, each checked."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"VQA file not found: {file}")
+    splits: dict[str, list[VLSample]] = {}
+    for i, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{file} line {i}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("image"), str):
+            raise DataError(f"{where}: expected an object with 'image', 'question' and 'answers'")
+        q = row.get("question")
+        if not isinstance(q, str) or not q.strip():
+            raise DataError(f"{where}: empty question")
+        answers = row.get("answers", [row["answer"]] if "answer" in row else None)
+        if isinstance(answers, list) and answers and all(isinstance(a, dict) for a in answers):
+            answers = [a.get("answer") for a in answers]  # VQA v2's [{"answer": ...}, ...]
+        if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip()
+                                                                   for a in answers):
+            raise DataError(f"{where}: 'answers' must be a non-empty list of answers")
+        split = row.get("split", "train")
+        if split not in ("train", "val", "test"):
+            raise DataError(f"{where}: split must be train, val or test, got {split!r}")
+        image = _checked_image(file.parent / row["image"], where)
+        best = Counter(a.strip() for a in answers).most_common(1)[0][0]  # the target: the most given answer
+        splits.setdefault(split, []).append(VLSample(image, [(q.strip(), best)], [a.strip() for a in answers],
+                                                     str(row.get("kind", row.get("answer_type", "")))))
+    if not splits.get("train"):
+        raise DataError(f"{file}: no training rows")
+    if "val" not in splits:
+        splits.update(_hold_out(splits["train"], str(file)))
+    return splits
+
+
+def read_llava(path: str | Path) -> dict[str, list[VLSample]]:
+    """``llava:PATH``: LLaVA's conversation JSON (a list of entries; images relative to the file, or to its
+    ``images/``); entries without an image are refused (these tasks need one)."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"LLaVA conversation file not found: {file}")
+    d = _read_json(file)
+    if not isinstance(d, list):
+        raise DataError(f"{file}: LLaVA's conversation file is a JSON list of entries")
+    samples = []
+    for i, e in enumerate(d):
+        where = f"{file} entry {i}"
+        if not isinstance(e, dict) or not isinstance(e.get("image"), str) or not isinstance(e.get("conversations"),
+                                                                                             list):
+            raise DataError(f"{where}: needs 'image' and a 'conversations' list")
+        conv = e["conversations"]
+        if not conv or len(conv) % 2:
+            raise DataError(f"{where}: conversations must alternate human and gpt turns (got {len(conv)} turns)")
+        turns = []
+        for j in range(0, len(conv), 2):
+            h, g = conv[j], conv[j + 1]
+            if not (isinstance(h, dict) and isinstance(g, dict) and h.get("from") == "human"
+                    and g.get("from") == "gpt" and isinstance(h.get("value"), str) and isinstance(g.get("value"),
+                                                                                                   str)):
+                raise DataError(f"{where}: turn {j} must be from 'human' and turn {j + 1} from 'gpt', each with a "
+                                f"'value'")
+            if j and IMAGE_TOKEN in h["value"]:
+                raise DataError(f"{where}: {IMAGE_TOKEN} in turn {j}; the image goes in the first turn only")
+            q = h["value"].replace(IMAGE_TOKEN, "").strip()
+            if not q or not g["value"].strip():
+                raise DataError(f"{where}: empty text in turn {j} or {j + 1}")
+            turns.append((q, g["value"].strip()))
+        if IMAGE_TOKEN not in conv[0]["value"]:
+            raise DataError(f"{where}: the first human turn has no {IMAGE_TOKEN} placeholder")
+        base = file.parent / e["image"]
+        image = base if base.is_file() else file.parent / "images" / e["image"]
+        samples.append(VLSample(_checked_image(image, where), turns, [turns[-1][1]], "conversation"))
+    if not samples:
+        raise DataError(f"{file}: no conversations")
+    return _hold_out(samples, str(file))
+
+
+# ---------------------------------------------------------------- the embedded scenes
+
+SCENE_CLASSES = ("horse", "cat", "digit")
+PLURALS = {"horse": "horses", "cat": "cats", "digit": "digits", "object": "objects"}
+TEXTURES = ("brick", "grass", "gravel")  # the order of the assets' textures
+CELLS = ("top left", "top right", "bottom left", "bottom right")  # cell i: row i // 2, column i % 2
+COUNT_WORDS = ("no", "a", "two", "three", "four")
+SCENE_SIZE = 64
+SCENE_SPLITS = {"train": 4000, "val": 200, "test": 400}
+QUESTION_KINDS = ("count", "presence", "position", "class")
+
+# {obj}: a class, {objs}: a plural ("horses", "objects"), {a}/{b}: classes, {cell}: a corner
+QUESTION_TEMPLATES = {
+    "count": ("how many {objs} are there", "how many {objs} can you see", "how many {objs} are in the picture"),
+    "presence": ("is there a {obj}", "is there a {obj} in the picture", "can you see a {obj}"),
+    "position": ("where is the {a} relative to the {b}", "where is the {a} compared to the {b}"),
+    "class": ("what is in the {cell}", "what object is in the {cell}", "which object is in the {cell}"),
+}
+HELD_OUT_QUESTIONS = {
+    "count": ("how many {objs} do you see",),
+    "presence": ("do you see a {obj}",),
+    "position": ("where is the {a} with respect to the {b}",),
+    "class": ("what can you see in the {cell}",),
+}
+# {objs}: "two horses and a coin", {bg}: the texture
+CAPTION_TEMPLATES = ("{objs} on {bg}", "a picture of {objs} on {bg}", "there are {objs} on {bg}",
+                     "{objs} lying on {bg}")
+HELD_OUT_CAPTIONS = ("a photo of {objs} on {bg}", "an image showing {objs} on {bg}", "a scene with {objs} on {bg}")
+
+
+@dataclass
+class SceneObject:
+    """One pasted object: its class, grid cell and box (y0, x0, y1, x1) in pixels."""
+
+    cls: str
+    cell: int
+    box: tuple[int, int, int, int]
+
+
+@dataclass
+class Scene:
+    """A scene's ground truth: its objects and background texture."""
+
+    objects: list[SceneObject]
+    texture: str
+
+    def count(self, cls: str) -> int:
+        return sum(o.cls == cls for o in self.objects) if cls != "object" else len(self.objects)
+
+
+@functools.lru_cache(maxsize=1)
+def scene_assets() -> dict:
+    """The real pictures the scenes are cut from, loaded once a process: scikit-image's textures, colour
+    photographs, horse silhouette and cat photograph, and scikit-learn's digits (grey levels 0..1)."""
+    import skimage.data as sk
+    from sklearn.datasets import load_digits
+
+    return {"textures": [sk.brick(), sk.grass(), sk.gravel()], "photos": [sk.astronaut(), sk.coffee(), sk.rocket()],
+            "horse": ~sk.horse(),  # the silhouette is False on True
+            "digits": load_digits().images / 16.0, "cat": sk.chelsea()[30:290, 50:410]}  # the cat's head
+
+
+def _crop(rng, a: np.ndarray, h: int, w: int) -> np.ndarray:
+    y, x = rng.integers(0, a.shape[0] - h + 1), rng.integers(0, a.shape[1] - w + 1)
+    return a[y:y + h, x:x + w]
+
+
+def _object(rng, cls: str, assets: dict, extent: int) -> tuple[np.ndarray, np.ndarray]:
+    """(opacity (h, w) in 0..1, colour pixels (h, w, 3)) of one object of ``cls`` about ``extent`` pixels."""
+    if cls == "horse":  # the silhouette, filled with a crop of a colour photograph
+        shape = assets["horse"]
+        ys, xs = np.nonzero(shape)
+        shape = shape[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+        h, w = max(6, int(extent * shape.shape[0] / shape.shape[1])), extent
+        m = _resize(shape, h, w) > 0.5
+        photo = assets["photos"][int(rng.integers(len(assets["photos"])))]
+        return m.astype(np.float32), _crop(rng, photo, h, w).astype(np.float32)
+    if cls == "cat":  # the cat's head in an oval
+        head = assets["cat"]
+        s = rng.uniform(0.8, 1.0)
+        crop = _crop(rng, head, int(head.shape[0] * s), int(head.shape[1] * s))
+        h, w = extent, max(6, int(extent * 1.2))
+        yy, xx = np.mgrid[:h, :w]
+        m = ((yy - (h - 1) / 2) / (h / 2)) ** 2 + ((xx - (w - 1) / 2) / (w / 2)) ** 2 <= 1.0
+        return m.astype(np.float32), np.stack([_resize(crop[..., c], h, w) for c in range(3)], -1)
+    # a handwritten digit in bright ink, its grey level the ink's opacity
+    look = assets["digits"][int(rng.integers(len(assets["digits"])))]
+    h, w = extent, max(6, int(extent * 0.8))
+    return np.clip(1.6 * _resize(look, h, w), 0, 1), np.broadcast_to(rng.uniform(170, 255, size=3), (h, w, 3))
+
+
+def draw_scene(seed: int, size: int = SCENE_SIZE) -> tuple[Tensor, Scene]:
+    """One scene: a uint8 image (3, size, size) and its ground truth."""
+    assets = scene_assets()
+    rng = np.random.default_rng(seed)
+    t = int(rng.integers(len(TEXTURES)))
+    # a dimmed, tinted texture, so the objects stand out as they would in a photograph of them on it
+    img = _crop(rng, assets["textures"][t], size, size).astype(np.float32)[..., None] * rng.uniform(0.45, 0.8, 3)
+    half = size // 2
+    objects = []
+    for cell in sorted(rng.choice(4, size=int(rng.integers(1, 5)), replace=False).tolist()):
+        cls = SCENE_CLASSES[int(rng.integers(len(SCENE_CLASSES)))]
+        extent = int(half * rng.uniform(0.55, 0.75))
+        oy, ox = (cell // 2) * half + 1, (cell % 2) * half + 1
+        alpha, pix = _object(rng, cls, assets, extent)
+        if rng.random() < 0.5:
+            alpha, pix = alpha[:, ::-1], pix[:, ::-1]
+        h, w = alpha.shape
+        oy += int(rng.integers(0, half - 1 - h))
+        ox += int(rng.integers(0, half - 1 - w))
+        region = img[oy:oy + h, ox:ox + w]
+        region[:] = (1 - alpha[..., None]) * region + alpha[..., None] * np.clip(pix, 0, 255)
+        objects.append(SceneObject(cls, cell, (oy, ox, oy + h, ox + w)))
+    image = torch.from_numpy(np.ascontiguousarray(img.astype(np.uint8))).permute(2, 0, 1).contiguous()
+    return image, Scene(objects, TEXTURES[t])
+
+
+def _resize(a: np.ndarray, h: int, w: int) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.fromarray(a.astype(np.float32)).resize((w, h), Image.BILINEAR))
+
+
+def objects_phrase(scene: Scene) -> str:
+    """"two horses and a coin": the count of each class present, in a fixed class order."""
+    parts = []
+    for c in SCENE_CLASSES:
+        k = scene.count(c)
+        if k:
+            parts.append(f"{COUNT_WORDS[k]} {c if k == 1 else PLURALS[c]}")
+    return " and ".join(parts)
+
+
+def scene_captions(scene: Scene, templates=CAPTION_TEMPLATES) -> list[str]:
+    return [t.format(objs=objects_phrase(scene), bg=scene.texture) for t in templates]
+
+
+def scene_question(scene: Scene, kind: str, rng: random.Random, templates=None) -> tuple[str, str] | None:
+    """(question, answer) of ``kind`` about ``scene`` from ``templates`` (default: the training ones), None when
+    the scene has none of that kind (``position`` needs two objects of unique classes in a row or column)."""
+    template = rng.choice((templates or QUESTION_TEMPLATES)[kind])
+    if kind == "count":
+        target = rng.choice((*SCENE_CLASSES, "object"))
+        return template.format(objs=PLURALS[target]), str(scene.count(target))
+    if kind == "presence":
+        c = rng.choice(SCENE_CLASSES)
+        return template.format(obj=c), "yes" if scene.count(c) else "no"
+    if kind == "class":
+        o = rng.choice(scene.objects)
+        return template.format(cell=CELLS[o.cell]), o.cls
+    unique = [o for o in scene.objects if scene.count(o.cls) == 1]
+    pairs = [(a, b) for a in unique for b in unique
+             if a is not b and (a.cell // 2 == b.cell // 2 or a.cell % 2 == b.cell % 2)]
+    if not pairs:
+        return None
+    a, b = rng.choice(pairs)
+    if a.cell // 2 == b.cell // 2:
+        answer = "left" if a.cell % 2 < b.cell % 2 else "right"
+    else:
+        answer = "above" if a.cell // 2 < b.cell // 2 else "below"
+    return template.format(a=a.cls, b=b.cls), answer
+
+
+@dataclass
+class ScenesSplit:
+    """One split of the scenes: uint8 images (N, 3, S, S), their ground truth, and the samples of the split's
+    fixed questions (val: training templates; test: held-out ones) and captions (test: held-out templates)."""
+
+    images: Tensor
+    scenes: list[Scene]
+    questions: list[VLSample]
+    captions: list[VLSample]
+
+
+def make_scenes(split: str, seed: int = 0, n: int | None = None, size: int = SCENE_SIZE) -> ScenesSplit:
+    """The ``split`` of the scenes set drawn with ``seed`` (``n`` scenes; default :data:`SCENE_SPLITS`)."""
+    if split not in SCENE_SPLITS:
+        raise DataError(f"unknown split {split!r}; expected train, val or test")
+    n = SCENE_SPLITS[split] if n is None else n
+    base = {"train": 0, "val": 10_000_000, "test": 20_000_000}[split] + seed * 100_000_007
+    drawn = [draw_scene(base + i, size) for i in range(n)]
+    images = torch.stack([d[0] for d in drawn]) if drawn else torch.zeros(0, 3, size, size, dtype=torch.uint8)
+    scenes = [d[1] for d in drawn]
+    held = split == "test"
+    rng = random.Random(base)
+    questions, captions = [], []
+    for i, s in enumerate(scenes):
+        for kind in QUESTION_KINDS:  # one question of each kind the scene has
+            qa = scene_question(s, kind, rng, HELD_OUT_QUESTIONS if held else None)
+            if qa is not None:
+                questions.append(VLSample(i, [qa], [qa[1]], kind))
+        captions.append(VLSample(i, refs=scene_captions(s, HELD_OUT_CAPTIONS if held else CAPTION_TEMPLATES)))
+    return ScenesSplit(images, scenes, questions, captions)
+
+
+def scenes_vocabulary() -> list[str]:
+    """Every word of the scenes' templates, classes, textures and answers (held-out templates included, so a
+    held-out question has no unknown word; the model never trains on their phrasing)."""
+    words = {*SCENE_CLASSES, *PLURALS.values(), *TEXTURES, *COUNT_WORDS, "yes", "no", "left", "right", "above",
+             "below", *map(str, range(5))}
+    texts = [t for ts in (*QUESTION_TEMPLATES.values(), *HELD_OUT_QUESTIONS.values()) for t in ts]
+    texts += [*CAPTION_TEMPLATES, *HELD_OUT_CAPTIONS, *CELLS]
+    for t in texts:
+        for w in t.split():
+            if not w.startswith("{"):
+                words.add(w)
+    return sorted(words)
