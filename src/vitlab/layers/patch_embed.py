@@ -1,11 +1,8 @@
 """Patch embedding: cut an image into non-overlapping p x p patches and project each to ``embed_dim``
 (ViT, Dosovitskiy et al., 2021). Two formulations compute the same function:
 
-- :class:`PatchEmbed`: a strided ``p x p`` convolution (timm's layout, ``proj.weight`` of shape (D, C, p, p)),
-  computed as a patch GEMM: the image is cut into patches in the kernel's (c, p1, p2) order and multiplied by
-  the reshaped kernel. Same function, much faster than the convolution kernels: on an H100 in bf16 at batch
-  256, 0.29 ms against cuDNN's 2.3 ms for ViT-B/16 (which also converts layouts NCHW <-> NHWC around it);
-  on the CPU 1.25x faster in fp32 (oneDNN GEMM);
+- :class:`PatchEmbed`: a strided ``p x p`` convolution (timm's layout, ``proj.weight`` of shape (D, C, p, p)).
+  :func:`vitlab.optimize` may run it as one patch GEMM where that measures faster (same function);
 - :class:`LinearPatchEmbed`: the unfold ``b c (h p1) (w p2) -> b (h w) (p1 p2 c)`` then a Linear,
   optionally with LayerNorm before and after (HaLViT's embedding).
 
@@ -79,39 +76,9 @@ class PatchEmbed(_PatchGrid):
         self.norm = norm_layer(embed_dim) if norm_layer else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._prepare(x)
-        if self._is_patch_gemm():
-            x = self._patch_gemm(x)  # (B, H', W', D)
-            x = x.flatten(1, 2) if self.flatten else x
-        else:  # a replaced, reshaped or hooked projection runs as the module it is
-            x = self.proj(x)  # (B, D, H', W')
-            x = x.flatten(2).transpose(1, 2) if self.flatten else x.permute(0, 2, 3, 1)
+        x = self.proj(self._prepare(x))  # (B, D, H', W')
+        x = x.flatten(2).transpose(1, 2) if self.flatten else x.permute(0, 2, 3, 1)
         return self.norm(x)
-
-    def _is_patch_gemm(self) -> bool:
-        """Whether ``proj`` is still a plain, hook-free, non-overlapping ``p x p`` conv (what the GEMM computes)."""
-        p = self.proj
-        return (type(p) is nn.Conv2d and p.kernel_size == p.stride == self.patch_size and p.padding == (0, 0)
-                and p.dilation == (1, 1) and p.groups == 1 and not p._forward_hooks and not p._forward_pre_hooks)
-
-    def _patch_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """``proj(x)`` as one GEMM, laid out (B, H', W', D): (B, C, H, W) -> patches (B, H', W', C*p1*p2)."""
-        B, C, H, W = x.shape
-        ph, pw = self.patch_size
-        x = x.to(_compute_dtype(x))  # cast before the patch copy, as autocast would before the GEMM: one copy less
-        x = x.view(B, C, H // ph, ph, W // pw, pw).permute(0, 2, 4, 1, 3, 5).reshape(B, H // ph, W // pw, -1)
-        return F.linear(x, self.proj.weight.flatten(1), self.proj.bias)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype autocast computes a matmul of ``x`` in (``x.dtype`` when autocast is off or would not cast)."""
-    dev = x.device.type
-    try:
-        if torch.is_autocast_enabled(dev) and x.is_floating_point() and x.dtype != torch.float64:
-            return torch.get_autocast_dtype(dev)
-    except (TypeError, AttributeError, RuntimeError):  # older torch, or a device type autocast does not know
-        pass
-    return x.dtype
 
 
 class LinearPatchEmbed(_PatchGrid):

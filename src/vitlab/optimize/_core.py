@@ -1,13 +1,17 @@
-"""``vitlab.optimize(model, example_inputs=None, backend="auto")``: one explicit, measured step to a faster
+"""``vitlab.optimize.optimize(model, example_inputs=None, backend="auto")``: one explicit, measured step to a faster
 inference model computing the same function.
 
-Backends (each returns a model in eval mode whose outputs equal eager's within 1e-5 in fp32):
+Backends (each returns a model in eval mode whose outputs equal eager's within 1e-5 in fp32; on the CPU all of
+them, on a GPU ``"none"``, ``"rewrite"`` and ``"compile"``):
 
 * ``"none"``: ``eval()`` and the model's own ``fuse()`` where it has one (LeViT folds its BatchNorms). Plain
   eager PyTorch; nothing else about the model changes.
-* ``"onednn"``: module swaps (CPU): every ``nn.Linear`` becomes a :class:`~vitlab.optimize.onednn.OneDNNLinear`
-  (same parameters and state dict) and an MLP's ``fc1 -> activation`` one oneDNN GEMM with the activation in
-  its epilogue.
+* ``"rewrite"``: the layer rewrites of :mod:`vitlab.optimize.rewrite` (class swaps, same function): a patch
+  embedding's convolution as one GEMM; on the CPU, HiLo's Hi-Fi windows in fp32 for bf16 / fp16 inputs. Every
+  backend below starts from them.
+* ``"onednn"``: ``"rewrite"`` and module swaps (CPU): every ``nn.Linear`` becomes a
+  :class:`~vitlab.optimize.onednn.OneDNNLinear` (same parameters and state dict) and an MLP's
+  ``fc1 -> activation`` one oneDNN GEMM with the activation in its epilogue.
 * ``"kernels"``: ``"onednn"`` plus vitlab's compiled HiLo kernels (:func:`vitlab.optimize.hilo.swap_hilo`), for
   models with HiLo attention, where the kernels build on this machine.
 * ``"compile"``: ``torch.compile`` (Inductor) run under ``no_grad``; on the CPU with freezing (weights become
@@ -16,11 +20,11 @@ Backends (each returns a model in eval mode whose outputs equal eager's within 1
 * ``"onednn+compile"`` (CPU): the ``"onednn"`` swaps, then ``"compile"``: Inductor fuses the graph around the
   linears, which stay oneDNN's GEMMs with their epilogues (one opaque op each) instead of Inductor's own GEMM
   choice (MKL's packed sgemm for fp32, slow on some CPUs, e.g. AMD's).
-* ``"auto"`` (default): builds every applicable candidate, checks each against eager on ``example_inputs``
-  (max |diff| <= 1e-5 x the output's scale; a candidate that fails is rejected), times them in round robin on
-  this machine and returns the fastest. ``"none"`` is always a candidate and another wins only when it is
-  faster by ``margin``, so the result is never measurably slower than plain eager. The choice is cached in
-  ``optimize.json`` under the user cache dir (``$VITLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/vitlab`` or
+* ``"auto"`` (default): builds every applicable candidate, checks each against eager on ``example_inputs`` (max
+  |diff| <= :data:`TOLERANCE` x the output's scale, for its dtype; a candidate that fails is rejected), times them
+  in round robin on this machine and returns the fastest. ``"none"`` is always a candidate and another wins only
+  when it is faster by ``margin``, so the result is never measurably slower than plain eager. The choice is cached
+  in ``optimize.json`` under the user cache dir (``$VITLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/vitlab`` or
   ``~/.cache/vitlab``), written atomically and keyed by the model's class and parameter shapes, the shape of one
   input item (the batch size left out: one choice serves every batch) and its dtype, the device (CPU model, the
   ISA in use -- caps set in the environment included -- and thread count) and the torch version: a second call
@@ -60,13 +64,16 @@ import torch.nn as nn
 
 from vitlab._io import atomic_write
 from vitlab.optimize import cpu as cpuinfo
+from vitlab.optimize.rewrite import rewrite
 
 log = logging.getLogger("vitlab.optimize")
 
-BACKENDS = ("none", "onednn", "kernels", "compile", "onednn+compile")
-CHEAP = ("none", "onednn")  # built in milliseconds (module swaps): what auto uses when it does not measure
-CACHE_VERSION = 2  # 2: keyed by the shape of one input item, not the batch's
-TOLERANCE = 1e-5
+BACKENDS = ("none", "rewrite", "onednn", "kernels", "compile", "onednn+compile")
+CHEAP = ("none", "rewrite", "onednn")  # built in milliseconds (module swaps): what auto uses when it does not measure
+CACHE_VERSION = 3  # 2: keyed by the shape of one input item, not the batch's; 3: "none" is plain eager
+# max |diff| from eager, as a fraction of the output's scale, by output dtype: rounding in fp32; a few units of
+# the format's precision in bf16 (8 mantissa bits) and fp16 (11), where a rewrite may round differently
+TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 TUNE_MIN_BATCH = 8  # fewer items is a one-off call (vitlab predict on a few images): never measured
 TUNE_MIN_SECONDS = 0.05  # an eager call this short needs thousands of calls to win back a compile: not measured
 
@@ -168,6 +175,9 @@ def _build(model: nn.Module, backend: str, device: torch.device, notes: list[str
     request gets what applies (``"kernels"`` without HiLo is ``"onednn"``; off the CPU, eager)."""
     if backend == "none":
         return model
+    rewritten = rewrite(model, device)
+    if backend == "rewrite":
+        return model if rewritten or explicit else None
     if backend == "compile":
         return _compile(model, device)
     if device.type != "cpu":
@@ -249,6 +259,11 @@ def max_abs_diff(out, ref) -> float:
 
 def _scale(ref) -> float:
     return max((float(t.detach().float().abs().max()) for t in _leaves(ref) if t.numel()), default=1.0)
+
+
+def _tolerance(ref) -> float:
+    """:data:`TOLERANCE` for the least precise floating dtype among the tensors of ``ref``."""
+    return max((TOLERANCE.get(t.dtype, 1e-5) for t in _leaves(ref) if t.is_floating_point()), default=1e-5)
 
 
 def _sync(device: torch.device) -> None:
@@ -357,7 +372,7 @@ def _device_of(model: nn.Module, args: Sequence) -> torch.device:
 
 
 def _candidates(device: torch.device) -> list[str]:
-    return list(BACKENDS) if device.type == "cpu" else ["none", "compile"]
+    return list(BACKENDS) if device.type == "cpu" else ["none", "rewrite", "compile"]
 
 
 def _finish(model: nn.Module, report: OptimizeReport) -> nn.Module:
@@ -462,13 +477,13 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
     if tune is None and eager_s < TUNE_MIN_SECONDS:
         return _untuned(model, None, names, device, margin, report,
                         f"one eager call takes {eager_s * 1e3:.1f} ms, under {TUNE_MIN_SECONDS * 1e3:g} ms")
-    scale = max(1.0, _scale(ref))
+    scale, tol = max(1.0, _scale(ref)), _tolerance(ref)
     built: dict[str, nn.Module] = {"none": model}
     for name in names:
         if name == "none":
             continue
         try:
-            cand = _build(model if name == "compile" else _share_copy(model), name, device, notes)
+            cand = _build(_share_copy(model), name, device, notes)
             if cand is None:
                 report.rejected[name] = "does not apply"
                 continue
@@ -479,8 +494,8 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
             log.warning("vitlab.optimize: %s failed: %s", name, report.rejected[name])
             continue
         report.max_abs_diff[name] = diff
-        if not diff <= TOLERANCE * scale:
-            report.rejected[name] = f"output differs from eager by {diff:.3g} (> {TOLERANCE:g} x {scale:.3g})"
+        if not diff <= tol * scale:
+            report.rejected[name] = f"output differs from eager by {diff:.3g} (> {tol:g} x {scale:.3g})"
             continue
         built[name] = cand
     # each candidate ran once in its check (compiled there): one more untimed call each is warm-up enough

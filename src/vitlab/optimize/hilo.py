@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from vitlab.attention.hilo import HiLo
 from vitlab.optimize import kernels
+from vitlab.optimize.rewrite import Fp32WindowHiLo
 
 __all__ = ["KernelHiLo", "hilo_modules", "swap_hilo"]
 
@@ -48,9 +49,10 @@ def _plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
 _LOFI = {512: True, 2: False, 0: False}
 
 
-class KernelHiLo(HiLo):
+class KernelHiLo(Fp32WindowHiLo):
     """:class:`HiLo` whose attention cores run vitlab's compiled CPU kernels in fp32 inference (see the module
-    docstring); made by :func:`swap_hilo`, never built directly."""
+    docstring; another dtype takes :class:`~vitlab.optimize.rewrite.Fp32WindowHiLo`'s path); made by
+    :func:`swap_hilo`, never built directly."""
 
     def _dropout(self) -> bool:
         return self.training and self.attn_drop > 0
@@ -118,9 +120,9 @@ class KernelHiLo(HiLo):
 
 
 def hilo_modules(model: nn.Module) -> list[HiLo]:
-    """The modules of ``model`` (itself included) that :func:`swap_hilo` swaps: plain :class:`HiLo`, not a
-    subclass (KernelHiLo, a user's)."""
-    return [m for m in model.modules() if type(m) is HiLo]
+    """The modules of ``model`` (itself included) that :func:`swap_hilo` swaps: plain :class:`HiLo` or its
+    rewrite :class:`~vitlab.optimize.rewrite.Fp32WindowHiLo`, no other subclass (KernelHiLo, a user's)."""
+    return [m for m in model.modules() if type(m) in (HiLo, Fp32WindowHiLo)]
 
 
 def swap_hilo(model: nn.Module) -> int:

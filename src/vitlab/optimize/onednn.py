@@ -1,4 +1,4 @@
-"""oneDNN linear layers, applied from outside a model by module swaps (``vitlab.optimize(model, backend="onednn")``).
+"""oneDNN linear layers, applied from outside a model by module swaps (``optimize(model, backend="onednn")``).
 
 Eager ``nn.Linear`` on the CPU computes fp32 products with BLAS (MKL in the official wheels) after copying the
 bias into the output, and the activation is one more pass over memory. oneDNN's matmul -- the

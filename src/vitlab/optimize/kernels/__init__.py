@@ -11,7 +11,7 @@ HiLo's two attention cores are shapes that PyTorch's CPU kernels serve poorly:
 
 Both compute what ``F.scaled_dot_product_attention`` computes (max |diff| ~3e-7 in fp32) and have no backward:
 they are for fp32 CPU inference, applied from outside the models by :func:`vitlab.optimize.hilo.swap_hilo`
-(``vitlab.optimize(model, backend="kernels")``).
+(``vitlab.optimize.optimize(model, backend="kernels")``).
 
 Instruction sets. ``hilo_attention.cpp`` compiles the kernel body (``hilo_body.h``) twice, for AVX2 + FMA
 (8-float vectors, register blocks sized for 16 registers; what ``-mavx2 -mfma`` gives) and for AVX-512
