@@ -25,9 +25,9 @@ transformers (``vision_model.`` / ``text_model.``)          vitlab (``visual.tru
 =========================================================  ==============================================
 
 transformers 5 saves a bare ``CLIPVisionModel`` without the ``vision_model.`` prefix, earlier releases with it;
-both load. ``CLIPVisionModel``'s output (``pooler_output``: the post-LayerNorm [CLS] token) is a vitlab ViT's
-pooled features, so :func:`clip_vision_from_hf` gives that ViT (``num_classes=0``, the pre-norm swapped in), which
-also serves as the image tower of other models (its ``forward_intermediates`` gives every block's tokens).
+both load. The vision half of the map and CLIP's ViT itself are in :mod:`vitlab.models.clip_vit` (vision-language
+models use that image tower too); ``CLIPVisionModel``'s output (``pooler_output``: the post-LayerNorm [CLS] token)
+is that ViT's pooled features, so :func:`clip_vision_from_hf` gives the ViT (``num_classes=0``).
 
 Text pooling: vitlab pools at the largest token id (the end-of-text token of CLIP's vocabulary);
 transformers pools at the first ``eos_token_id`` (or the largest id when ``eos_token_id == 2``, its legacy
@@ -36,68 +36,29 @@ configs). A checkpoint whose end-of-text id is neither is refused rather than po
 
 from __future__ import annotations
 
-import re
-from functools import partial
-
 import torch
 import torch.nn as nn
 
-from vitlab.clip.model import CLIP, OPENAI_MEAN, OPENAI_STD, ImageTower, PreNorm, build_clip, clip_vit_kwargs
+from vitlab.clip.model import CLIP, OPENAI_MEAN, OPENAI_STD, ImageTower, build_clip
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict
-from vitlab.registry import ModelConfig, create_model
+from vitlab.models.clip_vit import (
+    HF_CLIP_VISION_DEFAULTS,
+    clip_vision_transformer,
+    convert_hf_clip_tower,
+    convert_hf_clip_vision_state_dict,
+    hf_act,
+    hf_clip_vision_kwargs,
+    hf_mlp_ratio,
+)
+from vitlab.registry import ModelConfig
 
-# transformers' activation names -> vitlab's (``gelu_new`` and ``gelu_pytorch_tanh`` are both the tanh form)
-HF_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 _PAPER = "Radford et al., Learning Transferable Visual Models From Natural Language Supervision, ICML 2021"
 CLIP_ARCHITECTURES = ("CLIPModel",)
 CLIP_VISION_ARCHITECTURES = ("CLIPVisionModel", "CLIPVisionModelWithProjection")
-# transformers' CLIPVisionConfig defaults (openai/clip-vit-base-patch32), for keys a config.json leaves out
-_VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                        num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+# transformers' CLIPTextConfig defaults (openai/clip-vit-base-patch32), for keys a config.json leaves out
 _TEXT_DEFAULTS = dict(vocab_size=49408, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
                       num_attention_heads=8, max_position_embeddings=77, hidden_act="quick_gelu",
                       layer_norm_eps=1e-5, eos_token_id=49407)
-_LAYER = [("layer_norm1.", "norm1."), ("layer_norm2.", "norm2."), ("self_attn.out_proj.", "attn.proj."),
-          ("mlp.fc1.", "mlp.fc1."), ("mlp.fc2.", "mlp.fc2.")]
-
-
-def hf_act(name: str) -> str:
-    """vitlab's name of a transformers activation (``hidden_act``)."""
-    if name not in HF_ACTS:
-        raise ValueError(f"unsupported activation hidden_act={name!r}; supported: {', '.join(sorted(HF_ACTS))}")
-    return HF_ACTS[name]
-
-
-def hf_layernorm(eps: float):
-    """vitlab's norm for a transformers ``layer_norm_eps``: the registered name where one exists."""
-    return "layernorm_eps5" if eps == 1e-5 else partial(nn.LayerNorm, eps=eps)
-
-
-def _mlp_ratio(cfg: dict) -> float:
-    ratio = cfg["intermediate_size"] / cfg["hidden_size"]
-    if int(cfg["hidden_size"] * ratio) != cfg["intermediate_size"]:
-        raise ValueError(f"intermediate_size {cfg['intermediate_size']} is not a whole multiple of hidden_size "
-                         f"{cfg['hidden_size']} that vitlab's MLP can express")
-    return ratio
-
-
-def clip_vision_kwargs(vision_config: dict) -> dict:
-    """The :class:`vitlab.models.VisionTransformer` arguments of a transformers ``CLIPVisionConfig`` (a dict):
-    CLIP's ViT (no patch-projection bias, [CLS] pooling) at the config's sizes, activation and LayerNorm eps."""
-    c = {**_VISION_DEFAULTS, **vision_config}
-    return {**clip_vit_kwargs(), "img_size": c["image_size"], "patch_size": c["patch_size"],
-            "in_chans": c["num_channels"], "embed_dim": c["hidden_size"], "depth": c["num_hidden_layers"],
-            "num_heads": c["num_attention_heads"], "mlp_ratio": _mlp_ratio(c), "act_layer": hf_act(c["hidden_act"]),
-            "norm_layer": hf_layernorm(c["layer_norm_eps"])}
-
-
-def clip_vision_trunk(vision_config: dict, **kwargs) -> nn.Module:
-    """The ViT that computes transformers' ``CLIPVisionModel`` (``num_classes=0``: its pooled output is
-    ``pooler_output``), with CLIP's pre-norm; ``kwargs`` override the ViT arguments (``drop_path_rate=0.1``)."""
-    kw = {**clip_vision_kwargs(vision_config), **kwargs}
-    trunk = create_model("vit_base_patch16_224", num_classes=0, **kw)
-    trunk.pos_drop = PreNorm(trunk.pos_drop, trunk.embed_dim, kw["norm_layer"])
-    return trunk
 
 
 def clip_text_kwargs(text_config: dict) -> dict:
@@ -109,49 +70,8 @@ def clip_text_kwargs(text_config: dict) -> dict:
         raise ValueError(f"the text tower pools at the largest token id, but this config's end-of-text token is "
                          f"{c['eos_token_id']} of a vocabulary of {c['vocab_size']}")
     return dict(vocab_size=c["vocab_size"], context_length=c["max_position_embeddings"], width=c["hidden_size"],
-                depth=c["num_hidden_layers"], num_heads=c["num_attention_heads"], mlp_ratio=_mlp_ratio(c),
+                depth=c["num_hidden_layers"], num_heads=c["num_attention_heads"], mlp_ratio=hf_mlp_ratio(c),
                 act_layer=hf_act(c["hidden_act"]))
-
-
-def _fuse_qkv(sd: dict, src: str, dst: str) -> dict:
-    """``src``{q,k,v}_proj.{weight,bias} -> ``dst``qkv.{weight,bias}."""
-    return {f"{dst}qkv.{p}": torch.cat([sd[f"{src}{x}_proj.{p}"] for x in "qkv"]) for p in ("weight", "bias")}
-
-
-def _tower(sd: dict, src: str, dst: str, vision: bool) -> dict:
-    """The tensors of one transformers tower (keys under ``src``) in vitlab's names under ``dst``."""
-    out = {}
-    for k, v in sd.items():
-        if not k.startswith(src):
-            continue
-        rest = k[len(src):]
-        m = re.match(r"encoder\.layers\.(\d+)\.(.*)", rest)
-        if m:
-            i, name = m.groups()
-            if re.match(r"self_attn\.[qkv]_proj\.", name):
-                if name.startswith("self_attn.q_proj.weight"):
-                    out.update(_fuse_qkv(sd, f"{src}encoder.layers.{i}.self_attn.", f"{dst}blocks.{i}.attn."))
-                continue
-            for old, new in _LAYER:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-                    break
-            out[f"{dst}blocks.{i}.{name}"] = v
-        elif rest == "embeddings.class_embedding":
-            out[dst + "cls_token"] = v.reshape(1, 1, -1)
-        elif rest == "embeddings.patch_embedding.weight":
-            out[dst + "patch_embed.proj.weight"] = v
-        elif rest == "embeddings.position_embedding.weight":
-            out[dst + "pos_embed"] = v[None] if vision else v
-        elif rest == "embeddings.token_embedding.weight":
-            out[dst + "token_embedding.weight"] = v
-        elif rest.startswith("pre_layrnorm."):
-            out[dst + "pos_drop.norm." + rest.split(".")[-1]] = v
-        elif rest.startswith(("post_layernorm.", "final_layer_norm.")):
-            out[dst + "norm." + rest.split(".")[-1]] = v
-        elif rest != "embeddings.position_ids":  # position_ids: a buffer older releases saved; anything else is
-            out[dst + rest] = v  # left for the strict load to name
-    return out
 
 
 def is_hf_clip_state_dict(sd: dict) -> bool:
@@ -159,23 +79,12 @@ def is_hf_clip_state_dict(sd: dict) -> bool:
     return any(k in sd for k in ("vision_model.embeddings.class_embedding", "embeddings.class_embedding"))
 
 
-def convert_hf_clip_vision_state_dict(sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
-    """The vision tower of a transformers CLIP state dict (the keys under ``prefix``, with or without
-    ``vision_model.``) in the names of :func:`clip_vision_trunk`'s ViT. Other keys are left out."""
-    src = prefix + "vision_model." if f"{prefix}vision_model.embeddings.class_embedding" in sd else prefix
-    if f"{src}embeddings.class_embedding" not in sd:
-        raise ValueError(f"no CLIP vision tower under {prefix or 'the top level'!r} of this state dict "
-                         f"(no '{src}embeddings.class_embedding')")
-    body = {k: v for k, v in sd.items() if k.startswith(src) and not k.startswith(src + "text_model.")}
-    return _tower(body, src, "", vision=True)
-
-
 def convert_hf_clip_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A transformers ``CLIPModel`` state dict in the names of vitlab's :class:`CLIP` (see the module table)."""
     if "vision_model.embeddings.class_embedding" not in sd or "text_model.embeddings.token_embedding.weight" not in sd:
         raise ValueError("not a transformers CLIPModel state dict (no 'vision_model.' and 'text_model.' towers)")
-    out = {**_tower(sd, "vision_model.", "visual.trunk.", vision=True),
-           **_tower(sd, "text_model.", "text.", vision=False)}
+    out = {**convert_hf_clip_tower(sd, "vision_model.", "visual.trunk."),
+           **convert_hf_clip_tower(sd, "text_model.", "text.", vision=False)}
     for k, v in sd.items():
         if k == "visual_projection.weight":
             out["visual.proj.weight"] = v
@@ -189,7 +98,7 @@ def convert_hf_clip_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 def _pretrained_cfg(name: str, task: str, vision_config: dict) -> ModelConfig:
-    c = {**_VISION_DEFAULTS, **vision_config}
+    c = {**HF_CLIP_VISION_DEFAULTS, **vision_config}
     return ModelConfig(name=name, family="clip", task=task, paper=_PAPER, mean=OPENAI_MEAN, std=OPENAI_STD,
                        crop_pct=1.0, num_classes=0, input_size=(c["num_channels"], c["image_size"], c["image_size"]))
 
@@ -200,7 +109,7 @@ def clip_from_hf(path: str) -> CLIP:
     directory. Image and text embeddings equal ``get_image_features`` / ``get_text_features``."""
     cfg = read_hf_config(path, architectures=CLIP_ARCHITECTURES)
     vision, text = cfg.get("vision_config", {}), cfg.get("text_config", {})
-    image_kwargs = clip_vision_kwargs(vision)
+    image_kwargs = hf_clip_vision_kwargs(vision)
     model = build_clip(cfg.get("projection_dim", 512), "vit_base_patch16_224", image_kwargs, clip_text_kwargs(text))
     model = load_state_dict(model, convert_hf_clip_state_dict(read_hf_state_dict(path)), source=str(path))
     model.pretrained_cfg = _pretrained_cfg("clip_hf", "contrastive", vision)
@@ -216,10 +125,10 @@ def clip_vision_from_hf(path: str) -> nn.Module:
     trunk_sd = convert_hf_clip_vision_state_dict(sd)
     if "visual_projection.weight" in sd:
         tower = ImageTower("vit_base_patch16_224", cfg.get("projection_dim", 512), pre_norm=True,
-                           **clip_vision_kwargs(cfg))
+                           **hf_clip_vision_kwargs(cfg))
         model = load_state_dict(tower, {**{f"trunk.{k}": v for k, v in trunk_sd.items()},
                                         "proj.weight": sd["visual_projection.weight"]}, source=str(path))
     else:
-        model = load_state_dict(clip_vision_trunk(cfg), trunk_sd, source=str(path))
+        model = load_state_dict(clip_vision_transformer(cfg), trunk_sd, source=str(path))
     model.pretrained_cfg = _pretrained_cfg("clip_vision_hf", "contrastive", cfg)
     return model

@@ -1,0 +1,157 @@
+"""CLIP's ViT image tower (Radford et al., 2021, "Learning Transferable Visual Models From Natural Language
+Supervision", Sec. 2.4): the plain ViT with an extra LayerNorm on the embedded tokens before the first block
+(the pre-norm), no bias in the patch projection, LayerNorm eps 1e-5 and, for OpenAI's weights, QuickGELU. It is
+CLIP's image tower and the image tower of vision-language models built on CLIP (LLaVA, Liu et al., 2023), so it
+lives here, below the packages that use it.
+
+transformers' ``CLIPVisionModel`` (saved by ``save_pretrained``) computes the same function; its key names map to
+this ViT's (timm's) names by :func:`convert_hf_clip_vision_state_dict`:
+
+=====================================================  =====================================================
+transformers (``vision_model.`` optional)              vitlab
+=====================================================  =====================================================
+``embeddings.patch_embedding.weight``                  ``patch_embed.proj.weight``
+``embeddings.class_embedding`` (D,)                    ``cls_token`` (1, 1, D)
+``embeddings.position_embedding.weight`` (N, D)        ``pos_embed`` (1, N, D)
+``pre_layrnorm``                                       ``pos_drop.norm`` (the pre-norm, after the dropout)
+``encoder.layers.i.layer_norm1`` / ``layer_norm2``     ``blocks.i.norm1`` / ``norm2``
+``encoder.layers.i.self_attn.{q,k,v}_proj``            ``blocks.i.attn.qkv`` (rows q, k, v)
+``encoder.layers.i.self_attn.out_proj``                ``blocks.i.attn.proj``
+``encoder.layers.i.mlp.fc1`` / ``fc2``                 ``blocks.i.mlp.fc1`` / ``fc2``
+``post_layernorm``                                     ``norm``
+=====================================================  =====================================================
+
+With ``num_classes=0`` the ViT's output is ``CLIPVisionModel``'s ``pooler_output`` (the post-LayerNorm [CLS]
+token), and ``forward_intermediates`` gives its ``hidden_states[i + 1]`` (the tokens after block i).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from vitlab.layers import PatchEmbed, get_norm_layer
+from vitlab.registry import create_model
+
+# transformers' activation names -> vitlab's (``gelu_new`` and ``gelu_pytorch_tanh`` are both the tanh form)
+HF_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+# transformers' CLIPVisionConfig defaults (openai/clip-vit-base-patch32), for keys a config.json leaves out
+HF_CLIP_VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                               num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu",
+                               layer_norm_eps=1e-5)
+_LAYER = [("layer_norm1.", "norm1."), ("layer_norm2.", "norm2."), ("self_attn.out_proj.", "attn.proj."),
+          ("mlp.fc1.", "mlp.fc1."), ("mlp.fc2.", "mlp.fc2.")]
+
+
+class PreNorm(nn.Module):
+    """The position-embedding dropout of a ViT followed by CLIP's pre-norm (swapped in for ``pos_drop``)."""
+
+    def __init__(self, drop: nn.Module, dim: int, norm_layer="layernorm_eps5"):
+        super().__init__()
+        self.drop = drop
+        self.norm = get_norm_layer(norm_layer)(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.drop(x))
+
+
+def hf_act(name: str) -> str:
+    """vitlab's name of a transformers activation (``hidden_act``)."""
+    if name not in HF_ACTS:
+        raise ValueError(f"unsupported activation hidden_act={name!r}; supported: {', '.join(sorted(HF_ACTS))}")
+    return HF_ACTS[name]
+
+
+def hf_layernorm(eps: float):
+    """vitlab's norm for a transformers ``layer_norm_eps``: the registered name where one exists."""
+    return {1e-5: "layernorm_eps5", 1e-6: "layernorm"}.get(eps) or partial(nn.LayerNorm, eps=eps)
+
+
+def hf_mlp_ratio(cfg: dict) -> float:
+    """``intermediate_size / hidden_size`` of a transformers config, refused if vitlab's MLP cannot express it."""
+    ratio = cfg["intermediate_size"] / cfg["hidden_size"]
+    if int(cfg["hidden_size"] * ratio) != cfg["intermediate_size"]:
+        raise ValueError(f"intermediate_size {cfg['intermediate_size']} is not a whole multiple of hidden_size "
+                         f"{cfg['hidden_size']} that vitlab's MLP can express")
+    return ratio
+
+
+def clip_vit_kwargs() -> dict:
+    """A vitlab ViT as CLIP's image tower: no bias in the patch projection, LayerNorm eps 1e-5, [CLS] pooling."""
+    return {"norm_layer": "layernorm_eps5", "embed_layer": partial(PatchEmbed, bias=False), "global_pool": "token"}
+
+
+def hf_clip_vision_kwargs(vision_config: dict) -> dict:
+    """The ViT arguments of a transformers ``CLIPVisionConfig`` (a dict of ``config.json``)."""
+    c = {**HF_CLIP_VISION_DEFAULTS, **vision_config}
+    return {**clip_vit_kwargs(), "img_size": c["image_size"], "patch_size": c["patch_size"],
+            "in_chans": c["num_channels"], "embed_dim": c["hidden_size"], "depth": c["num_hidden_layers"],
+            "num_heads": c["num_attention_heads"], "mlp_ratio": hf_mlp_ratio(c), "act_layer": hf_act(c["hidden_act"]),
+            "norm_layer": hf_layernorm(c["layer_norm_eps"])}
+
+
+def clip_vision_transformer(vision_config: dict | None = None, **kwargs) -> nn.Module:
+    """CLIP's ViT image tower with its pre-norm, ``num_classes=0`` (pooled output: ``pooler_output``), sized by a
+    transformers ``CLIPVisionConfig`` dict; ``kwargs`` override the ViT arguments (``drop_path_rate=0.1``)."""
+    kw = {**hf_clip_vision_kwargs(vision_config or {}), "num_classes": 0, **kwargs}
+    trunk = create_model("vit_base_patch16_224", **kw)
+    trunk.pos_drop = PreNorm(trunk.pos_drop, trunk.embed_dim, kw["norm_layer"])
+    return trunk
+
+
+def _fuse_qkv(sd: dict, src: str, dst: str) -> dict:
+    """``src``{q,k,v}_proj.{weight,bias} -> ``dst``qkv.{weight,bias}."""
+    return {f"{dst}qkv.{p}": torch.cat([sd[f"{src}{x}_proj.{p}"] for x in "qkv"]) for p in ("weight", "bias")}
+
+
+def convert_hf_clip_tower(sd: dict, src: str, dst: str, vision: bool = True) -> dict:
+    """The tensors of one transformers CLIP tower (keys under ``src``: ``vision_model.`` or ``text_model.``) in
+    vitlab's names under ``dst``; the text tower's position table stays (N, D) and its token embedding keeps its
+    name."""
+    out = {}
+    for k, v in sd.items():
+        if not k.startswith(src):
+            continue
+        rest = k[len(src):]
+        m = re.match(r"encoder\.layers\.(\d+)\.(.*)", rest)
+        if m:
+            i, name = m.groups()
+            if re.match(r"self_attn\.[qkv]_proj\.", name):
+                if name == "self_attn.q_proj.weight":
+                    out.update(_fuse_qkv(sd, f"{src}encoder.layers.{i}.self_attn.", f"{dst}blocks.{i}.attn."))
+                continue
+            for old, new in _LAYER:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            out[f"{dst}blocks.{i}.{name}"] = v
+        elif rest == "embeddings.class_embedding":
+            out[dst + "cls_token"] = v.reshape(1, 1, -1)
+        elif rest == "embeddings.patch_embedding.weight":
+            out[dst + "patch_embed.proj.weight"] = v
+        elif rest == "embeddings.position_embedding.weight":
+            out[dst + "pos_embed"] = v[None] if vision else v
+        elif rest == "embeddings.token_embedding.weight":
+            out[dst + "token_embedding.weight"] = v
+        elif rest.startswith("pre_layrnorm."):
+            out[dst + "pos_drop.norm." + rest.split(".")[-1]] = v
+        elif rest.startswith(("post_layernorm.", "final_layer_norm.")):
+            out[dst + "norm." + rest.split(".")[-1]] = v
+        elif rest != "embeddings.position_ids":  # a buffer older releases saved; anything else is left for the
+            out[dst + rest] = v  # strict load to name
+    return out
+
+
+def convert_hf_clip_vision_state_dict(sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The vision tower of a transformers CLIP state dict (the keys under ``prefix``, with or without
+    ``vision_model.``: transformers 5 saves a bare ``CLIPVisionModel`` without it) in the names of
+    :func:`clip_vision_transformer`'s ViT. Other keys are left out."""
+    src = prefix + "vision_model." if f"{prefix}vision_model.embeddings.class_embedding" in sd else prefix
+    if f"{src}embeddings.class_embedding" not in sd:
+        raise ValueError(f"no CLIP vision tower under {prefix or 'the top level'!r} of this state dict "
+                         f"(no '{src}embeddings.class_embedding')")
+    skip = tuple(src + k for k in ("text_model.", "visual_projection.", "text_projection.", "logit_scale"))
+    return convert_hf_clip_tower({k: v for k, v in sd.items() if not k.startswith(skip)}, src, "")
