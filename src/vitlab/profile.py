@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count, shape_wrapper
 
 from vitlab.layers.helpers import to_2tuple
 from vitlab.registry import create_model, get_model_config
@@ -31,11 +31,35 @@ def _sdpa_cpu_flops(query_shape, key_shape, value_shape, *args, out_shape=None, 
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
+def _deform_conv2d_flops(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """``torchvision::deform_conv2d`` as its convolution: k*k*C_in/groups MACs per output channel and position,
+    the count of the deformable-conv papers (Dai et al., ICCV 2017; LITv2's ``flops()``); the bilinear
+    sampling of the input is left out, as they leave it."""
+    c_out, c_in_per_group, kh, kw = weight_shape
+    batch, _, h, w = out_shape
+    return 2 * batch * c_out * h * w * c_in_per_group * kh * kw
+
+
 def _extra_formulas() -> dict:
     """Formulas torch lacks, handed to each counter (``custom_mapping``), never registered globally: the CPU
     flash kernel has none upstream, and without it fused attention would count as zero on CPU."""
     op = aten._scaled_dot_product_flash_attention_for_cpu
     return {} if op in flop_registry else {op: _sdpa_cpu_flops}
+
+
+# Formulas for operators of libraries a model loads on first use (torchvision's, imported lazily because it
+# takes seconds), matched by the operator's name when the counter first meets it.
+_BY_NAME = {"torchvision::deform_conv2d": _deform_conv2d_flops}
+
+
+class _Counter(FlopCounterMode):
+    """:class:`FlopCounterMode` that also counts the operators of :data:`_BY_NAME`."""
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        formula = _BY_NAME.get(getattr(func_packet, "_qualified_op_name", ""))
+        if formula is not None and func_packet not in self.flop_registry:
+            self.flop_registry[func_packet] = shape_wrapper(formula)
+        return super()._count_flops(func_packet, out, args, kwargs)
 
 
 @dataclass
@@ -73,7 +97,7 @@ def _run(model, x: torch.Tensor):
 
 def count_macs(model: nn.Module, x: torch.Tensor) -> int:
     """Multiply-accumulates of ``model(x)`` (FLOP counter total / 2)."""
-    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=_extra_formulas()) as counter:
+    with torch.no_grad(), _Counter(display=False, custom_mapping=_extra_formulas()) as counter:
         _run(model, x)
     return counter.get_total_flops() // 2
 

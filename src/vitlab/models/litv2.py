@@ -30,10 +30,8 @@ Sizes: no position embedding and no precomputed mask, so any input whose sides a
 (non-square included); other sizes raise a ValueError (a 4x4 patch embedding, then three 2x2 stride-2 merges
 of even grids). HiLo itself pads its windows, so it imposes nothing more.
 
-Cost: ``vitlab.profile_model`` runs on the meta device, where torchvision's ``deform_conv2d`` has a shape
-kernel but no FLOP formula (it would count 0 MACs); on 'meta' only, :class:`DeformConv2d` therefore runs the
-plain strided conv of the same shape, which is counted as k*k*C_in*C_out MACs per output position, the cost
-the paper (and the official ``flops()``) reports. The bilinear sampling is not counted, as in the paper.
+Cost: ``vitlab.profile_model`` counts the deformable convolution (``torchvision::deform_conv2d``) as the paper
+(and the official ``flops()``) does, k*k*C_in*C_out MACs per output position, the bilinear sampling left out.
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from vitlab.attention import create as create_attention
 from vitlab.layers import (
@@ -162,18 +159,11 @@ class DeformConv2d(nn.Module):
         nn.init.zeros_(self.conv_offset.bias)
 
     def forward(self, x: torch.Tensor, return_offset: bool = False):
-        offset = self.conv_offset(x)  # (B, 2*kh*kw, H', W'), (dy, dx) pairs per tap
-        if x.device.type == "meta":
-            # Shapes only (profile_model): deform_conv2d has a meta kernel but no FLOP formula, so the counter
-            # would see 0 MACs. The plain conv of the same shape gives the same output shape and is counted as
-            # the paper counts the deformable conv. Never taken on a real device.
-            out = F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
-        else:
-            # imported here: torchvision.ops takes seconds to import (it loads the compiler stack)
-            from torchvision.ops import deform_conv2d
+        # imported here: torchvision.ops takes seconds to import (it loads the compiler stack)
+        from torchvision.ops import deform_conv2d
 
-            out = deform_conv2d(x, offset.to(x.dtype), self.weight, self.bias, stride=self.stride,
-                                padding=self.padding)
+        offset = self.conv_offset(x)  # (B, 2*kh*kw, H', W'), (dy, dx) pairs per tap
+        out = deform_conv2d(x, offset.to(x.dtype), self.weight, self.bias, stride=self.stride, padding=self.padding)
         return (out, offset) if return_offset else out
 
 
