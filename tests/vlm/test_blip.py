@@ -1,0 +1,134 @@
+"""BLIP (Li et al., 2022) against transformers' ``BlipForConditionalGeneration`` and ``BlipForImageTextRetrieval``
+(a dev-only oracle) with random weights saved by ``save_pretrained``: the same logits and loss, greedy captions,
+ITM and ITC scores (within 1e-4). Then the three training objectives on the tiny registered config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vitlab
+from vitlab.vlm.blip import BLIP, blip_from_pretrained, convert_hf_blip_state_dict
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, DEC, SEP, PAD = 100, 98, 3, 0
+# transformers' config of the registered blip_tiny* models (vitlab.vlm.model_configs)
+TINY_TEXT = dict(vocab_size=VOCAB, hidden_size=32, encoder_hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=40, bos_token_id=DEC, sep_token_id=SEP,
+                 pad_token_id=PAD, eos_token_id=SEP)
+TINY_VISION = dict(image_size=32, patch_size=8, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4)
+
+
+def _hf_config(**kw):
+    return transformers.BlipConfig(text_config={**TINY_TEXT, **kw.pop("text", {})}, vision_config=TINY_VISION,
+                                   image_text_hidden_size=16, **kw)
+
+
+def _perturbed(model):
+    """Every parameter moved off its init (LayerNorms and biases included), so no term of the key map hides."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def _text(b=3, n=9):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(5, VOCAB - 3, (b, n), generator=g)
+    mask = torch.ones(b, n, dtype=torch.long)
+    mask[1, 6:] = 0  # a padded caption
+    ids[1, 6:] = PAD
+    return ids, mask
+
+
+def test_captioning_equal_transformers(tmp_path):
+    ref = _perturbed(transformers.BlipForConditionalGeneration(_hf_config()))
+    ref.save_pretrained(tmp_path)
+    ours = vitlab.create_model("blip_tiny_caption", checkpoint_path=str(tmp_path), label_smoothing=0.0).eval()
+    x = torch.randn(3, 3, 32, 32)
+    ids, mask = _text()
+    ids[:, 0] = DEC
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        out = ref(pixel_values=x, input_ids=ids, attention_mask=mask, labels=labels)
+        logits, loss = ours(x, ids, mask, labels)
+        torch.testing.assert_close(logits, out.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(loss, out.loss, rtol=1e-4, atol=1e-4)
+        # greedy captions, with and without a prompt; the tied LM weight is the word embedding
+        for prompt in (None, torch.tensor([[DEC, 7, 8, 9]] * 3)):
+            kw = {} if prompt is None else {"input_ids": torch.cat([prompt, torch.full((3, 1), SEP)], 1)}
+            want = ref.generate(pixel_values=x, max_new_tokens=12, do_sample=False, **kw)
+            got = ours.generate_caption(x, prompt, max_new_tokens=12)
+            assert got.tolist() == want.tolist()
+    assert ours.lm_head.decoder.weight is ours.text_decoder.word_embeddings.weight
+
+
+def test_retrieval_equal_transformers(tmp_path):
+    ref = _perturbed(transformers.BlipForImageTextRetrieval(_hf_config()))
+    ref.save_pretrained(tmp_path)
+    ours = blip_from_pretrained(tmp_path).eval()
+    assert ours.heads == ("itc", "itm")
+    x = torch.randn(3, 3, 32, 32)
+    ids, mask = _text()
+    with torch.no_grad():
+        want_itm = ref(input_ids=ids, pixel_values=x, attention_mask=mask).itm_score
+        want_itc = ref(input_ids=ids, pixel_values=x, attention_mask=mask, use_itm_head=False).itm_score
+        torch.testing.assert_close(ours.itm_scores(x, ids, mask), want_itm, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours.itc_scores(x, ids, mask), want_itc, rtol=1e-4, atol=1e-4)
+    same = vitlab.create_model("blip_tiny_retrieval", checkpoint_path=str(tmp_path)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(same.itm_scores(x, ids, mask), want_itm, rtol=1e-4, atol=1e-4)
+
+
+def test_three_objectives_train_and_hard_negatives():
+    torch.manual_seed(0)
+    model = vitlab.create_model("blip_tiny")
+    x = torch.randn(4, 3, 32, 32)
+    ids, _ = _text(4, 8)
+    ids[:, 0] = 1  # [CLS]
+    out = model.losses(x, ids, torch.ones_like(ids), generator=torch.Generator().manual_seed(0))
+    assert set(out) == {"itc", "itm", "lm", "loss"} and all(torch.isfinite(v) for v in out.values())
+    torch.testing.assert_close(out["loss"], out["itc"] + out["itm"] + out["lm"])
+    out["loss"].backward()
+    assert all(p.grad is not None for p in model.parameters())  # every part learns from the three objectives
+    # hard negatives come from the contrastive similarity: with one image far more similar to text 0 than the
+    # others, that image is (almost always) the negative drawn for text 0
+    sim = torch.full((4, 4), -50.0)
+    sim.fill_diagonal_(0)
+    sim[2, 0] = 10.0
+    seen = []
+    orig = model.itm_logits
+    model.itm_logits = lambda img, txt, m: seen.append(img) or orig(img, txt, m)
+    model._itm_loss(model.encode_image(x), ids, None, sim, torch.eye(4, dtype=torch.bool), None)
+    image = model.encode_image(x)
+    torch.testing.assert_close(seen[0][4], image[2])  # rows 4..7: (negative image, text); text 0's is image 2
+    with pytest.raises(ValueError, match="at least two different images"):
+        model.losses(x[:1], ids[:1])
+    with pytest.raises(ValueError, match="no LM head"):
+        vitlab.create_model("blip_tiny_retrieval").generate_caption(x)
+
+
+def test_image_ids_make_same_image_captions_positives():
+    model = vitlab.create_model("blip_tiny", heads=("itc",))
+    x = torch.randn(4, 3, 32, 32)
+    ids, _ = _text(4, 8)
+    a = model.losses(x, ids)["itc"]
+    b = model.losses(x, ids, image_ids=torch.tensor([0, 0, 1, 2]))["itc"]
+    assert not torch.allclose(a, b)
+
+
+def test_key_map_and_refusals(tmp_path):
+    sd = transformers.BlipForConditionalGeneration(_hf_config()).state_dict()
+    ours = convert_hf_blip_state_dict(sd)
+    assert "lm_head.decoder.weight" in ours and "vision_tower.blocks.1.attn.qkv.weight" in ours
+    assert "text_decoder.layers.1.crossattention.key.weight" in ours
+    transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**TINY_VISION)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not BlipForConditionalGeneration"):
+        vitlab.create_model("blip_tiny_caption", checkpoint_path=str(tmp_path))
+    with pytest.raises(ValueError, match="unknown BLIP heads"):
+        BLIP("vit_pico_patch8_32", heads=("vqa",))
+    with pytest.raises(ValueError, match="needs a \\[CLS\\] token"):
+        BLIP("vit_pico_patch8_32", {"class_token": False, "global_pool": "avg"})
