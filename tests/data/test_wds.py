@@ -1,0 +1,223 @@
+"""wds:SOURCE: WebDataset shards written here with webdataset's own TarWriter; every sample's label is its index, so
+the rank / worker split can be checked for duplicates and coverage. Bad input: one line, nothing half-written."""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from vitlab.cli import main
+from vitlab.data import DataError, streaming
+from vitlab.data.wds import pack, read_index, read_split
+
+wds = pytest.importorskip("webdataset")
+
+
+def png(value: int, size: int = 4) -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", (size, size), value % 256).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_shards(folder, n: int = 60, per_shard: int = 12, prefix: str = "train", label=lambda i: {"cls": i},
+                 extra=lambda i: {}) -> list[str]:
+    """``n`` samples (a grey PNG of value i, its label ``label(i)``) in shards of ``per_shard``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s in range(0, n, per_shard):
+        path = folder / f"{prefix}-{s // per_shard:06d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for i in range(s, min(n, s + per_shard)):
+                sample = {"__key__": f"{i:08d}", "png": png(i)}
+                for k, v in {**label(i), **extra(i)}.items():
+                    sample[k] = v if isinstance(v, bytes) else (json.dumps(v) if k == "json" else str(v)).encode()
+                sink.write(sample)
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wds")
+    write_shards(root, n=60)
+    write_shards(root, n=10, per_shard=5, prefix="val")
+    return root
+
+
+def labels_of(stream, rank: int, world: int, worker: int = 0, workers: int = 1, monkeypatch=None) -> list[int]:
+    stream.set_placement(rank, world)
+    monkeypatch.setattr(streaming, "worker_placement", lambda: (worker, workers))
+    return [y for _, y in stream]
+
+
+@pytest.mark.parametrize("world,workers", [(1, 1), (2, 1), (3, 2), (2, 4)])
+def test_split_by_rank_and_worker_covers_every_sample_once(shards, monkeypatch, world, workers):
+    stream = read_split("train", f"{shards}/train-{{000000..000004}}.tar", shuffle=8, classes=None)
+    assert stream.classes == [str(i) for i in range(60)] and stream.total == 60
+    per_rank = []
+    for rank in range(world):
+        got = [y for w in range(workers) for y in labels_of(stream, rank, world, w, workers, monkeypatch)]
+        assert len(got) == len(stream) == 60 // world
+        per_rank.append(got)
+    seen = Counter(y for got in per_rank for y in got)
+    assert max(seen.values()) == 1 and len(seen) == 60 // world * world  # no duplicate; all but the remainder
+
+
+def test_dataloader_workers_and_batch_size_give_the_promised_batches(shards):
+    stream = streaming.StreamImages(read_split("train", str(shards), shuffle=4), in_chans=3, transform=None)
+    stream.batch_size = 7  # passed to the stream: each worker reads whole batches
+    assert stream.dataset.batch_size == 7 and len(stream) == 60
+    loader = DataLoader(stream, batch_size=7, num_workers=2, drop_last=True)
+    pairs = list(loader)
+    assert all(x.shape == (7, 3, 4, 4) and x.dtype == torch.uint8 for x, _ in pairs)
+    batches = [y for _, y in pairs]
+    assert len(batches) == len(loader) == 60 // 7
+    flat = torch.cat(batches).tolist()
+    assert len(set(flat)) == len(flat) == 56
+
+
+def test_epochs_reshuffle_deterministically_and_epoch_length_walks_the_stream(shards, monkeypatch):
+    a = read_split("train", str(shards), seed=3, shuffle=16)
+    b = read_split("train", str(shards), seed=3, shuffle=16)
+    e0 = labels_of(a, 0, 1, monkeypatch=monkeypatch)
+    assert e0 == labels_of(b, 0, 1, monkeypatch=monkeypatch) and sorted(e0) == list(range(60))
+    a.set_epoch(1)
+    e1 = labels_of(a, 0, 1, monkeypatch=monkeypatch)
+    assert e1 != e0 and sorted(e1) == list(range(60))
+    # 25 samples an epoch on 2 ranks: 12 each; epochs 0 and 1 read different samples of the first pass
+    s = read_split("train", str(shards), epoch_length=25, shuffle=0)
+    got = {}
+    for epoch in (0, 1):
+        s.set_epoch(epoch)
+        got[epoch] = [y for r in (0, 1) for y in labels_of(s, r, 2, monkeypatch=monkeypatch)]
+        assert len(got[epoch]) == 24 and len(set(got[epoch])) == 24
+    assert not set(got[0]) & set(got[1])
+
+
+def test_resume_mid_epoch_continues_exactly(shards, monkeypatch):
+    s = read_split("train", str(shards), seed=1, shuffle=10)
+    s.set_epoch(2)
+    full = labels_of(s, 0, 1, monkeypatch=monkeypatch)
+    it = iter(s)
+    head = [next(it)[1] for _ in range(23)]
+    state = s.state_dict()
+    assert state["epoch"] == 2 and state["consumed"] == 23
+    fresh = read_split("train", str(shards), seed=1, shuffle=10)
+    fresh.load_state_dict(state)
+    assert head + [y for _, y in fresh] == full
+
+
+def test_eval_split_reads_in_order_and_val_pattern_found(shards, monkeypatch):
+    val = read_split("val", f"{shards}/train-*.tar", classes=[str(i) for i in range(60)])
+    assert labels_of(val, 0, 1, monkeypatch=monkeypatch) == list(range(10))
+    assert [labels_of(val, r, 3, monkeypatch=monkeypatch) for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+
+
+def test_labels_from_json_names_and_captions_from_txt(tmp_path, monkeypatch):
+    names = ["cat", "dog", "emu"]
+    write_shards(tmp_path, n=9, per_shard=4, label=lambda i: {"json": {"label": names[i % 3]}},
+                 extra=lambda i: {"txt": f"a photo of a {names[i % 3]}"})
+    pattern = str(tmp_path / "train-*.tar")
+    s = read_split("val", pattern, val=pattern)  # an evaluation split: in order
+    assert s.classes == ["cat", "dog", "emu"]
+    assert labels_of(s, 0, 1, monkeypatch=monkeypatch) == [i % 3 for i in range(9)]
+    c = read_split("val", pattern, val=pattern, captions=True)
+    caps = [t for _, t in c]
+    assert caps == [f"a photo of a {names[i % 3]}" for i in range(9)]
+
+
+def test_pack_round_trip_through_the_cli(tmp_path, capsys):
+    root = tmp_path / "folder"
+    for split, n in (("train", 6), ("val", 2)):
+        for c in ("ant", "bee"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (9, 7), (10 * i, 100 if c == "ant" else 200, 0)).save(root / split / c / f"{i}.jpg")
+    out = tmp_path / "shards"
+    assert main(["data", "pack", f"imagefolder:{root}", "--out", str(out), "--shard-size", "5"]) == 0
+    assert "train 12 samples in 3 shards" in capsys.readouterr().out
+    assert json.loads((out / "classes.json").read_text()) == ["ant", "bee"]
+    shards, classes = read_index(str(out / "train.json"))
+    assert [s.count for s in shards] == [5, 5, 2] and classes == ["ant", "bee"]
+    # the JPEG bytes are the files' own, and the labels follow their folders
+    files = {p.read_bytes(): ["ant", "bee"].index(p.parent.name) for p in (root / "train").rglob("*.jpg")}
+    got = {s["jpg"]: int(s["cls"]) for sh in shards for s in wds.WebDataset(sh.url, shardshuffle=False)}
+    assert got == files
+    assert main(["data", "info", f"wds:{out}"]) == 0
+    assert "train 12, val 4 samples; 2 classes" in capsys.readouterr().out
+
+
+def _error(capsys, argv, *words):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("vitlab: error: "), err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_bad_input_one_line(tmp_path, shards, capsys):
+    _error(capsys, ["data", "info", f"wds:{tmp_path}/none-{{0..3}}.tar"], "matches nothing")
+    _error(capsys, ["data", "info", f"wds:{shards}/train-{{000000..000009}}.tar"], "5 of 10 shards missing")
+    write_shards(tmp_path, n=3, prefix="only")
+    _error(capsys, ["data", "info", f"wds:{tmp_path}/only-000000.tar"], "no val shards", "--data.options.val")
+    _error(capsys, ["data", "info", "wds:https://example.org/s-{0..3}.tar", "--options", '{"val": "x"}'],
+           "remote", "shard index")
+    (tmp_path / "bad.json").write_text('{"shards": []}')
+    _error(capsys, ["data", "info", f"wds:{tmp_path / 'bad.json'}"], "not a shard index")
+    # pack: a folder that already holds shards is refused and left as it was; a failure leaves nothing behind
+    before = sorted(p.name for p in shards.iterdir())
+    _error(capsys, ["data", "pack", "digits", "--out", str(shards)], "already holds shards")
+    assert sorted(p.name for p in shards.iterdir()) == before
+    _error(capsys, ["data", "pack", f"imagefolder:{tmp_path}/nowhere", "--out", str(tmp_path / "o")], "missing")
+    assert not (tmp_path / "o").exists()
+
+
+def test_corrupt_member_refused_or_skipped_and_counted(tmp_path, monkeypatch):
+    write_shards(tmp_path, n=8, per_shard=4, extra=lambda i: {"png": b"not a png"} if i == 5 else {})
+    pattern, classes = str(tmp_path / "train-*.tar"), [str(i) for i in range(8)]
+    s = read_split("val", pattern, val=pattern, classes=classes)
+    with pytest.raises(DataError, match=r"unreadable image .*train-000001.tar sample 00000005.png"):
+        labels_of(s, 0, 1, monkeypatch=monkeypatch)
+    s = read_split("val", pattern, val=pattern, skip_bad_images=True, classes=classes)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = labels_of(s, 0, 1, monkeypatch=monkeypatch)
+    assert got == [0, 1, 2, 3, 4, 4, 6, 7]  # the count kept: the previous sample stands in
+    assert any("skipped 1 unreadable sample" in str(x.message) for x in w)
+
+
+def test_truncated_shard_refused_or_read_in_part(tmp_path, monkeypatch):
+    paths = write_shards(tmp_path, n=8, per_shard=4)
+    data = open(paths[1], "rb").read()
+    open(paths[1], "wb").write(data[: len(data) // 2 + 100])  # into the third sample's image
+    with pytest.raises(DataError, match="corrupt shard .*train-000001.tar"):
+        read_split("train", str(tmp_path / "train-*.tar"), classes=[str(i) for i in range(8)])
+    with pytest.warns(UserWarning, match="corrupt shard"):
+        s = read_split("val", str(tmp_path / "train-*.tar"), val=str(tmp_path / "train-*.tar"),
+                       skip_bad_images=True, classes=[str(i) for i in range(8)])
+    with pytest.warns(UserWarning, match="skipped 1 unreadable sample"):  # the cut sample, replaced
+        got = labels_of(s, 0, 1, monkeypatch=monkeypatch)
+    assert got[:4] == [0, 1, 2, 3] and len(got) == s.total and set(got) <= set(range(8))
+
+
+def test_missing_package_names_the_extra(monkeypatch, tmp_path):
+    real = streaming.importlib.import_module
+
+    def fake(name, *a):
+        if name == "webdataset":
+            raise ImportError(name)
+        return real(name, *a)
+
+    monkeypatch.setattr(streaming.importlib, "import_module", fake)
+    with pytest.raises(DataError, match=r"needs the webdataset package: pip install 'vitlab\[stream\]'"):
+        read_split("train", str(tmp_path / "x-{0..1}.tar"))
+    with pytest.raises(DataError, match="webdataset"):
+        pack("digits", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
