@@ -76,38 +76,23 @@ def test_talking_heads_mix_heads():
     assert torch.allclose(TalkingHeadAttn._mix_heads(logits, attn.proj_l), ref, atol=1e-6)
 
 
-@pytest.mark.parametrize("bias_scale", [0.0, 1.0])
-def test_talking_heads_folded_equals_direct(bias_scale):
-    """The folded form (one SDPA over heads of width C, used on CUDA) computes the direct form's function,
-    forward and gradients, including the mixing biases (which the direct form adds to the whole map)."""
+def test_talking_heads_direct_everywhere_and_weights_on_request():
+    """One arithmetic (the direct form) whatever the input; ``return_attn`` gives the post-mix weights P with
+    ``out = proj(P V)``, ``return_qk`` the unmixed queries and keys, ``attn_mask`` biases the mixed logits."""
     torch.manual_seed(0)
-    attn = TalkingHeadAttn(48, num_heads=4)
-    with torch.no_grad():  # random mixing, far from the identity, and non-zero biases
-        for lin in (attn.proj_l, attn.proj_w):
-            lin.weight.normal_()
-            lin.bias.normal_(std=bias_scale)
-    x = torch.randn(2, 13, 48, requires_grad=True)
-    outs, grads = [], []
-    for folded in (False, True):
-        attn.folded = folded
-        out = attn(x)
-        outs.append(out)
-        params = [x, *attn.parameters()]
-        g = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
-        # proj_l's bias shifts whole softmax rows, so its true gradient is 0: the folded form never reads it
-        grads.append([torch.zeros_like(p) if gi is None else gi for p, gi in zip(params, g, strict=True)])
-    assert torch.allclose(outs[0], outs[1], atol=1e-4)
-    for g0, g1 in zip(*grads, strict=True):
-        assert torch.allclose(g0, g1, atol=1e-3, rtol=1e-4)
-
-
-def test_talking_heads_folded_choice():
-    attn = TalkingHeadAttn(32, num_heads=4, attn_drop=0.1)
-    x = torch.randn(1, 4, 32)
-    assert not attn._use_folded(x)  # auto: CPU tensors take the direct form
-    attn.folded = True
-    assert not attn.train()._use_folded(x)  # dropout on the mixed map needs the direct form
-    assert attn.eval()._use_folded(x)
+    attn = TalkingHeadAttn(32, num_heads=4).eval()
+    x = torch.randn(2, 6, 32)
+    out, P, q, k = attn(x, return_attn=True, return_qk=True)
+    assert torch.equal(out, attn(x)) and P.shape == (2, 4, 6, 6) and q.shape == k.shape == (2, 4, 6, 8)
+    v = attn.qkv(x).view(2, 6, 3, 4, 8)[:, :, 2].transpose(1, 2)
+    torch.testing.assert_close(out, attn.proj((P @ v).transpose(1, 2).reshape(2, 6, 32)))
+    mix = TalkingHeadAttn._mix_heads
+    torch.testing.assert_close(P, mix(mix((q * attn.scale) @ k.transpose(-2, -1), attn.proj_l).softmax(-1),
+                                      attn.proj_w))
+    bias = torch.randn(2, 1, 1, 6)
+    _, Pm = attn(x, attn_mask=bias, return_attn=True)
+    logits = mix((q * attn.scale) @ k.transpose(-2, -1), attn.proj_l) + bias
+    torch.testing.assert_close(Pm, mix(logits.softmax(-1), attn.proj_w))
 
 
 def test_intermediates():

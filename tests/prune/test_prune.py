@@ -35,7 +35,7 @@ def _explicit_attention(attn, x):
 def ref_evit_features(model, x, keep_rate, locs, fuse_mean=False):
     """The authors' EViT block (fuse_token=True) on our model's modules; ``fuse_mean``: the fused token divided by
     its attention mass (our variant for patch-pooled models)."""
-    x = model._pos_embed(model.patch_embed(x), model._grid(x))
+    x = model.embed(x)[0]
     for i, blk in enumerate(model.blocks):
         B, N, C = x.shape
         tmp, attn = _explicit_attention(blk.attn, blk.norm1(x))
@@ -87,7 +87,7 @@ def test_evit_on_an_avg_pooled_model_fuses_a_mean_counted_by_size():
 
 def ref_dynamicvit(model, x, locs, ratios, train, policy_hook=None):
     """The authors' VisionTransformerDiffPruning forward (class token only) on our modules and predictors."""
-    x = model._pos_embed(model.patch_embed(x), model._grid(x))
+    x = model.embed(x)[0]
     B = x.shape[0]
     init_n = x.shape[1] - 1
     prev_decision = torch.ones(B, init_n, 1, dtype=x.dtype)

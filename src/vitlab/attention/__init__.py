@@ -12,7 +12,9 @@ import importlib
 import pkgutil
 
 from vitlab.attention._registry import (
+    accepts_keywords,
     accepts_prefix_tokens,
+    attention_weights_error,
     create_attention,
     get_attention,
     layout_kwargs,
@@ -21,7 +23,7 @@ from vitlab.attention._registry import (
 )
 from vitlab.attention.block import Block
 from vitlab.attention.local_window import LocalWindowAttention
-from vitlab.attention.msa import MultiHeadSelfAttention
+from vitlab.attention.msa import MultiHeadSelfAttention, QKVAttention, softmax_with_policy
 from vitlab.attention.offset_bias import OffsetBiasAttentionBase, fold_offset_biases
 from vitlab.attention.shifted_window import ShiftedWindowAttention
 from vitlab.attention.sra import SpatialReductionAttention
@@ -33,7 +35,8 @@ for _mod in pkgutil.iter_modules(__path__):
 
 __all__ = [
     "Block", "LocalWindowAttention", "MultiHeadSelfAttention", "OffsetBiasAttentionBase", "ShiftedWindowAttention",
-    "SpatialReductionAttention", "accepts_prefix_tokens", "create", "create_attention", "fold_offset_biases",
+    "QKVAttention", "SpatialReductionAttention", "accepts_keywords", "accepts_prefix_tokens",
+    "attention_weights_error", "softmax_with_policy", "create", "create_attention", "fold_offset_biases",
     "get_attention",
     "layout_kwargs", "list_attention", "register_attention",
 ]

@@ -55,6 +55,25 @@ def accepts_prefix_tokens(name: str | Callable[..., nn.Module]) -> bool:
     return bool(getattr(get_attention(name), "prefix_tokens", True))
 
 
+def accepts_keywords(layer: nn.Module | Callable[..., nn.Module], *names: str) -> bool:
+    """Whether the ``forward`` of attention ``layer`` (a module or its class) takes every keyword of ``names``
+    (``return_attn``, ``return_qk``, ``attn_mask``, ``rope``, ...)."""
+    forward = getattr(layer, "forward", None)
+    if forward is None:
+        return False
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to inspect
+        return False
+    return all(n in params for n in names)
+
+
+def attention_weights_error(layer: nn.Module) -> ValueError:
+    """The error a mechanism without explicit attention weights raises when asked for them (``return_attn``)."""
+    return ValueError(f"{type(layer).__name__} forms no attention weights (has_attention_weights = False): it "
+                      f"mixes tokens without a softmax over keys, so there are none to return")
+
+
 def _init_params(factory: Callable[..., nn.Module]) -> set[str]:
     try:
         return set(inspect.signature(factory).parameters)

@@ -4,7 +4,10 @@ attention registry (``attn_layer='hilo'``, ...) and any MLP ('mlp', 'swiglu') dr
 
 ``post_norm=True`` gives the original Transformer's block (Vaswani et al., 2017, Sec. 3.1:
 ``LayerNorm(x + Multihead(x))``): ``x = Norm(x + Attn(x))`` then ``x = Norm(x + MLP(x))``. ``attn_mask`` /
-``is_causal`` reach the attention (``msa``) for text: causal and padding masks through SDPA."""
+``is_causal`` reach the attention (``msa``) for text: causal and padding masks through SDPA.
+
+The two residual steps are public (:meth:`Block.forward_attention`, :meth:`Block.forward_mlp`): token
+reduction runs between them, and asks the attention for its keys or weights through ``forward_attention``."""
 
 from __future__ import annotations
 
@@ -39,15 +42,25 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
+    def forward_attention(self, x: torch.Tensor, hw: tuple[int, int] | None = None, rope=None, **attn_kwargs):
+        """The first residual step, ``x + DropPath(LS(Attn(Norm(x))))`` (post-norm: ``Norm(x + ...)``).
+        ``attn_kwargs`` go to the attention (``attn_mask``, ``return_attn``, ``return_qk``, ...); the extras it
+        returns follow the new tokens: ``x`` or ``(x, *extras)``."""
+        if rope is not None:
+            attn_kwargs["rope"] = rope
+        out = self.attn(x if self.post_norm else self.norm1(x), hw, **attn_kwargs)
+        y, extras = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+        x = self.norm1(x + self.drop_path1(self.ls1(y))) if self.post_norm else x + self.drop_path1(self.ls1(y))
+        return (x, *extras) if extras else x
+
+    def forward_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The second residual step, ``x + DropPath(LS(MLP(Norm(x))))`` (post-norm: ``Norm(x + ...)``)."""
+        if self.post_norm:
+            return self.norm2(x + self.drop_path2(self.ls2(self.mlp(x))))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
     def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, rope=None,
                 attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         # only mask-aware callers (text towers) pass masks, so every other mechanism keeps forward(x, hw)
         kw = {} if attn_mask is None and not is_causal else {"attn_mask": attn_mask, "is_causal": is_causal}
-        if rope is not None:
-            kw["rope"] = rope
-        if self.post_norm:
-            x = self.norm1(x + self.drop_path1(self.ls1(self.attn(x, hw, **kw))))
-            return self.norm2(x + self.drop_path2(self.ls2(self.mlp(x))))
-        y = self.attn(self.norm1(x), hw, **kw)
-        x = x + self.drop_path1(self.ls1(y))
-        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return self.forward_mlp(self.forward_attention(x, hw, rope, **kw))

@@ -11,33 +11,17 @@ Global over all tokens: prefix (class) tokens are allowed and ``hw`` is not need
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
 from vitlab.attention._registry import register_attention
-from vitlab.layers.helpers import check_heads
+from vitlab.attention.msa import MultiHeadSelfAttention
 
 
 @register_attention("msa_naive")
-class NaiveAttention(nn.Module):
+class NaiveAttention(MultiHeadSelfAttention):
+    """``msa`` on its explicit softmax path (``fused_attn = False``): the same parameters, the (N, N) weights
+    materialised."""
+
+    fused_attn = False
+
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0):
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = check_heads(dim, num_heads)
-        self.scale = self.head_dim**-0.5
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False):
-        B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # (B, heads, N, d) each
-        attn = (q * self.scale) @ k.transpose(-2, -1)  # (B, heads, N, N)
-        attn = F.softmax(attn, dim=-1)
-        x = self.attn_drop(attn) @ v  # (B, heads, N, d)
-        x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
-        return (x, attn) if return_attn else x
+        super().__init__(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)

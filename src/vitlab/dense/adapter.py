@@ -190,10 +190,8 @@ class ViTAdapter(nn.Module):
         c1, c2, c3, c4 = self.spm(image)
         c_shapes = [tuple(c.shape[-2:]) for c in (c2, c3, c4)]
         c = torch.cat([m.flatten(2).transpose(1, 2) + self.level_embed[i] for i, m in enumerate((c2, c3, c4))], 1)
-        hw = vit._grid(image)
-        x = vit._pos_embed(vit.patch_embed(image), hw)
-        rope = vit._rope(x, hw)
-        n_pre = vit.num_prefix_tokens
+        x, hw = vit.embed(image)
+        n_pre = vit.num_block_prefix_tokens
         ref_vit = grid_reference([hw], image.device, x.dtype)                     # ViT queries, one level
         ref_inj = ref_vit[:, :, None].expand(-1, -1, 3, -1)                        # ... sampling 3 SPM levels
         ref_ext = grid_reference(c_shapes, image.device, x.dtype)[:, :, None]     # SPM queries, ViT level
@@ -201,7 +199,7 @@ class ViTAdapter(nn.Module):
         for inj, ext, (a, b) in zip(self.injectors, self.extractors, self.interactions, strict=True):
             pre, t = x[:, :n_pre], x[:, n_pre:]
             x = torch.cat([pre, inj(t, ref_inj, c, c_shapes)], 1)
-            x = vit._run_blocks(vit.blocks[a:b + 1], x, hw, rope)
+            x = vit.forward_blocks(x, hw, vit.blocks[a:b + 1])
             t = x[:, n_pre:]
             c = ext(c, ref_ext, t, tuple(hw), c_shapes)
             outs.append(t.transpose(1, 2).reshape(B, -1, *hw))

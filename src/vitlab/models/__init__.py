@@ -1,5 +1,7 @@
 """Model families, one a file; importing this package imports every family module, which registers its
-models (a new ``models/<family>.py`` is picked up without editing this file)."""
+models (a new ``models/<family>.py`` is picked up without editing this file). The token interface of the
+plain-ViT family (:class:`TokenModel`) and the mixin swap of patches applied from outside (:func:`mix_in`,
+:func:`mix_out`) are public here."""
 
 import importlib
 import pkgutil
@@ -7,7 +9,16 @@ import pkgutil
 for _mod in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_mod.name}")
 
+from vitlab.models._base import (  # noqa: E402
+    TokenModel,
+    check_token_model,
+    keep_patches,
+    mask_patches,
+    mix_in,
+    mix_out,
+)
 from vitlab.models.halvit import HaLViT  # noqa: E402
 from vitlab.models.vision_transformer import VisionTransformer  # noqa: E402
 
-__all__ = ["HaLViT", "VisionTransformer"]
+__all__ = ["HaLViT", "TokenModel", "VisionTransformer", "check_token_model", "keep_patches", "mask_patches", "mix_in",
+           "mix_out"]

@@ -7,13 +7,16 @@ Two changes make deep ViTs train, and a third separates the two jobs of the clas
 - **Talking-heads attention** (Shazeer et al., 2020) in the self-attention blocks: the attention logits are
   mixed across heads by a learned h x h linear map before the softmax (``proj_l``) and the weights again
   after it (``proj_w``): ``A = W_w softmax(W_l (Q K^T / sqrt(d)))``, ``out = A V``. Heads are mixed on both
-  sides of the softmax, so the direct form materialises the (B, h, N, N) map several times. On the GPU the
-  same function runs as one fused SDPA call over h "folded" heads of width C = h d (see
-  ``TalkingHeadAttn.forward_folded``): 4x the attention MACs, but no N x N map in memory.
+  sides of the softmax, so this direct form materialises the (B, h, N, N) map several times; the model runs it
+  on every device. :mod:`vitlab.optimize.cait` holds the same function as one fused SDPA call over h "folded"
+  heads of width C = h d, an inference transform (4x the attention MACs, but no N x N map in memory).
 - **Class attention**: the patch tokens go through the self-attention blocks *without* a class token; only
   the last two blocks (``blocks_token_only``) add it, and there only the class token is updated: its query
   attends to the keys/values of ``[cls, patches]`` (a 1-query attention, run with fused SDPA), then an MLP
   on the class token alone. The patch tokens are frozen through these blocks.
+
+The model implements the token interface of :class:`vitlab.models.TokenModel`: ``embed`` gives the patch tokens
+the self-attention blocks take, ``finish_tokens`` runs the class-attention stage and the final norm.
 
 Module and parameter names follow timm's ``Cait`` (``gamma_1``/``gamma_2`` are the LayerScale vectors), so
 timm state dicts load as they are.
@@ -41,31 +44,32 @@ from vitlab.layers import (
     resample_abs_pos_embed,
     same_size,
 )
-from vitlab.models._base import TimmApiMixin
+from vitlab.models._base import TimmApiMixin, TokenModel, keep_patches, mask_patches
 from vitlab.registry import ModelConfig, register_model
 
 _PAPER = "Touvron et al., Going deeper with Image Transformers, ICCV 2021"
 _POOL_TYPES = ("token", "avg", "")
-_FOLD_MAX_WIDTH = 256  # widest head the fused (flash) attention kernels take
 
 
 class TalkingHeadAttn(nn.Module):
     """Self-attention with talking heads: learned head mixing of the logits (``proj_l``) and of the softmax
-    weights (``proj_w``). ``forward(x)``: (B, N, C) -> (B, N, C).
+    weights (``proj_w``). ``forward(x)``: (B, N, C) -> (B, N, C), the direct form everywhere (for inference on a
+    GPU, :func:`vitlab.optimize.cait.fold_talking_heads` swaps in the same function without the N x N maps).
 
-    ``folded``: None (default) runs the folded form (``forward_folded``) on CUDA tensors when its head width
-    C = h d is at most 256 (the flash kernels' limit: XXS24's 192, not XS24's 288 or S24's 384, which would
-    fall back to a kernel that builds the maps anyway) and the direct form elsewhere; True / False force one.
-    Attention dropout during training needs the direct form (it drops entries of the mixed map, which the
-    folded form never builds)."""
+    On request (the keywords of :mod:`vitlab.attention`): ``attn_mask``, an additive bias on the mixed logits
+    just before the softmax (where a key duplicated s times would weigh s times: ToMe's proportional attention);
+    ``return_attn``, the post-mix weights P (B, h, N, N) that multiply V (not distributions: row sums are
+    ``sum_h W_w[g, h] + N b_w[g]``); ``return_qk``, the queries and keys (B, h, N, d) before any mixing."""
+
+    has_attention_weights = True
+    attention_kind = "talking_heads"
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0, folded: bool | None = None):
+                 proj_drop: float = 0.0):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = check_heads(dim, num_heads)
         self.scale = self.head_dim**-0.5
-        self.folded = folded
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim)
@@ -82,52 +86,26 @@ class TalkingHeadAttn(nn.Module):
         out = torch.baddbmm(lin.bias.to(attn.dtype)[None, :, None], w, attn.reshape(B, h, N * M))  # bias in the GEMM
         return out.view(B, h, N, M)
 
-    def _use_folded(self, x: torch.Tensor) -> bool:
-        if self.training and self.attn_drop.p > 0:
-            return False
-        if self.folded is None:
-            return x.is_cuda and self.num_heads * self.head_dim <= _FOLD_MAX_WIDTH
-        return self.folded
-
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, attn_mask: torch.Tensor | None = None,
+                return_attn: bool = False, return_qk: bool = False):
         B, N, C = x.shape
         qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
-        if self._use_folded(x):
-            x = self.forward_folded(qkv)
-        else:
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, h, N, d) each
-            attn = (q * self.scale) @ k.transpose(-2, -1)  # (B, h, N, N) logits
-            attn = self._mix_heads(attn, self.proj_l).softmax(dim=-1)
-            attn = self.attn_drop(self._mix_heads(attn, self.proj_w))
-            x = (attn @ v).transpose(1, 2).reshape(B, N, C)  # (B, N, C)
-        return self.proj_drop(self.proj(x))
-
-    def forward_folded(self, qkv: torch.Tensor) -> torch.Tensor:
-        """The same attention without the N x N map: (B, N, 3, h, d) projections -> (B, N, C) head outputs.
-
-        Pre-softmax mixing is linear in q, so logit map g is one dot product of width C = h d:
-        ``sum_h W_l[g, h] s q_h k_h^T = [W_l[g, 0] s q_0, ..., W_l[g, h-1] s q_{h-1}] [k_0, ..., k_{h-1}]^T``;
-        the bias ``b_l[g]`` is constant along each row, which the softmax ignores. With A_g = softmax(that),
-        post-softmax mixing gives head j's output ``sum_g W_w[j, g] A_g v_j + b_w[j] sum_n v_j[n]``, and
-        A_g v_j for every j is block j of ``A_g [v_0, ..., v_{h-1}]``. So one SDPA call with h query heads
-        of width C against a single shared key/value head of width C yields every A_g v_j."""
-        B, N, _, h, d = qkv.shape
-        q, k, v = qkv.unbind(2)  # (B, N, h, d) each
-        w_l = self.proj_l.weight.to(q.dtype) * self.scale  # (g, h)
-        q_fold = torch.einsum("gh,bnhd->bgnhd", w_l, q).reshape(B, h, N, h * d)  # (B, g, N, C)
-        kv = qkv[:, :, 1:].reshape(B, 1, N, 2, h * d)  # (B, 1, N, 2, C): keys and values, all heads side by side
-        k_all = kv[..., 0, :].expand(B, h, N, h * d)  # shared by every folded head (a view)
-        v_all = kv[..., 1, :].expand(B, h, N, h * d)
-        o = F.scaled_dot_product_attention(q_fold, k_all, v_all, scale=1.0)  # (B, g, N, C): A_g [v_0 .. v_{h-1}]
-        o = o.reshape(B, h, N, h, d)  # o[:, g, n, j] = (A_g v_j)[n]
-        out = torch.einsum("jg,bgnjd->bnjd", self.proj_w.weight.to(o.dtype), o)  # (B, N, h, d)
-        out = out + self.proj_w.bias.to(o.dtype)[:, None] * v.sum(1, keepdim=True)  # b_w[j] sum_n v_j[n]
-        return out.reshape(B, N, h * d)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, h, N, d) each
+        logits = self._mix_heads((q * self.scale) @ k.transpose(-2, -1), self.proj_l)  # (B, h, N, N) mixed logits
+        if attn_mask is not None:
+            logits = logits + attn_mask.to(logits.dtype)
+        attn = self._mix_heads(logits.softmax(dim=-1), self.proj_w)
+        out = self.proj_drop(self.proj((self.attn_drop(attn) @ v).transpose(1, 2).reshape(B, N, C)))
+        extras = ((attn,) if return_attn else ()) + ((q, k) if return_qk else ())
+        return (out, *extras) if extras else out
 
 
 class ClassAttn(nn.Module):
     """Class attention: the class token's query over the keys/values of all tokens.
     ``forward(u)``: u (B, 1 + N, C) = [cls, patches] -> (B, 1, C), the class token's update."""
+
+    has_attention_weights = True
+    attention_kind = "class_attention"
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0):
@@ -141,15 +119,25 @@ class ClassAttn(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, attn_mask: torch.Tensor | None = None, return_attn: bool = False):
+        """``attn_mask``: an additive bias (B, 1, 1, 1 + N) on the class token's logits; ``return_attn``: also
+        its softmax weights (B, h, 1, 1 + N)."""
         B, N, C = u.shape
         h, d = self.num_heads, self.head_dim
         q = self.q(u[:, :1]).view(B, 1, h, d).transpose(1, 2)  # (B, h, 1, d): one query per image
         k = self.k(u).view(B, N, h, d).transpose(1, 2)  # (B, h, N, d)
         v = self.v(u).view(B, N, h, d).transpose(1, 2)
         drop = self.attn_drop if self.training else 0.0
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, h, 1, d)
-        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, 1, C)))
+        mask = None if attn_mask is None else attn_mask.to(q.dtype)
+        attn = None
+        if return_attn:
+            logits = (q * d**-0.5) @ k.transpose(-2, -1)  # (B, h, 1, N)
+            attn = (logits if mask is None else logits + mask).softmax(dim=-1)
+            x = F.dropout(attn, drop) @ v
+        else:
+            x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, h, 1, d)
+        x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, 1, C)))
+        return (x, attn) if return_attn else x
 
 
 class LayerScaleBlock(nn.Module):
@@ -174,9 +162,19 @@ class LayerScaleBlock(nn.Module):
         self.gamma_1 = nn.Parameter(init_values * torch.ones(dim))
         self.gamma_2 = nn.Parameter(init_values * torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:  # (B, N, C)
-        x = x + self.drop_path(self.gamma_1 * self.attn(self.norm1(x), hw))
+    def forward_attention(self, x: torch.Tensor, hw: tuple[int, int] | None = None, rope=None, **attn_kwargs):
+        """``x + gamma_1 * Attn(Norm(x))``; ``attn_kwargs`` and the extras as
+        :meth:`vitlab.attention.Block.forward_attention`."""
+        out = self.attn(self.norm1(x), hw, **attn_kwargs)
+        y, extras = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+        x = x + self.drop_path(self.gamma_1 * y)
+        return (x, *extras) if extras else x
+
+    def forward_mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.drop_path(self.gamma_2 * self.mlp(self.norm2(x)))
+
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:  # (B, N, C)
+        return self.forward_mlp(self.forward_attention(x, hw))
 
 
 class LayerScaleBlockClassAttn(nn.Module):
@@ -196,14 +194,16 @@ class LayerScaleBlockClassAttn(nn.Module):
         self.gamma_1 = nn.Parameter(init_values * torch.ones(dim))
         self.gamma_2 = nn.Parameter(init_values * torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, x_cls: torch.Tensor) -> torch.Tensor:
-        """x (B, N, C) patch tokens, x_cls (B, 1, C) -> the updated class token (B, 1, C)."""
+    def forward(self, x: torch.Tensor, x_cls: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, N, C) patch tokens, x_cls (B, 1, C) -> the updated class token (B, 1, C); ``attn_mask``: an
+        additive bias on the class token's logits over [cls, patches]."""
         u = torch.cat((x_cls, x), dim=1)  # (B, 1 + N, C)
-        x_cls = x_cls + self.drop_path(self.gamma_1 * self.attn(self.norm1(u)))
+        y = self.attn(self.norm1(u)) if attn_mask is None else self.attn(self.norm1(u), attn_mask)
+        x_cls = x_cls + self.drop_path(self.gamma_1 * y)
         return x_cls + self.drop_path(self.gamma_2 * self.mlp(self.norm2(x_cls)))
 
 
-class Cait(TimmApiMixin, nn.Module):
+class Cait(TimmApiMixin, TokenModel, nn.Module):
     """CaiT: ``depth`` talking-heads self-attention blocks on the patches, then ``depth_token_only``
     class-attention blocks. ``forward_features`` returns the normed (B, 1 + N, C) tokens, class token first.
 
@@ -290,35 +290,49 @@ class Cait(TimmApiMixin, nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token"}
 
-    # ---- forward ---------------------------------------------------------------------------------------
-    def _embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-        """Images -> (B, H*W, C) patch tokens with position embeddings (resampled for another grid when
-        ``dynamic_img_size``), and the grid (H, W)."""
-        hw = self.patch_embed.dynamic_feat_size(x.shape[-2:])
-        x = self.patch_embed(x)
-        pos = self.pos_embed
-        if self.dynamic_img_size and not same_size(hw, self.patch_embed.grid_size):
-            pos = resample_abs_pos_embed(pos, hw, self.patch_embed.grid_size, num_prefix_tokens=0)
-        return self.pos_drop(x + pos), hw
-
     def shard_units(self) -> list[nn.Module]:
         return [*self.blocks, *self.blocks_token_only]
 
-    def _run_blocks(self, blocks, x: torch.Tensor, hw) -> torch.Tensor:
-        return checkpoint_seq(blocks, x, hw, enabled=self.grad_checkpointing)
+    # ---- token interface (vitlab.models.TokenModel) -----------------------------------------------------
+    num_block_prefix_tokens = 0  # the self-attention blocks see the patches only
 
-    def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, C) patch tokens -> (B, 1 + N, C): the class token after the class-attention blocks, first."""
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.norm
+
+    def embed(self, x: torch.Tensor, mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None,
+              keep: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Images -> ((B, H*W, C) patch tokens with position embeddings (resampled for another grid when
+        ``dynamic_img_size``), the grid (H, W)); ``mask`` / ``mask_token`` and ``keep`` as
+        :meth:`vitlab.models.VisionTransformer.embed`."""
+        hw = self.patch_embed.dynamic_feat_size(x.shape[-2:])
+        x = mask_patches(self.patch_embed(x), mask, mask_token)
+        pos = self.pos_embed
+        if self.dynamic_img_size and not same_size(hw, self.patch_embed.grid_size):
+            pos = resample_abs_pos_embed(pos, hw, self.patch_embed.grid_size, num_prefix_tokens=0)
+        return self.pos_drop(keep_patches(x + pos, keep)), hw
+
+    def forward_blocks(self, x: torch.Tensor, hw: tuple[int, int], blocks=None) -> torch.Tensor:
+        """Patch tokens through the self-attention ``blocks`` (default: all), with gradient checkpointing."""
+        return checkpoint_seq(self.blocks if blocks is None else blocks, x, hw, enabled=self.grad_checkpointing)
+
+    def forward_cls(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, N, C) patch tokens -> (B, 1 + N, C): the class token after the class-attention blocks, first.
+        ``attn_mask``: an additive bias (B, 1, 1, N) on the class token's logits of the patch keys (its own key
+        gets none)."""
+        if attn_mask is not None:
+            attn_mask = F.pad(attn_mask, (1, 0))  # (B, 1, 1, 1 + N): keys [cls, patches]
         # a (tiny) copy, not an expand() view: under no_grad a view of a parameter would still claim
         # requires_grad without a grad_fn, which module hooks (the FLOP counter of profile_model) reject
         x_cls = self.cls_token.repeat(x.shape[0], 1, 1)  # (B, 1, C)
         for blk in self.blocks_token_only:
-            x_cls = blk(x, x_cls)
+            x_cls = blk(x, x_cls) if attn_mask is None else blk(x, x_cls, attn_mask)
         return torch.cat((x_cls, x), dim=1)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x, hw = self._embed(x)
-        return self.norm(self.forward_cls(self._run_blocks(self.blocks, x, hw)))
+    def finish_tokens(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The class-attention stage (``attn_mask``: a bias on the patch keys, as :meth:`forward_cls`), then the
+        final norm."""
+        return self.norm(self.forward_cls(x, attn_mask))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         if self.global_pool == "token":
@@ -336,11 +350,11 @@ class Cait(TimmApiMixin, nn.Module):
         ``intermediates_only``; ``final_features`` equals :meth:`forward_features` (unless stopped early)."""
         take, last = intermediates_plan(len(self.blocks), indices, output_fmt, stop_early, intermediates_only)
         B = x.shape[0]
-        x, (H, W) = self._embed(x)
+        x, (H, W) = self.embed(x)
         blocks = self.blocks[: last + 1]
         feats = []
         for i, blk in enumerate(blocks):
-            x = self._run_blocks((blk,), x, (H, W))
+            x = self.forward_blocks(x, (H, W), (blk,))
             if i in take:
                 feats.append(self.norm(x) if norm else x)
         if output_fmt == "NCHW":
@@ -349,7 +363,7 @@ class Cait(TimmApiMixin, nn.Module):
             return feats
         if len(blocks) < len(self.blocks):
             return self.norm(x), feats
-        return self.norm(self.forward_cls(x)), feats
+        return self.finish_tokens(x), feats
 
     @staticmethod
     def checkpoint_filter_fn(state_dict: dict, model: Cait) -> dict:

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vitlab.attention import QKVAttention
 from vitlab.layers import DropPath, LinearPatchEmbed, get_act_layer, get_norm_layer
 from vitlab.models.vision_transformer import VisionTransformer
 from vitlab.registry import ModelConfig, register_model
@@ -51,14 +52,19 @@ class HaLViTFeedForward(nn.Module):
         return self.dropout(F.linear(x, self.w, self.b2))  # x W^T + b2: (B, N, dim)
 
 
-class HaLViTAttention(nn.Module):
+class HaLViTAttention(QKVAttention):
+    """HaLViT's attention as a :class:`~vitlab.attention.QKVAttention` layout: ``forward`` (masks, weights,
+    queries and keys on request) is the shared one."""
+
     def __init__(self, dim: int, heads: int, dim_head: int = 64, dropout: float = 0.0, norm_layer=nn.LayerNorm):
         super().__init__()
         inner = heads * dim_head
         if inner != dim:
             raise ValueError(f"HaLViT needs dim == heads * dim_head (kv^T doubles as the value matrix): "
                              f"got dim {dim}, {heads} heads x {dim_head}")
-        self.heads, self.dim_head, self.inner_dim = heads, dim_head, inner
+        self.num_heads, self.head_dim, self.inner_dim = heads, dim_head, inner
+        self.heads, self.dim_head = heads, dim_head  # the HaLViT code's names
+        self.scale = dim_head**-0.5
         self.q = nn.Parameter(torch.empty(dim, inner))
         self.kv = nn.Parameter(torch.empty(dim, inner))
         self.bias = nn.Parameter(torch.empty(dim))
@@ -70,20 +76,16 @@ class HaLViTAttention(nn.Module):
         nn.init.kaiming_uniform_(self.kv)
         _uniform_fan_in(self.bias, self.q.t())
 
-    def forward(self, x: torch.Tensor, hw=None, return_attn: bool = False):
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, N, _ = x.shape
         w = torch.cat([self.q, self.kv, self.kv.t()], dim=1)  # (dim, 3*inner): one matmul for Q, K, V
         q, k, v = F.linear(self.inpnorm(x), w.t()).split(self.inner_dim, dim=-1)  # (B, N, inner) each
         q, k = self.qnorm(q), self.knorm(k)
-        q, k, v = (t.view(B, N, self.heads, self.dim_head).transpose(1, 2) for t in (q, k, v))  # (B, h, N, d)
-        drop = self.attn_drop if self.training else 0.0
-        if return_attn:
-            attn = (q @ k.transpose(-2, -1) * self.dim_head**-0.5).softmax(dim=-1)
-            out = F.dropout(attn, drop) @ v
-        else:
-            attn, out = None, F.scaled_dot_product_attention(q, k, v, dropout_p=drop)
-        out = F.linear(out.transpose(1, 2).reshape(B, N, self.inner_dim), self.q, self.bias)  # o q^T + bias
-        return (out, attn) if return_attn else out
+        return tuple(t.view(B, N, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, h, N, d)
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        B, _, N, _ = o.shape
+        return F.linear(o.transpose(1, 2).reshape(B, N, self.inner_dim), self.q, self.bias)  # o q^T + bias
 
 
 class HaLViTBlock(nn.Module):
@@ -98,9 +100,19 @@ class HaLViTBlock(nn.Module):
                                     norm_layer=norm)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, hw=None) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(x))
+    def forward_attention(self, x: torch.Tensor, hw=None, rope=None, **attn_kwargs):
+        """``x + SD(Attention(x))``; ``attn_kwargs`` and the extras as
+        :meth:`vitlab.attention.Block.forward_attention`."""
+        out = self.attn(x, hw, rope, **attn_kwargs)
+        y, extras = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+        x = x + self.drop_path(y)
+        return (x, *extras) if extras else x
+
+    def forward_mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.drop_path(self.ff(x))
+
+    def forward(self, x: torch.Tensor, hw=None) -> torch.Tensor:
+        return self.forward_mlp(self.forward_attention(x, hw))
 
 
 class HaLViT(VisionTransformer):

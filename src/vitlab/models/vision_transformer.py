@@ -5,7 +5,8 @@ pre-norm blocks -> norm -> pooling -> linear head. The giant g/14 and G/14 confi
 
 :class:`VisionTransformer` is also the trunk of DeiT (``deit.py``: distillation token) and HaLViT
 (``halvit.py``: its own patch embedding and blocks). Module names follow timm, so timm state dicts load as
-they are.
+they are. It implements the token interface of :class:`vitlab.models.TokenModel` (``embed``, ``blocks``,
+``forward_blocks``, ``finish_tokens``, ``final_norm``, ``pool``).
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from vitlab.layers import (
     same_size,
     sincos_2d_pos_embed,
 )
-from vitlab.models._base import TimmApiMixin
+from vitlab.models._base import TimmApiMixin, TokenModel, keep_patches, mask_patches
 from vitlab.registry import INCEPTION_MEAN, INCEPTION_STD, ModelConfig, register_model
 
 POS_EMBED_TYPES = ("learn", "sincos", "rope", "none")
 
 
-class VisionTransformer(TimmApiMixin, nn.Module):
+class VisionTransformer(TimmApiMixin, TokenModel, nn.Module):
     """ViT. ``attn_layer`` takes any mechanism of :mod:`vitlab.attention` by name or class (default ``'msa'``,
     timm's attention); ``attn_kwargs`` are its options. A grid mechanism (``hilo``, ``local_window``, ...) needs
     a model without prefix tokens (``class_token=False, global_pool='avg'``): with them it is refused with a
@@ -178,30 +179,57 @@ class VisionTransformer(TimmApiMixin, nn.Module):
     def shard_units(self) -> list[nn.Module]:
         return list(self.blocks)
 
-    # ---- forward ---------------------------------------------------------------------------------------
-    def _grid(self, x: torch.Tensor) -> tuple[int, int]:
-        return self.patch_embed.dynamic_feat_size(x.shape[-2:])
+    # ---- token interface (vitlab.models.TokenModel) -----------------------------------------------------
+    @property
+    def num_block_prefix_tokens(self) -> int:
+        """Tokens before the patch grid in the sequence the blocks see: class, distillation, registers."""
+        return self.num_prefix_tokens
 
-    def _pos_embed(self, x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
-        """x: (B, H*W, C) patch tokens -> (B, prefix + H*W, C) with prefix tokens and position embeddings."""
-        B = x.shape[0]
+    @property
+    def final_norm(self) -> nn.Module:
+        """The per-token final norm (``norm``; a patch-pooling model keeps it as ``fc_norm``)."""
+        return self.fc_norm if isinstance(self.norm, nn.Identity) else self.norm
+
+    def embed(self, x: torch.Tensor, mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None,
+              keep: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Images (B, C, H, W) -> (tokens (B, prefix + N, C), grid (H', W')): patch embedding, the patches where
+        ``mask`` (B, N) is True replaced by ``mask_token`` (before the position embedding), position embeddings,
+        only the patches ``keep`` (B, K) if given (after their position embedding, MAE's visible set), the
+        prefix tokens first, position dropout (CLIP's pre-norm where the tower has one)."""
+        hw = self.patch_embed.dynamic_feat_size(x.shape[-2:])
+        x = mask_patches(self.patch_embed(x), mask, mask_token)
+        B, P = x.shape[0], self.num_prefix_tokens
         pos = self.pos_embed
         if pos is not None and self.dynamic_img_size and not same_size(hw, self.patch_embed.grid_size):
             if self.pos_embed_type == "sincos":
                 pos = sincos_2d_pos_embed(hw, self.embed_dim)[None].to(x)
                 if not self.no_embed_class:
-                    pos = torch.cat([pos.new_zeros(1, self.num_prefix_tokens, self.embed_dim), pos], dim=1)
+                    pos = torch.cat([pos.new_zeros(1, P, self.embed_dim), pos], dim=1)
             else:
                 pos = resample_abs_pos_embed(pos, hw, self.patch_embed.grid_size,
-                                             num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens)
-        prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
-        if pos is not None and self.no_embed_class:
+                                             num_prefix_tokens=0 if self.no_embed_class else P)
+        prefix_pos = None
+        if pos is not None:
+            if not self.no_embed_class:
+                pos, prefix_pos = pos[:, P:], pos[:, :P]
             x = x + pos
+        x = keep_patches(x, keep)
+        prefix = [t for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
         if prefix:
-            x = torch.cat(prefix + [x], dim=1)
-        if pos is not None and not self.no_embed_class:
-            x = x + pos
-        return self.pos_drop(x)
+            tok = torch.cat(prefix, dim=1) if len(prefix) > 1 else prefix[0]  # (1, P, C)
+            if prefix_pos is not None:
+                tok = tok + prefix_pos
+            x = torch.cat([tok.expand(B, -1, -1), x], dim=1)
+        return self.pos_drop(x), hw
+
+    def forward_blocks(self, x: torch.Tensor, hw: tuple[int, int], blocks=None) -> torch.Tensor:
+        """Tokens through ``blocks`` (default: all), with the model's RoPE and gradient checkpointing."""
+        return self._run_blocks(self.blocks if blocks is None else blocks, x, hw, self._rope(x, hw))
+
+    def finish_tokens(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm. ``attn_mask`` (B, 1, 1, N), a bias on the tokens' keys wherever attention follows the
+        blocks, is not used: nothing attends after a ViT's blocks."""
+        return self.norm(x)
 
     def _run_blocks(self, blocks, x: torch.Tensor, hw, rope) -> torch.Tensor:
         args = (hw,) if rope is None else (hw, rope)
@@ -210,14 +238,12 @@ class VisionTransformer(TimmApiMixin, nn.Module):
     def _rope(self, x: torch.Tensor, hw):
         return None if self.rope is None else self.rope(hw, device=x.device, dtype=x.dtype)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        hw = self._grid(x)
-        x = self._pos_embed(self.patch_embed(x), hw)
-        x = self._run_blocks(self.blocks, x, hw, self._rope(x, hw))
-        return self.norm(x)
-
-    def pool(self, x: torch.Tensor) -> torch.Tensor:
-        return pool_tokens(x, self.global_pool, self.num_prefix_tokens, self.attn_pool)
+    def pool(self, x: torch.Tensor, size: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled (B, C) of (B, N, C) tokens; ``size`` (B, N, 1): the patches each token stands for (token
+        reduction), which weighs the average and attention pools."""
+        if size is not None and size.shape[:2] != x.shape[:2]:
+            raise ValueError(f"size {tuple(size.shape)} does not match the {tuple(x.shape[:2])} tokens")
+        return pool_tokens(x, self.global_pool, self.num_prefix_tokens, self.attn_pool, size)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False):
         if self.head_dist is not None:
@@ -238,8 +264,8 @@ class VisionTransformer(TimmApiMixin, nn.Module):
         or (B, N, C) patch tokens. Returns ``(final_features, intermediates)`` unless ``intermediates_only``;
         ``final_features`` equals :meth:`forward_features`."""
         take, last = intermediates_plan(len(self.blocks), indices, output_fmt, stop_early, intermediates_only)
-        B, hw = x.shape[0], self._grid(x)
-        x = self._pos_embed(self.patch_embed(x), hw)
+        B = x.shape[0]
+        x, hw = self.embed(x)
         rope = self._rope(x, hw)
         blocks = self.blocks[: last + 1]
         feats = []

@@ -1,19 +1,22 @@
-"""Token pruning patched into ViT / DeiT / HaLViT from outside: four methods behind ``apply(model, method, ...)``.
+"""Token pruning patched into ViT / DeiT / HaLViT from outside, through the models' public token interface
+(:class:`vitlab.models.TokenModel`: ``embed``, each block's ``forward_attention`` / ``forward_mlp``,
+``finish_tokens``): four methods behind ``apply(model, method, ...)``.
 
 - ``"evit"`` -- EViT (Liang et al., "Not All Patches are What You Need", ICLR 2022, Sec. 3.1-3.2): in the chosen
   blocks, between the attention and the MLP, keep the ``ceil(keep_rate * n)`` tokens the class token attends to
   most (its attention row, mean over heads) and **fuse** the others into one token, their sum weighted by that
   attention (Eq. 3 / the authors' ``extra_token``), placed last. EViT classifies from the class token; a model
   that pools its patch tokens instead ('avg', 'max', 'attn') gets the attention-weighted **mean** of the
-  inattentive tokens, counted in the pool as the number of patches it absorbed (as ToMe weights merged tokens,
-  :func:`vitlab.tome.patch.sized_pool`), so the pooled vector stays a mean over the patches (the paper's sum,
+  inattentive tokens, counted in the pool as the number of patches it absorbed (as ToMe weights merged tokens: the
+  model's ``pool(x, size)``), so the pooled vector stays a mean over the patches (the paper's sum,
   weighted or not, shifts it: measured in docs/benchmarks.md).
 - ``"dynamicvit"`` -- DynamicViT (Rao et al., NeurIPS 2021, Sec. 3.2-3.4): before the chosen blocks a prediction
   module (``PredictorLG``: local features and a policy-weighted global mean, an MLP, log-softmax over
   keep / drop) scores the tokens. Training: a Gumbel-softmax hard mask (straight-through) multiplies the
-  previous one and every later attention is masked with it (Eq. 6, the authors' ``softmax_with_policy``: a
-  dropped key only attends to itself); the losses (keep-ratio, distillation to the full model) are in
-  :mod:`vitlab.prune.losses`. Inference: hard top-k, ``keep_rate ** (s + 1)`` of the patches after stage s.
+  previous one and every later attention is masked with it (Eq. 6, the authors' ``softmax_with_policy``, the
+  attention's ``attn_policy``: a dropped key only attends to itself); the losses (keep-ratio, distillation to the
+  full model) are in :mod:`vitlab.prune.losses`. Inference: hard top-k, ``keep_rate ** (s + 1)`` of the patches
+  after stage s.
 - ``"topk"`` -- top-k pruning by attention: the class token's attention (mean over heads) ranks the
   tokens; the top ``int(keep_rate * n)`` are kept, the rest dropped (EViT without the fused token).
 - ``"adaptive"`` -- adaptive pruning: a learned importance ``sigmoid(MLP(x))`` (dim -> dim/4
@@ -39,9 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.models.vision_transformer import VisionTransformer
-from vitlab.tome.blocks import add_attention, add_mlp, attention_input, attn_dropout, attn_scale, output, project, sdpa
-from vitlab.tome.patch import install, merging_stage, sized_pool, uninstall
+from vitlab.models import check_token_model, mix_in, mix_out
 
 METHODS = ("evit", "dynamicvit", "topk", "adaptive")
 
@@ -113,27 +114,11 @@ class ImportancePredictor(nn.Module):
 # ------------------------------------------------------------------ attention pieces
 
 
-def cls_attention(attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The class token's attention row, mean over heads: (B, N). Only its query's softmax is computed, so the
-    block's own attention stays fused."""
-    row = ((q[:, :, :1] * attn_scale(attn)) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, h, 1, N)
+def cls_attention(scale: float, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The class token's attention row, mean over heads: (B, N), from a block's queries and keys (B, h, N, d).
+    Only its query's softmax is computed, so the block's own attention stays fused."""
+    row = ((q[:, :, :1] * scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, h, 1, N)
     return row[:, :, 0].mean(dim=1)
-
-
-def policy_attention(attn: nn.Module, x: torch.Tensor, policy: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """DynamicViT's masked attention in training (the authors' ``softmax_with_policy``): the weights of dropped
-    keys are zeroed (each token still attends to itself) and the rest renormalised, differentiably in the mask."""
-    q, k, v = project(attn, x)
-    logits = (q * attn_scale(attn)) @ k.transpose(-2, -1)  # (B, h, N, N)
-    B, N, _ = policy.shape
-    attn_policy = policy.reshape(B, 1, 1, N)
-    eye = torch.eye(N, dtype=attn_policy.dtype, device=attn_policy.device).view(1, 1, N, N)
-    attn_policy = attn_policy + (1.0 - attn_policy) * eye
-    logits = logits - logits.max(dim=-1, keepdim=True)[0]
-    w = logits.float().exp() * attn_policy.float()
-    w = ((w + eps / N) / (w.sum(dim=-1, keepdim=True) + eps)).to(q.dtype)
-    o = F.dropout(w, attn_dropout(attn)) @ v
-    return output(attn, o)
 
 
 def select_by_cls_attention(x: torch.Tensor, score: torch.Tensor, keep_rate: float, info: PruneInfo) -> torch.Tensor:
@@ -163,29 +148,25 @@ def select_by_cls_attention(x: torch.Tensor, score: torch.Tensor, keep_rate: flo
     return torch.cat(parts, dim=1)
 
 
-class PrunedBlock:
-    """Mixed in before a block class: ``forward(x, keep_rate=None, policy=None)``. ``keep_rate``: prune between
-    the attention and the MLP by class attention (EViT / top-k); ``policy`` (B, N, 1): DynamicViT's training mask."""
-
-    prefix = "Pruned"
-
-    def forward(self, x: torch.Tensor, keep_rate: float | None = None, policy: torch.Tensor | None = None):
-        inp = attention_input(self, x)
-        if policy is not None:
-            x = add_attention(self, x, policy_attention(self.attn, inp, policy))
-        else:
-            y, q, k = sdpa(self.attn, inp)
-            x = add_attention(self, x, y)
-            if keep_rate is not None and keep_rate < 1.0:
-                x = select_by_cls_attention(x, cls_attention(self.attn, q, k), keep_rate, self._prune)
-        return add_mlp(self, x)
+def prune_block(blk: nn.Module, x: torch.Tensor, hw, info: PruneInfo, keep_rate: float | None = None,
+                policy: torch.Tensor | None = None) -> torch.Tensor:
+    """One block. ``keep_rate``: prune between the attention and the MLP by class attention (EViT / top-k);
+    ``policy`` (B, N, 1): DynamicViT's training mask on the attention (its ``attn_policy``)."""
+    if policy is not None:
+        x = blk.forward_attention(x, hw, attn_policy=policy)
+    elif keep_rate is not None and keep_rate < 1.0:
+        x, q, k = blk.forward_attention(x, hw, return_qk=True)
+        x = select_by_cls_attention(x, cls_attention(blk.attn.scale, q, k), keep_rate, info)
+    else:
+        x = blk.forward_attention(x, hw)
+    return blk.forward_mlp(x)
 
 
 def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
 
 
-def run_pruned(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def run_pruned(model: nn.Module, x: torch.Tensor, hw) -> torch.Tensor:
     """The blocks with pruning; after a DynamicViT / adaptive training forward ``model._prune.aux`` holds what
     their losses need (decisions / importances per stage, the final keep mask)."""
     info: PruneInfo = model._prune
@@ -227,23 +208,25 @@ def run_pruned(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
                     num_keep = min(n, max(int(n * info.min_keep), above, 1))
                     idx = imp.topk(num_keep, dim=1).indices
                     x = torch.cat([x[:, :p], _gather_tokens(x[:, p:], idx)], dim=1)
-        x = blk(x, keep, policy)
+        x = prune_block(blk, x, hw, info, keep, policy)
     if train and info.method in ("dynamicvit", "adaptive"):
         info.aux = {"stages": stages, "mask": prev}
     return x
 
 
-class PrunedVisionTransformer:
-    """ViT / DeiT / HaLViT with token pruning (mixed in before the model's class)."""
-
-    prefix = "Pruned"
+class Pruned:
+    """Token pruning mixed into a ViT / DeiT / HaLViT's class (:func:`apply`)."""
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._pos_embed(self.patch_embed(x), self._grid(x))
-        return self.norm(run_pruned(self, x))
+        return self.finish_tokens(run_pruned(self, *self.embed(x)))
 
-    def pool(self, x: torch.Tensor) -> torch.Tensor:
-        return sized_pool(self, x, self._prune.size)
+    def pool(self, x: torch.Tensor, size: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's pool, each token weighted by the patches it holds after the last forward (EViT's fused
+        token); features of another input than the last forward's pool unweighted."""
+        last = self._prune.size
+        if size is None and last is not None and last.shape[:2] == x.shape[:2]:
+            size = last
+        return super().pool(x, size)
 
     def forward_intermediates(self, *args, **kwargs):
         raise ValueError("a pruned model drops tokens, so it has no dense maps; vitlab.prune.remove(model) first "
@@ -262,10 +245,11 @@ def apply(model: nn.Module, method: str = "evit", keep_rate: float = 0.7, locati
         raise ValueError(f"min_keep must be in (0, 1], got {min_keep}")
     if getattr(model, "_tome", None) is not None or getattr(model, "_prune", None) is not None:
         raise ValueError("the model is already patched (ToMe or pruning); remove that patch first")
-    blocks, protected = merging_stage(model, "token pruning")
-    if not isinstance(model, VisionTransformer) or not model.has_class_token:
+    check_token_model(model, "token pruning", "return_qk", *(("attn_policy",) if method == "dynamicvit" else ()))
+    if not getattr(model, "has_class_token", False):
         raise ValueError("token pruning ranks tokens by the class token's attention or keeps it whole: it needs a "
                          "ViT / DeiT / HaLViT with a class token (CaiT's self-attention stage has none)")
+    blocks, protected = model.blocks, model.num_block_prefix_tokens
     locs = sorted(set(default_locations(len(blocks)) if locations is None else (int(i) for i in locations)))
     if not locs or locs[0] < 0 or locs[-1] >= len(blocks):
         raise ValueError(f"locations must be block indices in 0..{len(blocks) - 1}, got {list(locations or [])}")
@@ -275,7 +259,8 @@ def apply(model: nn.Module, method: str = "evit", keep_rate: float = 0.7, locati
         device = next(model.parameters()).device
         with torch.device(device):
             model.prune_predictors = nn.ModuleList([make(model.embed_dim) for _ in locs])
-    install(model, blocks, PrunedVisionTransformer, PrunedBlock, "_prune", info)
+    mix_in(model, Pruned)
+    model._prune = info
     return model
 
 
@@ -302,7 +287,9 @@ def set_keep_rate(model: nn.Module, keep_rate: float, train_only: bool = False) 
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply` (prediction modules included). Returns the model."""
-    uninstall(model, "_prune", "token pruning")
+    pruned_info(model)
+    mix_out(model, Pruned)
+    del model._prune
     if "prune_predictors" in model._modules:
         del model.prune_predictors
     return model

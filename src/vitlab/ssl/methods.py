@@ -367,15 +367,10 @@ def all_reduce_mean():
 
 def vit_tokens(backbone: nn.Module, x: Tensor, mask: Tensor | None = None, mask_token: Tensor | None = None) -> Tensor:
     """All tokens (B, prefix + N, D) after the backbone's final norm; patches where ``mask`` (B, N) is True are
-    replaced by ``mask_token`` before the position embedding (iBOT / DINOv2's masked image modelling)."""
-    hw = backbone.patch_embed.dynamic_feat_size(x.shape[-2:])
-    t = backbone.patch_embed(x)
-    if mask is not None:
-        t = torch.where(mask[..., None], mask_token.to(t.dtype), t)
-    t = backbone._pos_embed(t, hw)
-    for blk in backbone.blocks:
-        t = blk(t, hw)
-    return backbone.norm(t) if not isinstance(backbone.norm, nn.Identity) else backbone.fc_norm(t)
+    replaced by ``mask_token`` before the position embedding (iBOT / DINOv2's masked image modelling), through the
+    backbone's token interface (:class:`vitlab.models.TokenModel`)."""
+    t, hw = backbone.embed(x, mask, mask_token)
+    return backbone.final_norm(backbone.forward_blocks(t, hw))
 
 
 @register_method("dinov2")
