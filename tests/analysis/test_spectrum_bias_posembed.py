@@ -1,5 +1,5 @@
-"""Spectra (seed 002 Algorithm 1; Park & Kim's relative log amplitude), LeViT / EfficientFormer bias maps
-(seed 003 Figure 1) and position-embedding similarity (seed 001)."""
+"""Spectra (LITv2 / HiLo supplementary, Algorithm 1; Park & Kim's relative log amplitude), LeViT / EfficientFormer
+bias maps (LeViT supplementary, Figure 1) and position-embedding similarity (ViT, Dosovitskiy et al., 2021, Fig. 7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Seed 002 Tables II and III on tiny LITv2s (the full-size runs are the CLI's; see docs/analysis.md)."""
+"""LITv2 supplementary, Tables II and III on tiny LITv2s (the full-size runs are the CLI's; see docs/analysis.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Seed 003 Table 1: each timed component computes the real piece of the block (same weights, same numbers),
-the table has the paper's rows, and (slow, timing) the components add up to the whole block within 15%."""
+"""LeViT supplementary, Table 1 (Graham et al., 2021): each timed component computes the real piece of the block
+(same weights, same numbers), the table has the paper's rows, and (slow, timing) the components add up to the
+whole block within 15%."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def _levit_block():
 
 def test_vit_components_are_the_blocks_pieces():
     blk = _deit_block()
-    assert isinstance(blk.mlp.act, torch.nn.Hardswish)  # the seed's DeiT-tiny "with Hardswish"
+    assert isinstance(blk.mlp.act, torch.nn.Hardswish)  # the paper's DeiT-tiny "with Hardswish"
     x = torch.randn(1, 197, 192)
     with torch.no_grad():
         fns = timings._vit_components(blk, x)
@@ -60,7 +61,7 @@ def test_component_timings_fields_and_bad_input():
     with pytest.raises(ValueError, match="fuse"):
         timings.component_timings(unfused, torch.randn(1, 16, 256), runs=1)
     with pytest.raises(ValueError, match=">= 50"):
-        timings.seed003_table1(runs=10)
+        timings.levit_table1(runs=10)
 
 
 def test_block_timings_any_model():
@@ -77,6 +78,6 @@ def test_block_timings_any_model():
 def test_table1_components_add_up_to_the_block():
     """Compared on the fastest runs: on a shared machine a whole-block run (~2.5 ms) is preempted far more often
     than a component run (~0.2 ms), which inflates the block's median alone."""
-    r = timings.seed003_table1(runs=100)
+    r = timings.levit_table1(runs=100)
     for model in ("deit_tiny", "levit_256"):
         assert 0.85 <= r[model]["sum_over_total_min"] <= 1.15, (model, r[model])

@@ -1,4 +1,4 @@
-"""The single-layer attention benchmark (Table IV of seed 002) with tiny settings: rows, JSON, PNG, table."""
+"""The single-layer attention benchmark (LITv2 supplementary, Table IV) with tiny settings: rows, JSON, PNG, table."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def test_ladder_rung_in_a_fresh_process(tmp_path):
     rows = ladder.bench_ladder("deit_tiny_patch16_224", batch_size=2, warmup=1, runs=1, rungs=rungs, progress=False)
     assert [r["rung"] for r in rows] == ["fp32 eager", "bf16 autocast"]
     assert all(r["img_per_s"] > 0 and r["peak_mem_mb"] > 0 for r in rows), rows
-    # seed 004: M = P * 4 B / (32 / Q) * 1.2; bf16 halves the estimate
+    # Mboya's estimate: M = P * 4 B / (32 / Q) * 1.2; bf16 halves the estimate
     assert rows[1]["memory_estimate_mb"] == pytest.approx(rows[0]["memory_estimate_mb"] / 2, rel=1e-3)
     ladder.write_json(rows, tmp_path / "l.json")
     ladder.plot(rows, tmp_path / "l.png")

@@ -89,20 +89,20 @@ def test_sincos_pos_embed():
         sincos_2d_pos_embed((3, 3), 10)
 
 
-def _rope_complex_seed004(x, angles):
-    """Seed 004's formulation: view pairs as complex numbers and multiply by e^{i m theta}."""
+def _rope_complex(x, angles):
+    """RoFormer's complex form (Su et al., 2021, Sec. 3.4.2): pairs as complex numbers, times e^{i m theta}."""
     xc = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(xc * torch.polar(torch.ones_like(angles), angles)).reshape(x.shape)
 
 
-def test_rope_matches_seed_complex_formula_and_keeps_norms():
+def test_rope_matches_the_complex_formula_and_keeps_norms():
     rope = RotaryEmbedding2D(16)
     cos, sin = rope((3, 4), dtype=torch.float64)
     x = torch.randn(2, 2, 12, 16, dtype=torch.float64)
     out = apply_rope(x, (cos, sin))
     ys, xs = torch.meshgrid(torch.arange(3), torch.arange(4), indexing="ij")
     angles = torch.cat([rope_frequencies(8, ys.flatten()), rope_frequencies(8, xs.flatten())], dim=1)
-    torch.testing.assert_close(out, _rope_complex_seed004(x, angles))
+    torch.testing.assert_close(out, _rope_complex(x, angles))
     torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))
 
 

@@ -1,5 +1,5 @@
-"""The sequence pieces of vitlab.layers (seed 004): 1-D RoPE, causal / padding masks through SDPA, QuickGELU, and
-the post-norm option of the Block."""
+"""The sequence pieces of vitlab.layers: 1-D RoPE (against the complex-number form of Meta's Llama 2 code, Touvron
+et al., 2023), causal / padding masks through SDPA, QuickGELU, and the post-norm option of the Block."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from vitlab.attention import Block, MultiHeadSelfAttention
 from vitlab.layers import QuickGELU, RotaryEmbedding1D, apply_rope, attention_mask, causal_mask, get_act_layer
 
 
-def _seed004_precompute_freqs_cis(d, context_len, theta=10_000):
+def _llama_precompute_freqs_cis(d, context_len, theta=10_000):
     i_s = torch.arange(0, d, 2)[: (d // 2)].double()
     theta_s = theta ** (-i_s / d)
     m = torch.arange(context_len)
@@ -18,14 +18,14 @@ def _seed004_precompute_freqs_cis(d, context_len, theta=10_000):
     return torch.polar(torch.ones_like(freqs), freqs)
 
 
-def _seed004_apply_rotary_embs(x, freqs_cis):  # x (B, N, heads, head_dim), as in the article
+def _llama_apply_rotary_embs(x, freqs_cis):  # x (B, N, heads, head_dim), as in Llama 2's code
     x_c = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(x_c * freqs_cis.unsqueeze(0).unsqueeze(2)).reshape(*x.shape)
 
 
-def test_rope_1d_equals_seed_004_code():
+def test_rope_1d_equals_llama_code():
     x = torch.randn(2, 7, 3, 16, dtype=torch.float64)  # (B, N, heads, head_dim)
-    ref = _seed004_apply_rotary_embs(x, _seed004_precompute_freqs_cis(16, 7))
+    ref = _llama_apply_rotary_embs(x, _llama_precompute_freqs_cis(16, 7))
     cos, sin = RotaryEmbedding1D(16)(7, dtype=torch.float64)
     out = apply_rope(x.transpose(1, 2), (cos, sin)).transpose(1, 2)  # ours works on (B, heads, N, head_dim)
     torch.testing.assert_close(out, ref)
@@ -40,10 +40,10 @@ def test_rope_1d_score_depends_on_offset_only():
     assert not torch.allclose(rq[1] @ rk[4], rq[1] @ rk[5])
 
 
-def test_causal_mask_equals_seed_004_masked_softmax():
+def test_causal_mask_equals_an_explicit_masked_softmax():
     q, k, v = torch.randn(3, 2, 4, 6, 8).unbind(0)
     scores = q @ k.transpose(-2, -1) / 8**0.5
-    mask = torch.triu(torch.ones_like(scores), diagonal=1)  # seed 004: ones above the diagonal -> -inf
+    mask = torch.triu(torch.ones_like(scores), diagonal=1)  # ones above the diagonal -> -inf
     ref = scores.masked_fill(mask.bool(), -torch.inf).softmax(-1) @ v
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(6, causal=True)), ref)
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), ref)
@@ -98,10 +98,10 @@ def test_complex_rope_equals_the_real_form_and_the_article():
 
     freqs_cis = precompute_freqs_cis(16, 20)
     assert freqs_cis.shape == (20, 8) and freqs_cis.dtype == torch.complex64
-    torch.testing.assert_close(freqs_cis.to(torch.complex128), _seed004_precompute_freqs_cis(16, 20), atol=1e-6, rtol=0)
+    torch.testing.assert_close(freqs_cis.to(torch.complex128), _llama_precompute_freqs_cis(16, 20), atol=1e-6, rtol=0)
     x = torch.randn(2, 20, 3, 16)  # (B, N, heads, head_dim), the article's layout
     out = apply_rotary_embs(x, freqs_cis)
-    torch.testing.assert_close(out.double(), _seed004_apply_rotary_embs(x.double(), freqs_cis.to(torch.complex128)))
+    torch.testing.assert_close(out.double(), _llama_apply_rotary_embs(x.double(), freqs_cis.to(torch.complex128)))
     cos, sin = RotaryEmbedding1D(16)(20)
     real = rope_rotate(x.transpose(1, 2), cos, sin).transpose(1, 2)
     torch.testing.assert_close(out, real)

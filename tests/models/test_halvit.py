@@ -1,4 +1,5 @@
-"""HaLViT (seed 000): one matrix used as W and W^T, exactly as the seed's code computes it."""
+"""HaLViT ("Half of the Weights are Enough", supplementary material): one matrix used as W and W^T, exactly as
+the authors' code computes it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from vitlab.models.halvit import HaLViTAttention, HaLViTFeedForward
 
 
 def _seed_attention(m: HaLViTAttention, x):
-    """A literal transcription of the seed's Attention.forward (explicit softmax)."""
+    """A literal transcription of the authors' Attention.forward (explicit softmax)."""
     x = m.inpnorm(x)
     q, k, v = torch.tensor_split(torch.matmul(x, torch.cat([m.q, m.kv, m.kv.t()], 1)),
                                  (m.inner_dim, 2 * m.inner_dim), dim=-1)

@@ -72,7 +72,7 @@ def test_published_params(name):
 
 @pytest.mark.parametrize("name", ["levit_128s_ablation_a1", "levit_128s_ablation_a6"])
 def test_ablations_keep_levit_128s_flops(name):
-    """Seed 003: A1 and A6 are built to keep LeViT-128S's FLOP count (305M)."""
+    """LeViT's ablations (Graham et al., 2021): A1 and A6 are built to keep LeViT-128S's FLOP count (305M)."""
     prof = vitlab.profile_model(name)
     assert prof.gmacs == pytest.approx(0.305, rel=0.03)
 

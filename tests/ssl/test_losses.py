@@ -20,8 +20,8 @@ def test_nt_xent_equals_lightly(temperature):
     torch.testing.assert_close(L.nt_xent(z1, z2, temperature), ref, rtol=1e-6, atol=1e-6)
 
 
-def test_nt_xent_seed_statement():
-    """Seed 001's NTXentLoss, literally: masked_fill the diagonal, labels i+B / i."""
+def test_nt_xent_written_out():
+    """SimCLR's NT-Xent written out (Chen et al., 2020, Eq. 1): masked_fill the diagonal, labels i+B / i."""
     z_i, z_j, T = torch.randn(5, 7), torch.randn(5, 7), 0.5
     B = 5
     z = torch.cat([F.normalize(z_i, dim=1), F.normalize(z_j, dim=1)])

@@ -18,11 +18,11 @@ from vitlab.analysis.bias import bias_maps
 from vitlab.analysis.images import DEFAULT_IMAGES, Images, load_images, model_images
 from vitlab.analysis.posembed import cosine_similarity_grid, posembed_similarity
 from vitlab.analysis.spectrum import block_spectra, frequency_magnitude, hilo_spectra, relative_log_amplitude
-from vitlab.analysis.timings import PAPER_TABLE1, block_timings, component_timings, seed003_table1
+from vitlab.analysis.timings import PAPER_TABLE1, block_timings, component_timings, levit_table1
 
 __all__ = [
     "DEFAULT_IMAGES", "PAPER_TABLE1", "AttentionLayer", "Images", "analyze_attention", "attention_maps",
     "attention_rollout", "bias_maps", "block_spectra", "block_timings", "capture_attention", "component_timings",
-    "cosine_similarity_grid", "frequency_magnitude", "hilo_spectra", "load_images", "model_images",
-    "posembed_similarity", "relative_log_amplitude", "rollout_map", "seed003_table1",
+    "cosine_similarity_grid", "frequency_magnitude", "hilo_spectra", "levit_table1", "load_images",
+    "model_images", "posembed_similarity", "relative_log_amplitude", "rollout_map",
 ]

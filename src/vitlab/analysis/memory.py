@@ -79,9 +79,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 BITS = (32, 16, 8, 4)
-SEED001_SIZES = (224, 384, 512, 1024)
-# N^2 in millions per size, rounded to two decimals: the reference values the table is checked against
-SEED001_PRINTED_M = {224: 0.04, 384: 0.33, 512: 1.05, 1024: 16.78}
+COMPLEXITY_SIZES = (224, 384, 512, 1024)  # the image sizes of the attention-complexity table
+# N^2 in millions per size, printed to two decimals: what the table is checked against
+REFERENCE_SCORES_M = {224: 0.04, 384: 0.33, 512: 1.05, 1024: 16.78}
 
 
 def _status_kb(field: str) -> int:
@@ -195,7 +195,7 @@ def measure_memory(name: str, batch_size: int = 64, mode: str = "infer", device:
     with _sdpa_context(sdpa):
         act = analytic_memory(shape_only, batch_size, mode, tdtype, device, (cfg.input_size[0], size, size))
     del shape_only
-    with LiveTensors([]):  # its first use imports dispatch machinery (~80 MB here): not the step's memory
+    with LiveTensors([]):  # its first use imports dispatch machinery (tens of MB): not the step's memory
         torch.ones(2, device=dev) + 1
     gc.collect()
     if dev.type == "cuda":
@@ -529,7 +529,7 @@ def activation_estimate(shape: BlockShape, batch_size: int, mode: str, bytes_per
 
 
 def complexity_table(embed_dim: int = 768, num_heads: int = 12, patch_size: int = 16,
-                     sizes: tuple[int, ...] = SEED001_SIZES) -> list[dict]:
+                     sizes: tuple[int, ...] = COMPLEXITY_SIZES) -> list[dict]:
     """The complexity table, one row per image size: tokens, N^2 scores per head (and its rounded value),
     attention MACs of one layer (2 N^2 D: ``QK^T`` and ``AV``), one layer's fp32 attention maps (h N^2 x 4 B)."""
     rows = []
@@ -538,7 +538,7 @@ def complexity_table(embed_dim: int = 768, num_heads: int = 12, patch_size: int 
             raise ValueError(f"image size {s} is not a multiple of the patch size {patch_size}")
         n = (s // patch_size) ** 2
         rows.append({"img_size": s, "tokens": n, "scores_per_head_m": n * n / 1e6,
-                     "seed001_printed_m": SEED001_PRINTED_M.get(s) if patch_size == 16 else None,
+                     "reference_scores_m": REFERENCE_SCORES_M.get(s) if patch_size == 16 else None,
                      "attention_gmacs_per_layer": 2 * n * n * embed_dim / 1e9,
                      "attention_map_mb_per_layer": num_heads * n * n * 4 / 2**20})
     return rows

@@ -2,7 +2,7 @@
 
 Table 1 times a DeiT-tiny block (C = 192, 3 heads of D = 64, GELU replaced by Hardswish "as otherwise it
 dominates the runtime") against a LeViT-256 stage-1 block (C = 256, 4 heads of key dim D = 32, value dim 64,
-MLP ratio 2) at 14 x 14 resolution on one CPU core, batch 1. :func:`seed003_table1` does the same here: the
+MLP ratio 2) at 14 x 14 resolution on one CPU core, batch 1. :func:`levit_table1` does the same here: the
 blocks of ``create_model('deit_tiny_patch16_224', act_layer='hardswish')`` (197 tokens: 14 x 14 patches + the
 class token) and ``create_model('levit_256')`` with its BatchNorms folded (``fuse()``, its inference form; 196
 tokens), one thread, each component run on its own with the block's real weights and inputs:
@@ -158,7 +158,7 @@ def _summary(t: dict[str, dict]) -> dict:
             "sum_over_total_min": sum(comp_min.values()) / total_min}
 
 
-def seed003_table1(warmup: int = 10, runs: int = 100, threads: int | None = 1, seed: int = 0) -> dict:
+def levit_table1(warmup: int = 10, runs: int = 100, threads: int | None = 1, seed: int = 0) -> dict:
     """LeViT supplementary Table 1 measured here, beside the paper's numbers (random-init weights: timing does not
     depend on their values). Returns {'deit_tiny': {...}, 'levit_256': {...}, 'paper': PAPER_TABLE1}, each with
     :func:`component_timings`' fields."""

@@ -20,7 +20,6 @@ Without ``--checkpoint`` the model has its random initialisation (no download ha
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from vitlab._console import console
@@ -77,9 +76,9 @@ def out_dir(args: argparse.Namespace) -> Path:
 
 def _write(out: Path, tool: str, data: dict, pngs: dict[str, bytes] | bytes | None) -> None:
     """``TOOL.json`` and the PNGs (``TOOL.png``, or ``TOOL-KEY.png`` for a dict of them) into ``out``, atomically."""
-    from vitlab._io import atomic_write
+    from vitlab._io import atomic_write, write_json
 
-    paths = [atomic_write(out / f"{tool}.json", (json.dumps(data, indent=1) + "\n").encode())]
+    paths = [write_json(out / f"{tool}.json", data)]
     if isinstance(pngs, bytes):
         pngs = {"": pngs}
     for key, png in (pngs or {}).items():
@@ -203,7 +202,7 @@ def cmd_timings(args) -> int:
 
     torch.manual_seed(args.seed)
     if args.model is None:
-        r = timings.seed003_table1(warmup=args.warmup, runs=args.runs, threads=args.threads, seed=args.seed)
+        r = timings.levit_table1(warmup=args.warmup, runs=args.runs, threads=args.threads, seed=args.seed)
         console.print(_timings_table(r))
         png = timings_png(r, f"LeViT supplementary Table 1 here ({args.threads} thread, batch 1, {args.runs} runs) "
                              f"vs the paper (Xeon E5-2698 core)")
@@ -273,7 +272,7 @@ def cmd_memory(args) -> int:
                       f"tensors peaked at {r['tensor_peak_gb']:.3f} GB", highlight=False)
     for t in table:
         console.print(f"{t['img_size']:>5} px: N = {t['tokens']:>5}, {t['scores_per_head_m']:.2f} M scores/head "
-                      f"(rounded: {t['seed001_printed_m']}), {t['attention_gmacs_per_layer']:.3f} GMACs/layer, "
+                      f"(rounded: {t['reference_scores_m']}), {t['attention_gmacs_per_layer']:.3f} GMACs/layer, "
                       f"{t['attention_map_mb_per_layer']:.1f} MB maps/layer", highlight=False)
     batches = ", ".join(str(b) for b in args.batch_size)
     png = memory_png(rows, table, f"{args.model}: memory at batch {batches} ({args.device}, {args.dtype}"
@@ -357,7 +356,8 @@ def register(sub) -> None:
     an = sub.add_parser("analyze")  # its help line is vitlab.cli.COMMANDS's
     asub = an.add_subparsers(dest="tool", required=True)
 
-    a = asub.add_parser("attention", help="per-head attention maps, rollout and overlays")
+    a = asub.add_parser("attention", help="where each attention head looks: per-head maps, the rollout through the "
+                                          "layers, overlays on the images")
     _common(a)
     a.add_argument("--block", type=int, default=-1, help="attention layer index (default: -1, the last)")
     a.add_argument("--query", default="cls", help="cls, dist, or a query patch ROW,COL (default: cls; the centre "
@@ -366,36 +366,37 @@ def register(sub) -> None:
     a.add_argument("--discard-ratio", type=float, default=0.9, help="rollout: fraction of weakest weights zeroed")
     a.set_defaults(func=cmd_attention)
 
-    s = asub.add_parser("spectrum", help="HiLo Hi-Fi / Lo-Fi spectra (LITv2) and every block's relative "
-                                         "log amplitude")
+    s = asub.add_parser("spectrum", help="which spatial frequencies each block passes on (for LITv2 also its "
+                                         "high- and low-frequency attention branches)")
     _common(s, model="litv2_s")
     s.add_argument("--block", type=int, default=None, help="HiLo layer with both branches (default: -1, the last)")
     s.set_defaults(func=cmd_spectrum)
 
-    b = asub.add_parser("bias", help="LeViT / EfficientFormer attention biases as maps over offsets")
+    b = asub.add_parser("bias", help="the learned attention biases of LeViT / EfficientFormer, as maps over the "
+                                     "distance between query and key")
     _common(b, model="levit_256", images=False)
     b.set_defaults(func=cmd_bias)
 
-    pe = asub.add_parser("posembed", help="cosine similarity of each position embedding with all others")
+    pe = asub.add_parser("posembed", help="how alike the position embeddings are: each one's cosine similarity "
+                                          "with all others")
     _common(pe, model="vit_base_patch16_224", images=False)
     pe.add_argument("--table", type=int, default=0, help="which position-embedding table (PVT has one a stage)")
     pe.set_defaults(func=cmd_posembed)
 
-    t = asub.add_parser("timings", help="LeViT supplementary, Table 1 (DeiT-tiny vs LeViT-256 block components), or "
-                                        "any model's block with --model")
+    t = asub.add_parser("timings", help="where a block's time goes (attention, MLP, norms, reshapes): DeiT-tiny "
+                                        "against LeViT-256 as in the LeViT paper, or a block of --model")
     _common(t, model=None, images=False)
     t.add_argument("--model", default=None, help="time this model's block instead of Table 1's two blocks")
-    t.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     t.add_argument("--img-size", type=int, default=None, help="input size with --model (default: the model's own)")
     t.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="a create_model argument, repeatable")
     t.add_argument("--block", type=int, default=0, help="with --model: which blocks.<i> module (default 0)")
     t.add_argument("--runs", type=int, default=100, help="timed runs, median reported (>= 50 for Table 1)")
     t.add_argument("--warmup", type=int, default=10)
     t.add_argument("--threads", type=int, default=1, help="torch threads while timing (Table 1: 1)")
-    t.set_defaults(func=cmd_timings)
+    t.set_defaults(func=cmd_timings, checkpoint=None)  # timing does not depend on the weights
 
-    m = asub.add_parser("memory", help="the serving-memory estimate M = P*4B/(32/Q)*1.2 vs the measured peak; the "
-                                       "attention-complexity table")
+    m = asub.add_parser("memory", help="how much memory a model needs to serve or train at a batch size: the "
+                                       "usual estimate against the measured peak")
     _common(m, model="vit_base_patch16_224", images=False)
     m.add_argument("--batch-size", type=int, nargs="+", default=[64], help="one or more batch sizes")
     m.add_argument("--mode", default="infer", choices=["infer", "train", "both"])
@@ -408,7 +409,8 @@ def register(sub) -> None:
                         "tensor over 128 KiB gets its own mapping, returned when freed)")
     m.set_defaults(func=cmd_memory)
 
-    w = asub.add_parser("window-study", help="LITv2 supplementary, Table II: LITv2 with HiLo window s = 2..7")
+    w = asub.add_parser("window-study", help="LITv2's speed, memory and accuracy for each window size of its "
+                                             "attention (LITv2 supplementary, Table II)")
     _study_args(w, batch_size=8, runs=5)
     _common(w, model=None, images=False)
     w.add_argument("--windows", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7], help="window sizes (default 2..7)")
@@ -420,7 +422,8 @@ def register(sub) -> None:
     w.add_argument("--lr", type=float, default=None, help="learning rate at batch 512 (default: vitlab train's)")
     w.set_defaults(func=cmd_window_study)
 
-    pq = asub.add_parser("pooled-queries", help="LITv2 supplementary, Table III: LITv2 with and without pooled queries")
+    pq = asub.add_parser("pooled-queries", help="LITv2's speed and memory with and without pooling the attention "
+                                               "queries (LITv2 supplementary, Table III)")
     _study_args(pq, batch_size=8, runs=10)
     _common(pq, model=None, images=False)
     pq.set_defaults(func=cmd_pooled_queries)

@@ -97,21 +97,23 @@ def _common(p, batch_size: int, runs: int) -> None:
 
 def _no_optimize(p) -> None:
     p.add_argument("--no-optimize", action="store_true",
-                   help="time our plain eager modules instead of what vitlab.optimize makes of them")
+                   help="time the models as built (eager), without the speed-ups vitlab.optimize picks")
 
 
 def register(sub) -> None:
     bench = sub.add_parser("bench")  # its help line is vitlab.cli.COMMANDS's
     bsub = bench.add_subparsers(dest="bench", required=True)
 
-    a = bsub.add_parser("attention", help="one attention layer per mechanism (Table IV of the HiLo paper)")
+    a = bsub.add_parser("attention", help="speed and cost of one attention layer, for every attention mechanism "
+                                          "(laid out as the LITv2 paper's Table IV)")
     _common(a, 64, 10)
     a.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     a.add_argument("--only", help="comma-separated mechanism names")
     _no_optimize(a)
     a.set_defaults(func=cmd_attention)
 
-    m = bsub.add_parser("models", help="whole-model throughput, memory and utilisation, optionally against timm")
+    m = bsub.add_parser("models", help="how fast whole models run (images/s, memory, share of this machine's "
+                                       "peak), optionally against timm")
     m.add_argument("pattern", nargs="*", help="model names or fnmatch patterns (default: vit_base_patch16_224)")
     _common(m, 32, 10)
     m.add_argument("--mode", default="infer", choices=["infer", "train", "both"])
@@ -126,7 +128,8 @@ def register(sub) -> None:
                    help="with --no-optimize: fold our BatchNorms first (LeViT's fuse())")
     m.set_defaults(func=cmd_models)
 
-    tok = bsub.add_parser("tokens", help="token merging (ToMe) and pruning: speed, GMACs, memory, top-1 per setting")
+    tok = bsub.add_parser("tokens", help="fewer tokens for speed: token merging (ToMe) and token pruning, with "
+                                         "images/s, GMACs, memory and top-1 per setting")
     tok.add_argument("model", nargs="?", help="a registered model (optional with --checkpoint)")
     _common(tok, 32, 10)
     tok.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -138,8 +141,8 @@ def register(sub) -> None:
     tok.add_argument("--split", default="test", choices=["train", "val", "test"])
     tok.set_defaults(func=cmd_tokens)
 
-    lad = bsub.add_parser("ladder", help="the optimization ladder of 'Scaling ViTs across Training Compute' "
-                                             "for training one model")
+    lad = bsub.add_parser("ladder", help="training speed and memory of one model as speed-ups are added one by "
+                                         "one (bf16, fused attention, compile, ..., FSDP)")
     lad.add_argument("model")
     _common(lad, 8, 5)
     lad.set_defaults(func=cmd_ladder)
