@@ -96,9 +96,8 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, metavar="FILE")
     p.add_argument("--img-size", type=int, nargs=2, metavar=("H", "W"), default=None,
                    help="a fixed input size other than the model's (position embeddings resampled at export time)")
-    p.add_argument("--dynamic-batch", action="store_true", default=True,
-                   help="a symbolic batch dimension (the default)")
-    p.add_argument("--static-batch", dest="dynamic_batch", action="store_false", help="batch fixed to 1")
+    p.add_argument("--static-batch", dest="dynamic_batch", action="store_false",
+                   help="batch fixed to 1 (default: a symbolic batch dimension)")
     p.add_argument("--dynamic-img-size", action="store_true",
                    help="symbolic height and width (models that compute any size exactly)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 20)")
