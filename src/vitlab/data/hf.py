@@ -68,8 +68,8 @@ def load(source: str, streaming: bool = False) -> dict:
     try:
         if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
             d = hfd.load_from_disk(str(path))
-            if streaming:
-                d = {k: v.to_iterable_dataset(num_shards=max(1, min(len(v), 64)))
+            if streaming:  # the rows split into shards that the DataLoader workers share out
+                d = {k: _Sized(v.to_iterable_dataset(num_shards=max(1, min(len(v), 64))), len(v))
                      for k, v in (d.items() if isinstance(d, hfd.DatasetDict) else [("train", d)])}
         elif path.is_file():
             builder = FILE_BUILDERS.get(path.suffix.lower())
@@ -89,9 +89,20 @@ def load(source: str, streaming: bool = False) -> dict:
         raise
     except Exception as e:  # datasets raises many types (FileNotFoundError, ValueError, hub and network errors)
         raise DataError(f"hf:{source}: cannot load it ({_first_line(e)})") from None
-    if isinstance(d, (hfd.Dataset, hfd.IterableDataset)):
+    if isinstance(d, (hfd.Dataset, hfd.IterableDataset, _Sized)):
         d = {"train": d}
     return dict(d)
+
+
+class _Sized:
+    """A stream made from a dataset on disk, with the number of rows it had (``datasets`` keeps no count)."""
+
+    def __init__(self, stream, num_rows: int):
+        self.stream, self.num_rows = stream, num_rows
+
+
+def _unsized(d):
+    return d.stream if isinstance(d, _Sized) else d
 
 
 def _feature_type(features, name: str) -> str:
@@ -294,7 +305,7 @@ def read_split(split: str, root: str, *, seed: int = 0, skip_bad_images: bool = 
         except Exception as e:
             raise DataError(f"hf:{source}: cannot read split {train_name!r} ({_first_line(e)})") from None
     names = _split_names(splits, train_name, val_split, test_split, source)
-    train = splits[names["train"]]
+    train = _unsized(splits[names["train"]])
     cols = _Columns(train, source, captions=captions, image_column=image_column, label_column=label_column,
                     caption_column=caption_column)
     classes = [] if captions else _classes(train, cols, bool(streaming))
@@ -307,8 +318,8 @@ def read_split(split: str, root: str, *, seed: int = 0, skip_bad_images: bool = 
                             f"--data.options.val_split SPLIT")
         d = splits[name]
         length = epoch_length if split == "train" and epoch_length else _num_rows(d, name, source)
-        return HFStream(d, cols, classes, length=int(length), train=split == "train", seed=seed, shuffle=shuffle,
-                        split=name, skip_bad=skip_bad_images)
+        return HFStream(_unsized(d), cols, classes, length=int(length), train=split == "train", seed=seed,
+                        shuffle=shuffle, split=name, skip_bad=skip_bad_images)
     if name is None and split == "test":
         return None
     rows = None
@@ -324,6 +335,8 @@ def read_split(split: str, root: str, *, seed: int = 0, skip_bad_images: bool = 
 
 
 def _num_rows(d, name: str, source: str) -> int:
+    if isinstance(d, _Sized):
+        return d.num_rows
     info = getattr(d, "info", None)
     n = info.splits[name].num_examples if info is not None and info.splits and name in info.splits else None
     if not n:
