@@ -128,21 +128,15 @@ LAYERS: list[tuple[str, tuple[str, ...], bool]] = [  # (layer, vitlab's top-leve
 ]
 RANK = {pkg: (i, layer, sideways) for i, (layer, pkgs, sideways) in enumerate(LAYERS) for pkg in pkgs}
 
-# Imports against the layers that are being removed, each with why it is still here; the test below fails once an
-# entry is no longer needed, so the list only shrinks.
-TEMPORARY: dict[tuple[str, str], str] = {
-    ("prune", "tome"): "pruning patches blocks through ToMe's block wrappers until the blocks expose the tokens",
-}
-
 
 def _package(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 
 
-def layer_violations(graph: dict[str, set[str]]) -> tuple[list[str], set[tuple[str, str]]]:
-    """(one line per import that points up or sideways, the TEMPORARY pairs that were used)."""
-    bad, used = [], set()
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """One line per import that points up or sideways, and per module whose package has no layer."""
+    bad = []
     for a in sorted(graph):
         pa = _package(a)
         if pa not in RANK:
@@ -155,12 +149,9 @@ def layer_violations(graph: dict[str, set[str]]) -> tuple[list[str], set[tuple[s
             (ra, layer, sideways), (rb, _, _) = RANK[pa], RANK[pb]
             if rb < ra or (rb == ra and sideways):
                 continue
-            if (pa, pb) in TEMPORARY:
-                used.add((pa, pb))
-                continue
             where = f"sideways within {layer}" if rb == ra else f"up from {layer} to {RANK[pb][1]}"
             bad.append(f"{a} -> {b} ({where})")
-    return bad, used
+    return bad
 
 
 def test_layer_check_catches_upward_and_sideways_imports():
@@ -173,24 +164,26 @@ def test_layer_check_catches_upward_and_sideways_imports():
              "vitlab.models.deit": {"vitlab.registry", "vitlab.models.vision_transformer", "vitlab.layers"},
              "vitlab.registry": {"vitlab.convert"},                      # beside models
              "vitlab.bench.tokens": {"vitlab.tome.patch", "vitlab.timing", "vitlab._io"},
-             "vitlab.cli.bench": {"vitlab.cli", "vitlab.bench", "vitlab"},
-             "vitlab.prune.patch": {"vitlab.tome.patch"}}                # TEMPORARY
-    bad, used = layer_violations(graph)
+             "vitlab.cli.bench": {"vitlab.cli", "vitlab.bench", "vitlab"}}
+    bad = layer_violations(graph)
     assert [line.split(" ")[0] for line in bad] == [
         "vitlab.analysis.timings", "vitlab.data.core", "vitlab.layers.mlp", "vitlab.newpkg:", "vitlab.tome.patch",
         "vitlab.train.evaluate"], bad
-    assert used == {("prune", "tome")}
 
 
 def test_imports_point_down_the_layers():
     """docs/CONTRIBUTING.md's layers, held: a module imports only down (or within its layer where the layer allows
     it), and every top-level module or package of vitlab has its place in LAYERS."""
-    bad, used = layer_violations(import_graph())
+    bad = layer_violations(import_graph())
     assert not bad, "imports against the layers of docs/CONTRIBUTING.md:\n" + "\n".join(bad)
-    assert used == set(TEMPORARY), f"no longer needed in TEMPORARY: {sorted(set(TEMPORARY) - used)}"
 
 
-def test_graph_reader_sees_lazy_imports_and_skips_type_checking():
+def test_graph_reader_sees_lazy_imports_and_skips_type_checking(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nimport vitlab\nif TYPE_CHECKING:\n    import vitlab.cli\n"
+                   "def f(m):\n    from vitlab.bench import timing\n    return vitlab.optimize.optimize(m)\n")
+    known = {"vitlab", "vitlab.bench", "vitlab.bench.timing", "vitlab.cli", "vitlab.optimize"}
+    assert _imports("vitlab.x.m", src, known) == {"vitlab", "vitlab.bench.timing", "vitlab.optimize"}
     g = {"a": {"b"}, "b": {"c"}, "c": {"a"}}
     assert find_cycle(g) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
