@@ -15,9 +15,8 @@ from vitlab.analysis.attention import (
     attention_rollout,
     capture_attention,
     rollout_map,
-    stitch_windows,
-    window_positions,
 )
+from vitlab.attention import stitch_windows, window_positions
 
 timm = pytest.importorskip("timm")
 
@@ -100,7 +99,8 @@ def test_cait_talking_heads_maps_are_timms_post_mix_weights(tmp_path):
         ref(x)
     blk = ours.blocks[1]
     seen_in = {}
-    blk.attn.register_forward_hook(lambda mod, i, o: seen_in.update(x=i[0], out=o))
+    # while the weights are read the module's call returns (output, weights)
+    blk.attn.register_forward_hook(lambda mod, i, o: seen_in.update(x=i[0], out=o[0]))
     layers = capture_attention(ours, x)
     assert [lay.kind for lay in layers] == ["talking_heads"] * 2 + ["class_attention"] * 2
     n = 16  # 4 x 4 patches, no class token in these blocks

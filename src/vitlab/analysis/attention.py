@@ -1,30 +1,29 @@
 """Attention maps and attention rollout.
 
 * :func:`capture_attention` runs a model once and returns every token-attention layer's softmax weights,
-  ``softmax(q k^T / sqrt(d) + bias + mask)`` as (B, heads, Nq, Nk) with rows summing to 1. The weights are read
-  from the explicit attention path, patched in from outside for the duration of one forward (the model's own
-  modules are not edited, its fast fused path is what runs otherwise):
+  ``softmax(q k^T / sqrt(d) + bias + mask)`` as (B, heads, Nq, Nk) with rows summing to 1. The weights come
+  from the layers themselves: every mechanism of :mod:`vitlab.attention` that forms attention weights returns
+  them when called with ``return_attn=True`` (``has_attention_weights``), and says what they are over
+  (``attention_kind``). For one forward, hooks add that keyword to each readable layer's call and take the
+  weights off its output (the model's modules are not edited; its fast fused path is what runs otherwise).
+  The kinds read here:
 
-  - ``msa``, ``msa_naive`` and HaLViT's attention: their own ``return_attn=True`` explicit-softmax path;
-  - Swin's window attention (``local_window`` / ``shifted_window``, Liu et al., ICCV 2021, Section 3.2): q and
-    k re-projected with the module's ``qkv``, padded, rolled and partitioned with the module's own helpers,
-    masked with its own relative-position bias + shift mask; the per-window (L x L) weights are then *stitched*
-    back to the image grid as a dense (N x N) matrix whose off-window entries are 0 (exactly the attention the
-    window restriction imposes), so the maps and rollout of global attention apply to it unchanged;
-  - LeViT / EfficientFormer offset-bias attention (Graham et al., ICCV 2021, Eq. 1): the module's
-    ``_attend(q, k, v)`` swapped for the same product with the weights kept;
+  - ``global`` (``msa``, ``msa_naive``, HaLViT's attention): every token over every token;
+  - ``window`` (Swin's ``local_window`` / ``shifted_window``, Liu et al., ICCV 2021, Section 3.2): the
+    per-window (L x L) weights, bias and shift mask included, stitched back to the image grid as a dense (N x N)
+    matrix whose off-window entries are 0 (exactly the attention the window restriction imposes), so the maps
+    and rollout of global attention apply to it unchanged;
+  - ``offset_bias`` (LeViT / EfficientFormer, Graham et al., ICCV 2021, Eq. 1): queries on the (possibly
+    strided) grid over the layer's full-resolution keys;
   - MobileViT (Mehta & Rastegari, ICLR 2022): its ``msa`` blocks attend across patches once per pixel position
     inside a patch (those sequences are batched); the weights are averaged over the positions;
-  - CaiT's class attention (Touvron et al., ICCV 2021, Sec. 3): the class token's query and every token's key
-    read from the module's ``q`` and ``k`` projections by forward hooks (one query row per head);
-  - CaiT's talking-heads self-attention (Touvron et al., Sec. 2 / Shazeer et al., "Talking-Heads Attention",
-    2020, Algorithm "TalkingHeadsAttention"): q and k read from the module's ``qkv`` by a hook, then the
-    module's own head mixes: ``P = proj_w(softmax(proj_l(q k^T / sqrt(d))))``, mixed over heads, the map that
-    multiplies V (kind ``talking_heads``, the same as timm's weights before ``attn_drop``). Its rows are not
-    distributions: row sums are ``sum_h W_w[g, h] + N_k b_w[g]`` for output head g (1 only where proj_w's row
-    sums and bias happen to give that) and entries may be negative, so rollout refuses these layers;
-  - PVT's spatial-reduction attention (Wang et al., ICCV 2021, Eq. 2-3): q and the reduced k read from the
-    module's ``q`` and ``kv`` projections by forward hooks; the keys lie on the reduced grid.
+  - ``class_attention`` (CaiT, Touvron et al., ICCV 2021, Sec. 3): the class token's query row per head;
+  - ``talking_heads`` (CaiT's self-attention, Touvron et al., Sec. 2 / Shazeer et al., "Talking-Heads
+    Attention", 2020): ``P = proj_w(softmax(proj_l(q k^T / sqrt(d))))``, mixed over heads, the map that
+    multiplies V (the same as timm's weights before ``attn_drop``). Its rows are not distributions: row sums are
+    ``sum_h W_w[g, h] + N_k b_w[g]`` for output head g (1 only where proj_w's row sums and bias happen to give
+    that) and entries may be negative, so rollout refuses these layers;
+  - ``spatial_reduction`` (PVT, Wang et al., ICCV 2021, Eq. 2-3): keys on the reduced grid.
 
 * :func:`attention_maps`: per-head maps of one query (the class token, the distillation token, or a patch at
   (row, col)) over the patch tokens of one layer, as (B, heads, H, W). Prefix tokens (class, distillation,
@@ -46,8 +45,9 @@ import torch
 import torch.nn as nn
 
 from vitlab.analysis._common import eval_forward, pick
+from vitlab.attention import OffsetBiasAttentionBase, accepts_keywords
 
-_RETURN_ATTN = ("MultiHeadSelfAttention", "NaiveAttention", "HaLViTAttention")
+KINDS = ("global", "window", "offset_bias", "spatial_reduction", "class_attention", "talking_heads")
 SUPPORTED_FAMILIES = ("vit*, deit*, halvit*, vit_pico*, swin*, levit*, efficientformer*, pvt*, mobilevit*, "
                       "cait* (talking-heads and class attention)")
 HEAD_FUSIONS = ("mean", "max", "min")
@@ -74,175 +74,73 @@ def _grid_of(n_patches: int) -> tuple[int, int]:
     return s, s
 
 
-def window_positions(H: int, W: int, window: tuple[int, int], shift: tuple[int, int]) -> torch.Tensor:
-    """(nW, L) raster index (row * W + col) in the H x W map of each token of each window, in the order the
-    window attention sees them (padded to a multiple of the window, rolled by ``-shift``); -1 for padding."""
-    from vitlab.attention._window import pad_to_multiple, partition
-
-    (wh, ww), (sh, sw) = window, shift
-    idx = torch.arange(H * W).reshape(1, H, W, 1) + 1  # +1: zero padding marks "no token" below
-    idx = pad_to_multiple(idx, wh, ww)
-    if sh or sw:
-        idx = torch.roll(idx, shifts=(-sh, -sw), dims=(1, 2))
-    return partition(idx, wh, ww, 1)[0, :, :, 0] - 1  # (nW, L)
-
-
-def stitch_windows(attn: torch.Tensor, pos: torch.Tensor, heads: int, n: int) -> torch.Tensor:
-    """Per-window weights (B, nW * heads, L, L) (windows outer, heads inner) -> dense (B, heads, n, n) over the
-    map's raster order: entry (i, j) is the weight of query i on key j when both lie in one window, else 0."""
-    B, L = attn.shape[0], attn.shape[-1]
-    nW = pos.shape[0]
-    a = attn.reshape(B, nW, heads, L, L)
-    w, i, j = torch.meshgrid(torch.arange(nW), torch.arange(L), torch.arange(L), indexing="ij")
-    qi, kj = pos[w, i], pos[w, j]
-    keep = (qi >= 0) & (kj >= 0)  # drop padded queries / keys
-    w, i, j, qi, kj = w[keep], i[keep], j[keep], qi[keep], kj[keep]
-    dense = attn.new_zeros(B, heads, n, n)
-    dense[:, :, qi, kj] = a[:, w, :, i, j].permute(1, 2, 0)  # (B, heads, pairs)
-    return dense
-
-
-def _window_attention(m: nn.Module, x: torch.Tensor, hw) -> torch.Tensor:
-    """Dense (B, heads, N, N) weights of a window attention module (local / shifted) on x (B, N, C)."""
-    from vitlab.attention._window import grid_size, pad_to_multiple, partition_qkv
-
-    H, W = grid_size(x, hw, m._name)
-    B, N, C = x.shape
-    (wh, ww), (sh, sw) = m._window, m._shift
-    sh, sw = (sh if H > wh else 0), (sw if W > ww else 0)  # as the module's forward: no shift within one window
-    qkv = pad_to_multiple(m.qkv(x).reshape(B, H, W, 3 * C), wh, ww)
-    if sh or sw:
-        qkv = torch.roll(qkv, shifts=(-sh, -sw), dims=(1, 2))
-    q, k, _ = partition_qkv(qkv, wh, ww, m.num_heads)  # (B, nW * heads, L, d)
-    logits = (q * m.head_dim**-0.5) @ k.transpose(-2, -1)
-    mask = m._attn_mask(H, W, sh, sw, q.dtype, x.device)  # (1, nW * heads, L, L): bool, float or None
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-    return stitch_windows(logits.softmax(-1), window_positions(H, W, (wh, ww), (sh, sw)), m.num_heads, N)
+def layer_kind(m: nn.Module) -> str | None:
+    """The kind of attention weights module ``m`` returns on request (one of :data:`KINDS`), or None when it
+    forms none this tool reads."""
+    kind = getattr(m, "attention_kind", None)
+    if kind is None and isinstance(m, OffsetBiasAttentionBase):
+        kind = "offset_bias"
+    if kind not in KINDS or not accepts_keywords(m, "return_attn"):
+        return None
+    return kind if getattr(m, "has_attention_weights", kind == "offset_bias") else None
 
 
 def find_attention_layers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(name, module, kind) of every attention layer :func:`capture_attention` can read, in module order."""
-    from vitlab.attention import OffsetBiasAttentionBase, SpatialReductionAttention
-    from vitlab.attention.local_window import _WindowAttentionBase
-    from vitlab.models.cait import ClassAttn, TalkingHeadAttn
+    return [(name, m, kind) for name, m in model.named_modules() if (kind := layer_kind(m)) is not None]
 
-    out = []
-    for name, m in model.named_modules():
-        if type(m).__name__ in _RETURN_ATTN:
-            out.append((name, m, "global"))
-        elif isinstance(m, _WindowAttentionBase):
-            out.append((name, m, "window"))
-        elif isinstance(m, OffsetBiasAttentionBase):
-            out.append((name, m, "offset_bias"))
-        elif isinstance(m, SpatialReductionAttention):
-            out.append((name, m, "spatial_reduction"))
-        elif isinstance(m, ClassAttn):
-            out.append((name, m, "class_attention"))
-        elif isinstance(m, TalkingHeadAttn):
-            out.append((name, m, "talking_heads"))
-    return out
+
+def _grids(m: nn.Module, kind: str, x: torch.Tensor, hw, prefix_default: int):
+    """(q_grid, k_grid, num_prefix) of a layer's weights for input ``x`` on grid ``hw``."""
+    N = x.shape[1]
+    if kind == "offset_bias":
+        H, W = m.resolution
+        s = getattr(m, "stride", 1)
+        return (-(-H // s), -(-W // s)), (H, W), 0
+    if kind == "class_attention":
+        return (0, 0), _grid_of(N - 1), 1
+    if hw is not None:
+        grid, prefix = (int(hw[0]), int(hw[1])), N - int(hw[0]) * int(hw[1])
+    else:
+        prefix = prefix_default if kind in ("global", "spatial_reduction") else 0
+        grid = _grid_of(N - prefix)
+    if kind == "spatial_reduction":
+        R = m.sr_ratio
+        return grid, (-(-grid[0] // R), -(-grid[1] // R)), prefix
+    return grid, grid, prefix
 
 
 @contextlib.contextmanager
 def _recording(model: nn.Module, records: list[AttentionLayer]):
-    """Patch every readable attention layer (instance attributes only) so a forward appends its weights."""
+    """Hooks on every readable attention layer: its call gets ``return_attn=True`` and a forward appends its
+    weights, the caller receiving the output it asked for."""
     prefix_default = int(getattr(model, "num_prefix_tokens", 0) or 0)
-    patched = []
+    handles = []
+    asked: dict[int, list[bool]] = {}  # per module, whether each call in flight asked for the weights itself
 
-    def global_fwd(name, m):
-        def forward(x, hw=None, *args, **kwargs):
-            out, attn = type(m).forward(m, x, hw, *args, return_attn=True, **kwargs)
-            n = x.shape[1]
-            if hw is not None:
-                grid, prefix = (int(hw[0]), int(hw[1])), n - int(hw[0]) * int(hw[1])
-            else:
-                prefix = prefix_default
-                grid = _grid_of(n - prefix)
-            records.append(AttentionLayer(name, "global", attn.detach(), grid, grid, prefix))
-            return out
-        return forward
+    def add_keyword(m, args, kwargs):
+        asked.setdefault(id(m), []).append(bool(kwargs.get("return_attn", False)))
+        return args, {**kwargs, "return_attn": True}
 
-    def window_fwd(name, m):
-        def forward(x, hw=None):
-            out = type(m).forward(m, x, hw)
-            attn = _window_attention(m, x, hw)
-            grid = (int(hw[0]), int(hw[1]))
-            records.append(AttentionLayer(name, "window", attn.detach(), grid, grid, 0))
-            return out
-        return forward
-
-    def bias_attend(name, m):
-        def _attend(q, k, v):
-            attn = ((q * m.scale) @ k.transpose(-2, -1) + m.get_attention_biases()).softmax(dim=-1)
-            H, W = m.resolution
-            s = getattr(m, "stride", 1)
-            records.append(AttentionLayer(name, "offset_bias", attn.detach(), (-(-H // s), -(-W // s)), (H, W)))
-            return attn @ v
-        return _attend
-
-    def projections(m, names, *args):
-        """Run ``m`` with forward hooks on its projections ``names``; returns (output, {name: output})."""
-        seen = {}
-        hooks = [getattr(m, n).register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n, o)) for n in names]
-        try:
-            return type(m).forward(m, *args), seen
-        finally:
-            for h in hooks:
-                h.remove()
-
-    def class_fwd(name, m):
-        def forward(u):
-            out, seen = projections(m, ("q", "k"), u)
-            B, N, C = u.shape
-            q = seen["q"].reshape(B, 1, m.num_heads, m.head_dim).transpose(1, 2)  # the class token's query
-            k = seen["k"].reshape(B, N, m.num_heads, m.head_dim).transpose(1, 2)
-            attn = ((q * m.head_dim**-0.5) @ k.transpose(-2, -1)).softmax(-1)  # (B, heads, 1, 1 + H*W)
-            records.append(AttentionLayer(name, "class_attention", attn.detach(), (0, 0), _grid_of(N - 1), 1))
-            return out
-        return forward
-
-    def talking_fwd(name, m):
-        def forward(x, hw=None):
-            out, seen = projections(m, ("qkv",), x, hw)
-            B, N, C = x.shape
-            q, k, _ = seen["qkv"].view(B, N, 3, m.num_heads, m.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-            logits = (q * m.scale) @ k.transpose(-2, -1)  # (B, h, N, N)
-            attn = m._mix_heads(m._mix_heads(logits, m.proj_l).softmax(-1), m.proj_w)  # the module's own mixes
-            H, W = (int(hw[0]), int(hw[1])) if hw is not None else _grid_of(N)
-            records.append(AttentionLayer(name, "talking_heads", attn.detach(), (H, W), (H, W), N - H * W))
-            return out
-        return forward
-
-    def reduction_fwd(name, m):
-        def forward(x, hw=None):
-            out, seen = projections(m, ("q", "kv"), x, hw)
-            B, N, C = x.shape
-            q = seen["q"].reshape(B, N, m.num_heads, m.head_dim).transpose(1, 2)
-            k = seen["kv"][..., :C].reshape(B, -1, m.num_heads, m.head_dim).transpose(1, 2)  # kv packs [k, v]
-            attn = ((q * m.head_dim**-0.5) @ k.transpose(-2, -1)).softmax(-1)
-            H, W = (int(hw[0]), int(hw[1])) if hw is not None else _grid_of(N - prefix_default)
-            prefix = N - H * W
-            R = m.sr_ratio
-            records.append(AttentionLayer(name, "spatial_reduction", attn.detach(), (H, W),
-                                          (-(-H // R), -(-W // R)), prefix))
-            return out
-        return forward
+    def record(name, kind):
+        def hook(m, args, kwargs, out):
+            x = args[0]
+            hw = args[1] if len(args) > 1 else kwargs.get("hw")
+            q_grid, k_grid, prefix = _grids(m, kind, x, hw, prefix_default)
+            records.append(AttentionLayer(name, kind, out[1].detach(), q_grid, k_grid, prefix))
+            if asked[id(m)].pop():
+                return out
+            return out[0] if len(out) == 2 else (out[0], *out[2:])
+        return hook
 
     try:
         for name, m, kind in find_attention_layers(model):
-            if kind != "offset_bias":
-                make = {"global": global_fwd, "window": window_fwd, "spatial_reduction": reduction_fwd,
-                        "class_attention": class_fwd, "talking_heads": talking_fwd}[kind]
-                m.forward = make(name, m)
-                patched.append((m, "forward"))
-            else:
-                m._attend = bias_attend(name, m)
-                patched.append((m, "_attend"))
+            handles.append(m.register_forward_pre_hook(add_keyword, with_kwargs=True))
+            handles.append(m.register_forward_hook(record(name, kind), with_kwargs=True))
         yield
     finally:
-        for m, attr in patched:
-            delattr(m, attr)  # the class's own method again
+        for h in handles:
+            h.remove()
 
 
 def capture_attention(model: nn.Module, x: torch.Tensor) -> list[AttentionLayer]:

@@ -21,6 +21,7 @@ from vitlab.attention._registry import (
     list_attention,
     register_attention,
 )
+from vitlab.attention._window import stitch_windows, window_positions
 from vitlab.attention.block import Block
 from vitlab.attention.local_window import LocalWindowAttention
 from vitlab.attention.msa import MultiHeadSelfAttention, QKVAttention, softmax_with_policy
@@ -34,9 +35,8 @@ for _mod in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_mod.name}")
 
 __all__ = [
-    "Block", "LocalWindowAttention", "MultiHeadSelfAttention", "OffsetBiasAttentionBase", "ShiftedWindowAttention",
-    "QKVAttention", "SpatialReductionAttention", "accepts_keywords", "accepts_prefix_tokens",
-    "attention_weights_error", "softmax_with_policy", "create", "create_attention", "fold_offset_biases",
-    "get_attention",
-    "layout_kwargs", "list_attention", "register_attention",
+    "Block", "LocalWindowAttention", "MultiHeadSelfAttention", "OffsetBiasAttentionBase", "QKVAttention",
+    "ShiftedWindowAttention", "SpatialReductionAttention", "accepts_keywords", "accepts_prefix_tokens",
+    "attention_weights_error", "create", "create_attention", "fold_offset_biases", "get_attention", "layout_kwargs",
+    "list_attention", "register_attention", "softmax_with_policy", "stitch_windows", "window_positions",
 ]

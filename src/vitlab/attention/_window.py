@@ -1,6 +1,7 @@
 """Shared helpers of the windowed mechanisms (local / shifted window, HiLo's Hi-Fi, CSWin stripes, Focal):
-grid checks, zero-padding to a multiple of the window, window partition / reverse with einops, and the
-relative-position index of Swin.
+grid checks, zero-padding to a multiple of the window, window partition / reverse with einops, the
+relative-position index of Swin, the explicit attention that returns its weights, and the stitching of
+per-window weights into one (N x N) map over the grid.
 
 Layout convention: windows are folded next to the heads, ``(B, nW * heads, L, d)``, so a mask that varies
 per window and per head, ``(nW * heads, L, S)``, broadcasts over the batch without being copied per image,
@@ -87,3 +88,46 @@ def relative_position_index(wh: int, ww: int) -> torch.Tensor:
     coords = torch.stack(grid).flatten(1)  # (2, L)
     rel = coords[:, :, None] - coords[:, None, :]  # (2, L, L), in [-(w-1), w-1]
     return (rel[0] + wh - 1) * (2 * ww - 1) + (rel[1] + ww - 1)
+
+
+def window_positions(H: int, W: int, window: tuple[int, int], shift: tuple[int, int] = (0, 0),
+                     device=None) -> torch.Tensor:
+    """(nW, L) raster index (row * W + col) in the H x W map of each token of each window, in the order the
+    window attention sees them (padded to a multiple of the window, rolled by ``-shift``); -1 for padding."""
+    (wh, ww), (sh, sw) = window, shift
+    idx = torch.arange(H * W, device=device).reshape(1, H, W, 1) + 1  # +1: zero padding marks "no token" below
+    idx = pad_to_multiple(idx, wh, ww)
+    if sh or sw:
+        idx = torch.roll(idx, shifts=(-sh, -sw), dims=(1, 2))
+    return partition(idx, wh, ww, 1)[0, :, :, 0] - 1  # (nW, L)
+
+
+def stitch_windows(attn: torch.Tensor, pos: torch.Tensor, heads: int, n: int) -> torch.Tensor:
+    """Per-window weights (B, nW * heads, L, L) (windows outer, heads inner) -> dense (B, heads, n, n) over the
+    map's raster order: entry (i, j) is the weight of query i on key j when both lie in one window, else 0 (the
+    attention the window restriction imposes)."""
+    B, L = attn.shape[0], attn.shape[-1]
+    nW = pos.shape[0]
+    a = attn.reshape(B, nW, heads, L, L)
+    dev = pos.device
+    w, i, j = torch.meshgrid(torch.arange(nW, device=dev), torch.arange(L, device=dev), torch.arange(L, device=dev),
+                             indexing="ij")
+    qi, kj = pos[w, i], pos[w, j]
+    keep = (qi >= 0) & (kj >= 0)  # drop padded queries / keys
+    w, i, j, qi, kj = w[keep], i[keep], j[keep], qi[keep], kj[keep]
+    dense = attn.new_zeros(B, heads, n, n)
+    dense[:, :, qi, kj] = a[:, w, :, i, j].permute(1, 2, 0)  # (B, heads, pairs)
+    return dense
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, drop: float,
+                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scaled_dot_product_attention``'s function with its weights: (output, softmax weights before dropout).
+    ``mask``: boolean (True = attend) or additive, broadcast to the logits."""
+    logits = (q * (q.shape[-1] ** -0.5 if scale is None else scale)) @ k.transpose(-2, -1)
+    if mask is not None and mask.dtype == torch.bool:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        logits = logits + mask
+    attn = logits.softmax(dim=-1)
+    return F.dropout(attn, drop) @ v, attn

@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vitlab.attention._registry import register_attention
+from vitlab.attention._registry import attention_weights_error, register_attention
 
 
 @register_attention("hornet")
 class GnConv(nn.Module):
+    has_attention_weights = False  # no softmax over keys: return_attn=True raises a ValueError
     prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
@@ -40,7 +41,9 @@ class GnConv(nn.Module):
         self.scale = scale
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int], return_attn: bool = False) -> torch.Tensor:
+        if return_attn:
+            raise attention_weights_error(self)
         B, N, C = x.shape
         H, W = hw
         if N != H * W:

@@ -1,6 +1,5 @@
 """Linear attention with the ELU+1 feature map (Katharopoulos et al., "Transformers are RNNs: Fast
-Autoregressive Transformers with Linear Attention", ICML 2020), as given in the efficiency section of seed
-001.
+Autoregressive Transformers with Linear Attention", ICML 2020).
 
 Softmax attention ``softmax(q k^T) v`` is replaced by a kernel ``phi(q) phi(k)^T`` with the positive feature
 map ``phi(x) = elu(x) + 1``; associativity then gives ``phi(q) (phi(k)^T v)`` normalised by ``phi(q) sum_n
@@ -15,12 +14,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.attention._registry import register_attention
+from vitlab.attention._registry import attention_weights_error, register_attention
 from vitlab.layers.helpers import check_heads
 
 
 @register_attention("linear")
 class LinearAttention(nn.Module):
+    has_attention_weights = False  # no softmax over keys: return_attn=True raises a ValueError
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, eps: float = 1e-6):
         super().__init__()
@@ -36,7 +36,9 @@ class LinearAttention(nn.Module):
     def feature_map(x: torch.Tensor) -> torch.Tensor:
         return F.elu(x) + 1.0  # > 0, so the normaliser below never vanishes
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False) -> torch.Tensor:
+        if return_attn:
+            raise attention_weights_error(self)
         B, N, C = x.shape
         if hw is not None and hw[0] * hw[1] > N:
             raise ValueError(f"{N} tokens cannot hold a {hw[0]}x{hw[1]} grid")

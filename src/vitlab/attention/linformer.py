@@ -25,11 +25,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vitlab.attention._registry import register_attention
+from vitlab.attention._window import explicit_attention
 from vitlab.layers.helpers import check_heads, to_2tuple
 
 
 @register_attention("linformer")
 class LinformerAttention(nn.Module):
+    has_attention_weights = True  # return_attn=True: (B, heads, N, k) over the k projected tokens
+    attention_kind = "projected"
+
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, proj_len: int = 256, grid_size=(14, 14), num_prefix_tokens: int = 0):
         super().__init__()
@@ -56,7 +60,8 @@ class LinformerAttention(nn.Module):
         grid = F.interpolate(grid, size=(H, W), mode="bilinear", align_corners=False) * (H0 * W0 / (H * W))
         return torch.cat([e[:, :P], grid.reshape(e.shape[0], H * W)], dim=1)
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int], return_attn: bool = False):
+        """``return_attn``: also the weights over the k projected keys."""
         B, N, C = x.shape
         H, W = hw
         if N != self.num_prefix_tokens + H * W:
@@ -67,5 +72,9 @@ class LinformerAttention(nn.Module):
         k = self._seq_proj(self.proj_k, hw).to(k.dtype) @ k  # (k, N) @ (B, heads, N, d) -> (B, heads, k, d)
         v = self._seq_proj(self.proj_v, hw).to(v.dtype) @ v
         drop = self.attn_drop if self.training else 0.0
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, heads, N, d)
-        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
+        if return_attn:
+            x, attn = explicit_attention(q, k, v, None, drop)
+        else:
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, heads, N, d)
+        out = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
+        return (out, attn) if return_attn else out

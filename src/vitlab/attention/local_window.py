@@ -32,12 +32,15 @@ from vitlab.attention._registry import register_attention
 from vitlab.attention._window import (
     additive,
     expand_heads,
+    explicit_attention,
     grid_size,
     pad_to_multiple,
     partition,
     partition_qkv,
     relative_position_index,
     reverse,
+    stitch_windows,
+    window_positions,
 )
 from vitlab.layers.helpers import check_heads, to_2tuple
 
@@ -57,6 +60,8 @@ class _WindowAttentionBase(nn.Module):
     checkpoints load as they are."""
 
     prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+    has_attention_weights = True  # return_attn=True: dense (B, heads, N, N), 0 outside each query's window
+    attention_kind = "window"
     _name = "window attention"
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
@@ -125,7 +130,9 @@ class _WindowAttentionBase(nn.Module):
             bias = bias + additive(allowed, dtype)  # (nW, heads, L, L)
         return bias.expand(nW, -1, -1, -1).reshape(1, nW * self.num_heads, L, L)
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False):
+        """``return_attn``: also the weights, per-window softmax (bias and masks included) stitched into a dense
+        (B, heads, N, N) map over the grid whose entries outside a query's window are 0."""
         H, W = grid_size(x, hw, self._name)
         B, N, C = x.shape
         (wh, ww), (sh, sw) = self._window, self._shift
@@ -139,13 +146,18 @@ class _WindowAttentionBase(nn.Module):
         q, k, v = partition_qkv(qkv, wh, ww, self.num_heads)  # (B, nW * heads, wh*ww, d)
         mask = self._attn_mask(H, W, sh, sw, q.dtype, x.device)
         drop = self.attn_drop if self.training else 0.0
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nW * heads, L, d)
+        if return_attn:
+            o, attn = explicit_attention(q, k, v, mask, drop)
+            attn = stitch_windows(attn, window_positions(H, W, (wh, ww), (sh, sw), x.device), self.num_heads, N)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nW * heads, L, d)
         o = reverse(o, wh, ww, Hp, Wp, self.num_heads)  # (B, Hp, Wp, C)
         if sh or sw:
             o = torch.roll(o, shifts=(sh, sw), dims=(1, 2))
         if Hp != H or Wp != W:
             o = o[:, :H, :W]
-        return self.proj_drop(self.proj(o.reshape(B, N, C)))
+        out = self.proj_drop(self.proj(o.reshape(B, N, C)))
+        return (out, attn) if return_attn else out
 
 
 @register_attention("local_window")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vitlab.attention._registry import register_attention
+from vitlab.attention._registry import attention_weights_error, register_attention
 from vitlab.layers.helpers import check_heads
 
 
@@ -64,6 +64,7 @@ def favor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.
 
 @register_attention("performer")
 class PerformerAttention(nn.Module):
+    has_attention_weights = False  # no softmax over keys: return_attn=True raises a ValueError
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, num_features: int = 256):
         super().__init__()
@@ -85,7 +86,9 @@ class PerformerAttention(nn.Module):
         w = orthogonal_gaussian(self.num_features, self.head_dim, generator)  # drawn on CPU (QR), then moved
         self.features.copy_(w.to(self.features.device, self.features.dtype))
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False) -> torch.Tensor:
+        if return_attn:
+            raise attention_weights_error(self)
         B, N, C = x.shape
         if hw is not None and hw[0] * hw[1] > N:
             raise ValueError(f"{N} tokens cannot hold a {hw[0]}x{hw[1]} grid")

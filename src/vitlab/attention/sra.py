@@ -23,11 +23,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vitlab.attention._registry import register_attention
+from vitlab.attention._window import explicit_attention
 from vitlab.layers.helpers import check_heads
 
 
 @register_attention("sra")
 class SpatialReductionAttention(nn.Module):
+    has_attention_weights = True  # return_attn=True: (B, heads, N, prefix + ceil(H/R) ceil(W/R))
+    attention_kind = "spatial_reduction"
+
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, sr_ratio: int = 2):
         super().__init__()
@@ -45,7 +49,8 @@ class SpatialReductionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False):
+        """``return_attn``: also the weights over the prefix tokens and the reduced grid."""
         B, N, C = x.shape
         q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)  # (B, heads, N, d)
         kv_in = x
@@ -65,5 +70,9 @@ class SpatialReductionAttention(nn.Module):
         M = kv_in.shape[1]
         k, v = self.kv(kv_in).reshape(B, M, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         drop = self.attn_drop if self.training else 0.0
-        o = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, heads, N, d)
-        return self.proj_drop(self.proj(o.transpose(1, 2).reshape(B, N, C)))
+        if return_attn:
+            o, attn = explicit_attention(q, k, v, None, drop)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, heads, N, d)
+        out = self.proj_drop(self.proj(o.transpose(1, 2).reshape(B, N, C)))
+        return (out, attn) if return_attn else out

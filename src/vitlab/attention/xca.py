@@ -24,6 +24,9 @@ from vitlab.layers.helpers import check_heads
 
 @register_attention("xca")
 class XCA(nn.Module):
+    has_attention_weights = True  # return_attn=True: the (B, heads, d, d) softmax over channels, not tokens
+    attention_kind = "channels"
+
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0):
         super().__init__()
@@ -35,7 +38,8 @@ class XCA(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False):
+        """``return_attn``: also the cross-covariance weights (B, heads, d, d) (channels attend to channels)."""
         B, N, C = x.shape
         if hw is not None and hw[0] * hw[1] > N:
             raise ValueError(f"{N} tokens cannot hold a {hw[0]}x{hw[1]} grid")
@@ -51,7 +55,9 @@ class XCA(nn.Module):
         k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(1e-12)
         attn = q.transpose(-2, -1) @ k  # (B, heads, d, d) cross-covariance
         attn = attn / (q_norm.unsqueeze(-1) * k_norm.unsqueeze(-2)) * self.temperature
-        attn = F.dropout(attn.softmax(dim=-1), self.attn_drop if self.training else 0.0)
+        weights = attn.softmax(dim=-1)
+        attn = F.dropout(weights, self.attn_drop if self.training else 0.0)
         x = v @ attn.transpose(-2, -1).to(v.dtype)  # (B, heads, N, d): out = A v^T, token-major
         x = x.transpose(1, 2).reshape(B, N, C)  # (B, N, heads * d)
-        return self.proj_drop(self.proj(x))
+        out = self.proj_drop(self.proj(x))
+        return (out, weights) if return_attn else out
