@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vitlab.attention import OffsetBiasAttentionBase, fold_offset_biases
+from vitlab.attention.offset_bias import EfficientFormerAttention, fold_offset_biases
 from vitlab.layers import (
     DropPath,
     LayerScale,
@@ -41,31 +41,6 @@ from vitlab.models._base import TimmApiMixin
 from vitlab.registry import ModelConfig, register_model
 
 __all__ = ["EfficientFormer"]
-
-
-class Attention(OffsetBiasAttentionBase):
-    """MHSA with a learned offset bias on a fixed grid: (B, N, C) -> (B, N, C)."""
-
-    def __init__(self, dim: int = 448, key_dim: int = 32, num_heads: int = 8, attn_ratio: float = 4.0,
-                 resolution: tuple[int, int] = (7, 7)):
-        super().__init__()
-        self.num_heads = num_heads
-        self.key_dim = key_dim
-        self.val_dim = int(attn_ratio * key_dim)
-        self.val_attn_dim = self.val_dim * num_heads
-        self.scale = key_dim ** -0.5
-        self.resolution = tuple(resolution)
-        self.qkv = nn.Linear(dim, num_heads * (2 * key_dim + self.val_dim))
-        self.proj = nn.Linear(self.val_attn_dim, dim)
-        self._init_bias(num_heads, self.resolution, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, _ = x.shape
-        # per head the packed channels are [q (D), k (D), v (4D)]
-        q, k, v = self.qkv(x).view(B, N, self.num_heads, -1).transpose(1, 2).split(
-            [self.key_dim, self.key_dim, self.val_dim], dim=3)  # (B, h, N, D), (B, h, N, D), (B, h, N, 4D)
-        x = self._attend(q, k, v).transpose(1, 2).reshape(B, N, self.val_attn_dim)  # (B, N, h*4D)
-        return self.proj(x)
 
 
 class Stem4(nn.Sequential):
@@ -154,7 +129,7 @@ class MetaBlock1d(nn.Module):
                  drop_path: float = 0.0, layer_scale_init_value: float = 1e-5):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)  # eps 1e-5, as the official code (torch's default)
-        self.token_mixer = Attention(dim, resolution=resolution)
+        self.token_mixer = EfficientFormerAttention(dim, resolution=resolution)
         self.ls1 = LayerScale(dim, layer_scale_init_value)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)

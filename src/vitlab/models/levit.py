@@ -31,14 +31,20 @@ timm state dict loads as is.
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.attention import OffsetBiasAttentionBase, fold_offset_biases
+from vitlab.attention.offset_bias import (
+    LevitAttention,
+    LevitAttentionDownsample,
+    LinearNorm,
+    batch_norm_rows,
+    bn_scale_shift,
+    fold_offset_biases,
+)
 from vitlab.layers import (
     DropPath,
     check_image,
@@ -52,27 +58,10 @@ from vitlab.layers import (
 from vitlab.models._base import TimmApiMixin
 from vitlab.registry import ModelConfig, register_model
 
-__all__ = ["Levit", "OffsetBiasAttentionBase", "fuse_batchnorms", "levit_out_size"]
-
-
-levit_out_size = downsample_size  # the 3x3 stride-2 grid rule, kept under its old name
+__all__ = ["Levit", "fuse_batchnorms"]
 
 
 # ---- BatchNorm-carrying layers and their fusion ------------------------------------------------------------
-def _batch_norm(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
-    """``bn(x)`` for (M, C) rows; a training batch of a single row (e.g. batch 1 at the head), which BatchNorm
-    cannot normalise, uses the running statistics (and leaves them alone) instead of raising."""
-    if bn.training and x.shape[0] == 1:
-        return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
-    return bn(x)
-
-
-def _bn_scale_shift(bn: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """BatchNorm in eval as ``y = x * scale + shift`` (per channel)."""
-    scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
-    return scale, bn.bias - bn.running_mean * scale
-
-
 class ConvNorm(nn.Module):
     """Conv2d (no bias) -> BatchNorm2d."""
 
@@ -89,33 +78,10 @@ class ConvNorm(nn.Module):
     @torch.no_grad()
     def fuse(self) -> nn.Conv2d:
         c = self.linear
-        scale, shift = _bn_scale_shift(self.bn)
+        scale, shift = bn_scale_shift(self.bn)
         m = nn.Conv2d(c.in_channels, c.out_channels, c.kernel_size, c.stride, c.padding, bias=True,
                       device=c.weight.device, dtype=c.weight.dtype)
         m.weight.copy_(c.weight * scale[:, None, None, None])
-        m.bias.copy_(shift)
-        return m
-
-
-class LinearNorm(nn.Module):
-    """Linear (no bias) -> BatchNorm1d over the channels of (B, N, C) tokens."""
-
-    def __init__(self, in_features: int, out_features: int, bn_weight_init: float = 1.0):
-        super().__init__()
-        self.linear = nn.Linear(in_features, out_features, bias=False)
-        self.bn = nn.BatchNorm1d(out_features)
-        nn.init.constant_(self.bn.weight, bn_weight_init)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, Cin) -> (B, N, Cout)
-        x = self.linear(x)
-        return _batch_norm(self.bn, x.flatten(0, 1)).reshape_as(x)  # statistics over batch and tokens
-
-    @torch.no_grad()
-    def fuse(self) -> nn.Linear:
-        w = self.linear.weight
-        scale, shift = _bn_scale_shift(self.bn)
-        m = nn.Linear(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype)
-        m.weight.copy_(w * scale[:, None])
         m.bias.copy_(shift)
         return m
 
@@ -132,12 +98,12 @@ class NormLinear(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C) -> (B, classes)
-        return self.linear(self.drop(_batch_norm(self.bn, x)))
+        return self.linear(self.drop(batch_norm_rows(self.bn, x)))
 
     @torch.no_grad()
     def fuse(self) -> nn.Linear:
         lin = self.linear
-        scale, shift = _bn_scale_shift(self.bn)
+        scale, shift = bn_scale_shift(self.bn)
         m = nn.Linear(lin.in_features, lin.out_features, device=lin.weight.device, dtype=lin.weight.dtype)
         m.weight.copy_(lin.weight * scale[None, :])  # W (x * s + t) + b = (W s) x + (W t + b)
         m.bias.copy_(lin.weight @ shift + lin.bias)
@@ -169,86 +135,6 @@ class Stem16(nn.Sequential):
                 self.add_module(f"act{i + 1}", act_layer())
 
 
-# ---- attention with a learned relative-offset bias (the base class lives in vitlab.layers) -------------------
-class Attention(OffsetBiasAttentionBase):
-    """LeViT attention on a fixed H x W grid: (B, N, C) -> (B, N, C)."""
-
-    def __init__(self, dim: int, key_dim: int, num_heads: int = 8, attn_ratio: float = 2.0,
-                 resolution: tuple[int, int] = (14, 14), act_layer: Callable[[], nn.Module] = nn.Hardswish):
-        super().__init__()
-        self.num_heads = num_heads
-        self.key_dim = key_dim
-        self.val_dim = int(attn_ratio * key_dim)
-        self.val_attn_dim = self.val_dim * num_heads
-        self.scale = key_dim ** -0.5
-        self.resolution = tuple(resolution)
-        self.qkv = LinearNorm(dim, num_heads * (2 * key_dim + self.val_dim))
-        self.proj = nn.Sequential(OrderedDict([
-            ("act", act_layer()),
-            # BN weight 0: the residual branch starts as the identity
-            ("ln", LinearNorm(self.val_attn_dim, dim, bn_weight_init=0.0)),
-        ]))
-        self._init_bias(num_heads, self.resolution, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, _ = x.shape
-        # per head the packed channels are [q (D), k (D), v (Dv)] (timm / official layout)
-        q, k, v = self.qkv(x).view(B, N, self.num_heads, -1).transpose(1, 2).split(
-            [self.key_dim, self.key_dim, self.val_dim], dim=3)  # (B, h, N, D), (B, h, N, D), (B, h, N, Dv)
-        x = self._attend(q, k, v).transpose(1, 2).reshape(B, N, self.val_attn_dim)  # (B, N, h*Dv)
-        return self.proj(x)
-
-
-class Subsample(nn.Module):
-    """Keep every ``stride``-th token in both directions: (B, H*W, C) -> (B, ceil(H/s)*ceil(W/s), C)."""
-
-    def __init__(self, stride: int, resolution: tuple[int, int]):
-        super().__init__()
-        self.stride = stride
-        self.resolution = tuple(resolution)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, _, C = x.shape
-        x = x.view(B, self.resolution[0], self.resolution[1], C)[:, :: self.stride, :: self.stride]
-        return x.reshape(B, -1, C)
-
-
-class AttentionDownsample(OffsetBiasAttentionBase):
-    """Shrinking attention: queries from the 2x-subsampled grid, keys / values from the full grid.
-    (B, H*W, Cin) -> (B, ceil(H/2)*ceil(W/2), Cout)."""
-
-    def __init__(self, in_dim: int, out_dim: int, key_dim: int, num_heads: int = 8, attn_ratio: float = 4.0,
-                 stride: int = 2, resolution: tuple[int, int] = (14, 14),
-                 act_layer: Callable[[], nn.Module] = nn.Hardswish):
-        super().__init__()
-        self.num_heads = num_heads
-        self.key_dim = key_dim
-        self.val_dim = int(attn_ratio * key_dim)
-        self.val_attn_dim = self.val_dim * num_heads
-        self.scale = key_dim ** -0.5
-        self.stride = stride
-        self.resolution = tuple(resolution)
-        self.kv = LinearNorm(in_dim, num_heads * (key_dim + self.val_dim))
-        self.q = nn.Sequential(OrderedDict([
-            ("down", Subsample(stride, self.resolution)),
-            ("ln", LinearNorm(in_dim, num_heads * key_dim)),
-        ]))
-        self.proj = nn.Sequential(OrderedDict([
-            ("act", act_layer()),
-            ("ln", LinearNorm(self.val_attn_dim, out_dim)),
-        ]))
-        self._init_bias(num_heads, self.resolution, stride)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, _ = x.shape
-        k, v = self.kv(x).view(B, N, self.num_heads, -1).transpose(1, 2).split(
-            [self.key_dim, self.val_dim], dim=3)  # (B, h, N, D), (B, h, N, Dv)
-        q = self.q(x)  # (B, Nq, h*D)
-        q = q.view(B, q.shape[1], self.num_heads, self.key_dim).transpose(1, 2)  # (B, h, Nq, D)
-        x = self._attend(q, k, v).transpose(1, 2).reshape(B, -1, self.val_attn_dim)  # (B, Nq, h*Dv)
-        return self.proj(x)
-
-
 class LevitMlp(nn.Module):
     """LinearNorm -> Hardswish -> Dropout -> LinearNorm (BN weight 0 at init on the residual output)."""
 
@@ -270,7 +156,7 @@ class LevitDownsample(nn.Module):
     def __init__(self, in_dim: int, out_dim: int, key_dim: int, num_heads: int, attn_ratio: float,
                  mlp_ratio: float, resolution: tuple[int, int], act_layer, drop_path: float = 0.0):
         super().__init__()
-        self.attn_downsample = AttentionDownsample(in_dim, out_dim, key_dim, num_heads, attn_ratio,
+        self.attn_downsample = LevitAttentionDownsample(in_dim, out_dim, key_dim, num_heads, attn_ratio,
                                                    resolution=resolution, act_layer=act_layer)
         self.mlp = LevitMlp(out_dim, int(out_dim * mlp_ratio), act_layer=act_layer)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
@@ -286,7 +172,7 @@ class LevitBlock(nn.Module):
     def __init__(self, dim: int, key_dim: int, num_heads: int, attn_ratio: float, mlp_ratio: float,
                  resolution: tuple[int, int], act_layer, drop_path: float = 0.0):
         super().__init__()
-        self.attn = Attention(dim, key_dim, num_heads, attn_ratio, resolution, act_layer)
+        self.attn = LevitAttention(dim, key_dim, num_heads, attn_ratio, resolution, act_layer)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.mlp = LevitMlp(dim, int(dim * mlp_ratio), act_layer=act_layer)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
