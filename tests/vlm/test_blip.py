@@ -81,6 +81,7 @@ def test_retrieval_equal_transformers(tmp_path):
     same = vitlab.create_model("blip_tiny_retrieval", checkpoint_path=str(tmp_path)).eval()
     with torch.no_grad():
         torch.testing.assert_close(same.itm_scores(x, ids, mask), want_itm, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(same(x, ids, mask)[0], want_itm, rtol=1e-4, atol=1e-4)  # its forward
 
 
 def test_three_objectives_train_and_hard_negatives():

@@ -276,14 +276,22 @@ class BLIP(nn.Module):
     def forward(self, pixel_values: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 image_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Captioning: next-token logits (B, N, vocab) of the decoder over ``input_ids`` (used as given: the
-        first token should be [DEC], ``bos_token_id``) and, with ``labels`` (B, N; -100 where not scored), the
-        mean cross-entropy of position i's logits against label i + 1 with ``label_smoothing``. Equal to
-        transformers' ``BlipForConditionalGeneration`` for the same weights (and label smoothing)."""
-        self._need("lm")
+        """The model's main output and, with ``labels``, its loss, as transformers' class for these heads:
+
+        - with an LM head (captioner, full model): next-token logits (B, N, vocab) of the decoder over
+          ``input_ids`` (used as given: the first token should be [DEC], ``bos_token_id``); ``labels`` (B, N; -100
+          where not scored) give the mean cross-entropy of position i's logits against label i + 1 with
+          ``label_smoothing`` (``BlipForConditionalGeneration``'s logits and loss);
+        - a retrieval model: the ITM logits (B, 2) (``BlipForImageTextRetrieval``'s ``itm_score``); ``labels``
+          (B,) 1 for matched pairs give their cross-entropy.
+
+        The three pre-training objectives together: :meth:`losses`."""
         if input_ids is None:
-            raise ValueError("captioning needs input_ids (the caption or its first token)")
+            raise ValueError("BLIP needs input_ids (a caption, or its first token)")
         image = self._image(pixel_values, image_embeds)
+        if "lm" not in self.heads:
+            logits = self.itm_logits(image, input_ids, attention_mask)
+            return logits, None if labels is None else F.cross_entropy(logits, labels)
         logits = self.lm_head(self.text_decoder(input_ids, attention_mask, image=image, causal=True))
         loss = None
         if labels is not None:
@@ -399,7 +407,8 @@ class BLIP(nn.Module):
         return ids
 
     def profile_inputs(self, image: torch.Tensor) -> tuple:
-        """What :mod:`vitlab.profile` runs: one image and a 32-token caption through every head's tower."""
+        """What :mod:`vitlab.profile` runs: :meth:`forward` on one image and a 32-token caption (the image encoder
+        and the decoder; a retrieval model's encoder with cross-attention)."""
         ids = torch.zeros(image.shape[0], 32, dtype=torch.long, device=image.device)
         return (image, ids)
 

@@ -6,12 +6,18 @@ lookup, so ``vitlab.create_model("blip_base")`` works after a bare ``import vitl
   captioning), task ``blip``; ``blip_base_caption`` (the captioner alone, task ``caption``) and
   ``blip_base_retrieval`` (ITC / ITM alone, task ``blip``) hold the parts of transformers'
   ``BlipForConditionalGeneration`` / ``BlipForImageTextRetrieval``; ``blip_tiny*`` for tests.
+- LLaVA (Liu et al., 2023, "Visual Instruction Tuning"; LLaVA-1.5: "Improved Baselines with Visual Instruction
+  Tuning", Table 1 / Sec. 3.1), task ``caption`` (text from an image and a prompt: captions and answers):
+  ``llava15_7b`` (CLIP ViT-L/14 at 336 px, features of the penultimate block without [CLS], a two-layer GELU
+  projector, Llama-2-7B with LLaVA-1.5's 32,064-token vocabulary and ``<image>`` = 32000; built without weights),
+  ``llava_tiny`` (tests) and ``llava_scenes`` (the offline scenes demo, trained from scratch).
 """
 
 from __future__ import annotations
 
 from vitlab.registry import ModelConfig, register_model
 from vitlab.vlm.blip import BLIP, build_blip
+from vitlab.vlm.llava import LLaVA, build_llava
 
 _BLIP_PAPER = "Li et al., BLIP: Bootstrapping Language-Image Pre-training for Unified Vision-Language Understanding " \
               "and Generation, ICML 2022"
@@ -74,3 +80,56 @@ def blip_tiny_caption(**kwargs) -> BLIP:
 def blip_tiny_retrieval(**kwargs) -> BLIP:
     """The tiny BLIP's ITC and ITM heads alone."""
     return build_blip("vit_base_patch16_224", _TINY_VISION, _TINY_TEXT, heads=("itc", "itm"), embed_dim=16, **kwargs)
+
+
+_LLAVA_PAPER = "Liu et al., Improved Baselines with Visual Instruction Tuning (LLaVA-1.5), CVPR 2024; Liu et al., " \
+               "Visual Instruction Tuning, NeurIPS 2023"
+
+
+def _llava_cfg(**kw) -> ModelConfig:
+    base = dict(family="llava", task="caption", paper=_LLAVA_PAPER, input_size=(3, 336, 336), mean=_OPENAI_MEAN,
+                std=_OPENAI_STD, crop_pct=1.0, num_classes=0)
+    return ModelConfig(**{**base, **kw})
+
+
+# CLIP ViT-L/14-336 (openai/clip-vit-large-patch14-336), as a transformers CLIPVisionConfig
+_CLIP_L14_336 = dict(image_size=336, patch_size=14, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                     num_attention_heads=16, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+
+
+@register_model(config=_llava_cfg(published_params_m=7063.43,
+                                  smoke_kwargs={"vision_depth": 2, "img_size": 28, "text_n_layers": 1,
+                                                "text_dim": 64, "text_n_heads": 4, "text_hidden_dim": 128}))
+def llava15_7b(**kwargs) -> LLaVA:
+    """LLaVA-1.5-7B: CLIP ViT-L/14-336 (block -2, no [CLS]: 576 image tokens) -> MLP 1024 -> 4096 -> 4096 ->
+    Llama-2-7B (vocabulary 32064: Llama's 32000, ``<image>`` 32000 and padding 32001, as llava-hf's release)."""
+    return build_llava(_CLIP_L14_336, "llama2_7b", language_kwargs={"vocab_size": 32064, "pad_token_id": 32001},
+                       image_token_id=32000, **kwargs)
+
+
+# the tiny LLaVA of the tests: a 3-block CLIP ViT of width 48 (32 x 32, 8 x 8 patches: 16 image tokens) and a
+# 2-layer Llama of width 64 (4 heads, 2 key/value heads) over 120 tokens, <image> = 110
+_TINY_CLIP = dict(image_size=32, patch_size=8, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+_TINY_LLAMA = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=120, max_seq_len=128)
+
+
+@register_model(config=_llava_cfg(input_size=(3, 32, 32)))
+def llava_tiny(**kwargs) -> LLaVA:
+    """A tiny LLaVA for tests."""
+    return build_llava(_TINY_CLIP, "llama_tiny", language_kwargs=_TINY_LLAMA, image_token_id=110, **kwargs)
+
+
+# the scenes demo, trained from scratch on 64 x 64 images: a 4-block CLIP-style ViT of width 128 (8 x 8 patches: 64
+# image tokens, the last block's: a tower trained with the task has no better layer), a 4-layer Llama of width 128;
+# the caption / vqa tasks set the vocabulary, the placeholder and the context
+_SCENES_CLIP = dict(image_size=64, patch_size=8, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                    num_attention_heads=4, hidden_act="gelu", layer_norm_eps=1e-5)
+_SCENES_LLAMA = dict(dim=128, n_layers=4, n_heads=4, hidden_dim=384, vocab_size=512, max_seq_len=256)
+
+
+@register_model(config=_llava_cfg(input_size=(3, 64, 64), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)))
+def llava_scenes(**kwargs) -> LLaVA:
+    """A small LLaVA for the offline scenes: captions and visual questions learned from scratch on a CPU."""
+    kw = {"image_token_id": 3, "vision_feature_layer": -1, **kwargs}
+    return build_llava(_SCENES_CLIP, "llama_tiny", language_kwargs=_SCENES_LLAMA, **kw)

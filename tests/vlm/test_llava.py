@@ -1,0 +1,138 @@
+"""LLaVA (Liu et al., 2023) against transformers' ``LlavaForConditionalGeneration`` (a dev-only oracle) with random
+weights saved by ``save_pretrained``: the same logits, loss and greedy tokens (within 1e-4), the placeholder given
+once (LLaVA's splice) or expanded (transformers' processor); the parts, the feature layer and strategy, and the
+refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vitlab
+from vitlab.vlm.llava import LLaVA, convert_hf_llava_state_dict, llava_from_pretrained
+
+transformers = pytest.importorskip("transformers")
+
+IMAGE, EOS, PAD = 110, 2, 0
+T = 16  # image tokens of llava_tiny: 4 x 4 patches, [CLS] dropped
+# transformers' config of the registered llava_tiny (vitlab.vlm.model_configs)
+VISION = dict(image_size=32, patch_size=8, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4)
+TEXT = dict(vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, eos_token_id=EOS, pad_token_id=PAD)
+
+
+def _hf(tmp_path, **kw):
+    cfg = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**VISION),
+                                   text_config=transformers.LlamaConfig(**TEXT), image_token_index=IMAGE, **kw)
+    ref = transformers.LlavaForConditionalGeneration(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():  # every parameter off its init (norms, biases), so no term of the key map hides
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ref.eval().save_pretrained(tmp_path)
+    return ref
+
+
+def _prompt(b=2, n=7, expanded=False):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, 100, (b, n), generator=g)
+    ids[:, 0] = 1
+    ids[:, 1] = IMAGE
+    if expanded:
+        ids = torch.cat([ids[:, :1], torch.full((b, T), IMAGE), ids[:, 2:]], 1)
+    return ids
+
+
+def test_logits_loss_and_greedy_tokens_equal_transformers(tmp_path):
+    ref = _hf(tmp_path)
+    ours = vitlab.create_model("llava_tiny", checkpoint_path=str(tmp_path)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    expanded, single = _prompt(expanded=True), _prompt()
+    labels = expanded.masked_fill(expanded == IMAGE, -100)
+    with torch.no_grad():
+        out = ref(input_ids=expanded, pixel_values=x, labels=labels)
+        for ids, lab in ((expanded, labels), (single, single.masked_fill(single == IMAGE, -100))):
+            logits, loss = ours(ids, x, labels=lab)  # one placeholder is widened to the same sequence
+            torch.testing.assert_close(logits, out.logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(loss, out.loss, rtol=1e-4, atol=1e-4)
+        want = ref.generate(input_ids=expanded, pixel_values=x, max_new_tokens=10, do_sample=False,
+                            eos_token_id=EOS, pad_token_id=PAD)[:, expanded.shape[1]:]
+        got = ours.generate(single, x, max_new_tokens=10, pad_token_id=PAD)
+        assert got.tolist() == want.tolist()
+    assert {n for n, _ in ours.named_children()} == {"vision_tower", "projector", "language_model"}
+
+
+def test_feature_layers_strategy_and_pretrained_config(tmp_path):
+    """Two feature layers concatenated and [CLS] kept ('full'), read from config.json by llava_from_pretrained."""
+    ref = _hf(tmp_path, vision_feature_layer=[-3, -1], vision_feature_select_strategy="full")
+    ours = llava_from_pretrained(tmp_path).eval()
+    assert ours.num_image_tokens == T + 1
+    x = torch.randn(1, 3, 32, 32)
+    ids = torch.cat([torch.tensor([[1]]), torch.full((1, T + 1), IMAGE), torch.tensor([[7, 8, 9]])], 1)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, x).logits, ref(input_ids=ids, pixel_values=x).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_splice_widens_mask_and_labels():
+    model = vitlab.create_model("llava_tiny").eval()
+    ids = _prompt(2, 6)
+    mask = torch.ones_like(ids)
+    mask[1, :1] = 0  # left padding
+    embeds, m, lab = model.merge(ids, torch.randn(2, 3, 32, 32), mask, ids.clone())
+    assert embeds.shape == (2, 6 - 1 + T, 64) and m.shape == lab.shape == (2, 6 - 1 + T)
+    assert m[1, 0] == 0 and bool(m[:, 1:1 + T].all()) and bool((lab[:, 1:1 + T] == -100).all())
+    assert lab[:, 1 + T:].tolist() == ids[:, 2:].tolist()
+    # the language model alone: a prompt without placeholder and no image
+    assert model(ids[:, 2:]).logits.shape == (2, 4, 120)
+
+
+@pytest.mark.parametrize("ids,images,match", [
+    (torch.tensor([[1, 5, 6]]), 1, "no image placeholder"),
+    (torch.tensor([[1, IMAGE, IMAGE, 6]]), 1, "2 image placeholders for its one image"),
+    (torch.tensor([[1, IMAGE, 6]]), 0, "no image is given"),
+    (torch.tensor([[1, IMAGE, 6]]), 2, "2 images for 1 prompts"),
+])
+def test_bad_prompts_are_one_line(ids, images, match):
+    model = vitlab.create_model("llava_tiny")
+    with pytest.raises(ValueError, match=match) as e:
+        model(ids, torch.randn(images, 3, 32, 32) if images else None)
+    assert "\n" not in str(e.value)
+
+
+def test_any_image_tower_and_freezing_by_part():
+    model = vitlab.create_model("llava_tiny", vision_feature_layer=-1)
+    vit = LLaVA(vitlab.create_model("vit_pico_patch8_32", num_classes=0), vitlab.create_model("llama_tiny"),
+                image_token_id=7, vision_feature_layer=-1)
+    x = torch.randn(2, 1, 32, 32)
+    ids = torch.tensor([[1, 7, 9, 10], [1, 7, 11, 12]])
+    for p in vit.vision_tower.parameters():
+        p.requires_grad_(False)
+    logits, loss = vit(ids, x, labels=ids)
+    loss.backward()
+    assert logits.shape[1] == 4 - 1 + vit.num_image_tokens and vit.vision_tower.patch_embed.proj.weight.grad is None
+    assert vit.projector.linear_1.weight.grad is not None
+    assert model._take == [2]
+    with pytest.raises(ValueError, match="vision_feature_layer 0"):
+        vitlab.create_model("llava_tiny", vision_feature_layer=0)
+
+
+def test_registered_configs_build_without_weights():
+    """llava15_7b has LLaVA-1.5-7B's 7,063,427,072 parameters (llava-hf's release) and 576 image tokens."""
+    with torch.device("meta"):
+        model = vitlab.create_model("llava15_7b")
+    assert sum(p.numel() for p in model.parameters()) == 7_063_427_072 and model.num_image_tokens == 576
+    scenes = vitlab.create_model("llava_scenes", vocab_size=50, image_token_id=4, max_seq_len=30)
+    assert scenes.language_model.config.max_seq_len == 30 + 64 - 1  # the text context plus the image's tokens
+
+
+def test_key_map_of_the_in_memory_layout():
+    """transformers 5 names its modules model.vision_tower., model.language_model., lm_head in memory and saves
+    the older layout (vision_tower., language_model.model., language_model.lm_head: the tests above); both map."""
+    ref = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**VISION), text_config=transformers.LlamaConfig(**TEXT),
+        image_token_index=IMAGE))
+    model = vitlab.create_model("llava_tiny")
+    assert any(k.startswith("model.language_model.") for k in ref.state_dict())
+    assert convert_hf_llava_state_dict(ref.state_dict(), model).keys() == model.state_dict().keys()
