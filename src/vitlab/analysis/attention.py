@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from vitlab.analysis._common import eval_forward, pick
-from vitlab.attention import OffsetBiasAttentionBase, accepts_keywords
+from vitlab.attention import OffsetBiasAttentionBase, has_attention_weights
 
 KINDS = ("global", "window", "offset_bias", "spatial_reduction", "class_attention", "talking_heads")
 SUPPORTED_FAMILIES = ("vit*, deit*, halvit*, vit_pico*, swin*, levit*, efficientformer*, pvt*, mobilevit*, "
@@ -80,9 +80,7 @@ def layer_kind(m: nn.Module) -> str | None:
     kind = getattr(m, "attention_kind", None)
     if kind is None and isinstance(m, OffsetBiasAttentionBase):
         kind = "offset_bias"
-    if kind not in KINDS or not accepts_keywords(m, "return_attn"):
-        return None
-    return kind if getattr(m, "has_attention_weights", kind == "offset_bias") else None
+    return kind if kind in KINDS and has_attention_weights(m) else None
 
 
 def find_attention_layers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:

@@ -17,6 +17,7 @@ from vitlab.attention._registry import (
     attention_weights_error,
     create_attention,
     get_attention,
+    has_attention_weights,
     layout_kwargs,
     list_attention,
     register_attention,
@@ -37,6 +38,7 @@ for _mod in pkgutil.iter_modules(__path__):
 __all__ = [
     "Block", "LocalWindowAttention", "MultiHeadSelfAttention", "OffsetBiasAttentionBase", "QKVAttention",
     "ShiftedWindowAttention", "SpatialReductionAttention", "accepts_keywords", "accepts_prefix_tokens",
-    "attention_weights_error", "create", "create_attention", "fold_offset_biases", "get_attention", "layout_kwargs",
-    "list_attention", "register_attention", "softmax_with_policy", "stitch_windows", "window_positions",
+    "attention_weights_error", "create", "create_attention", "fold_offset_biases", "get_attention",
+    "has_attention_weights", "layout_kwargs", "list_attention", "register_attention", "softmax_with_policy",
+    "stitch_windows", "window_positions",
 ]

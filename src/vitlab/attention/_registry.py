@@ -68,6 +68,13 @@ def accepts_keywords(layer: nn.Module | Callable[..., nn.Module], *names: str) -
     return all(n in params for n in names)
 
 
+def has_attention_weights(layer: nn.Module | Callable[..., nn.Module]) -> bool:
+    """Whether attention ``layer`` (a module or its class) returns weights with ``return_attn=True``: its
+    ``has_attention_weights`` attribute, else whether its ``forward`` takes ``return_attn``."""
+    declared = getattr(layer, "has_attention_weights", None)
+    return accepts_keywords(layer, "return_attn") if declared is None else bool(declared)
+
+
 def attention_weights_error(layer: nn.Module) -> ValueError:
     """The error a mechanism without explicit attention weights raises when asked for them (``return_attn``)."""
     return ValueError(f"{type(layer).__name__} forms no attention weights (has_attention_weights = False): it "

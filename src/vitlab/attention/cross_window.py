@@ -27,7 +27,14 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from vitlab.attention._registry import register_attention
-from vitlab.attention._window import expand_heads, grid_size, valid_keys
+from vitlab.attention._window import (
+    expand_heads,
+    explicit_attention,
+    grid_size,
+    stitch_windows,
+    valid_keys,
+    window_positions,
+)
 from vitlab.layers.helpers import check_heads
 
 
@@ -42,6 +49,8 @@ class _LePE(nn.Module):
 @register_attention("cross_window")
 class CrossWindowAttention(nn.Module):
     prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+    has_attention_weights = True  # return_attn=True: dense (B, heads, N, N), 0 outside each query's stripe
+    attention_kind = "window"
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, split_size: int = 7):
@@ -57,8 +66,9 @@ class CrossWindowAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def _branch(self, qkv: torch.Tensor, lepe: nn.Conv2d, wh: int, ww: int, H: int, W: int) -> torch.Tensor:
-        """qkv (B, H, W, 3, C/2) -> (B, H, W, C/2): attention inside wh x ww stripes plus LePE."""
+    def _branch(self, qkv: torch.Tensor, lepe: nn.Conv2d, wh: int, ww: int, H: int, W: int, return_attn: bool):
+        """qkv (B, H, W, 3, C/2) -> (B, H, W, C/2): attention inside wh x ww stripes plus LePE; with
+        ``return_attn`` also the branch's weights stitched to (B, heads / 2, H*W, H*W)."""
         heads = self.num_heads // 2
         pb, pr = (-H) % wh, (-W) % ww
         if pb or pr:
@@ -70,20 +80,27 @@ class CrossWindowAttention(nn.Module):
         if mask is not None:
             mask = expand_heads(mask, heads)  # (1, nS * heads, 1, L)
         drop = self.attn_drop if self.training else 0.0
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nS * heads, L, d)
+        attn = None
+        if return_attn:
+            o, attn = explicit_attention(q, k, v, mask, drop)
+            attn = stitch_windows(attn, window_positions(H, W, (wh, ww), device=qkv.device), heads, H * W)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nS * heads, L, d)
         nS = Hp // wh * (Wp // ww)
         v_img = rearrange(v, "b (n h) (wh ww) d -> (b n) (h d) wh ww", n=nS, wh=wh)  # per stripe, as official
         pe = rearrange(lepe(v_img), "(b n) (h d) wh ww -> b (n h) (wh ww) d", n=nS, h=heads)
         o = rearrange(o + pe, "b (nh nw h) (wh ww) d -> b (nh wh) (nw ww) (h d)", nh=Hp // wh, h=heads, wh=wh)
-        return o[:, :H, :W] if (pb or pr) else o
+        return (o[:, :H, :W] if (pb or pr) else o), attn
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False):
+        """``return_attn``: also the weights, the vertical-stripe heads then the horizontal ones, each stripe's
+        softmax stitched into a dense (B, heads, N, N) map (0 outside the query's stripe)."""
         H, W = grid_size(x, hw, "cross_window")
         B, N, C = x.shape
         sp = self.split_size
         qkv = self.qkv(x).reshape(B, H, W, 3, C)
         half = C // 2
-        x1 = self._branch(qkv[..., :half], self.attns[0].get_v, H, sp, H, W)  # vertical stripes (H x sp)
-        x2 = self._branch(qkv[..., half:], self.attns[1].get_v, sp, W, H, W)  # horizontal stripes (sp x W)
-        out = torch.cat((x1, x2), dim=-1).reshape(B, N, C)
-        return self.proj_drop(self.proj(out))
+        x1, a1 = self._branch(qkv[..., :half], self.attns[0].get_v, H, sp, H, W, return_attn)  # vertical (H x sp)
+        x2, a2 = self._branch(qkv[..., half:], self.attns[1].get_v, sp, W, H, W, return_attn)  # horizontal (sp x W)
+        out = self.proj_drop(self.proj(torch.cat((x1, x2), dim=-1).reshape(B, N, C)))
+        return (out, torch.cat((a1, a2), dim=1)) if return_attn else out

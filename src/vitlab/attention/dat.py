@@ -37,7 +37,7 @@ from einops import rearrange
 from torch.nn.init import trunc_normal_
 
 from vitlab.attention._registry import register_attention
-from vitlab.attention._window import grid_size
+from vitlab.attention._window import explicit_attention, grid_size
 from vitlab.layers.helpers import check_heads, to_2tuple
 
 
@@ -60,6 +60,8 @@ def _norm_coords(n: int, step: float, offset: float, size: int, dtype, device) -
 @register_attention("dat")
 class DeformableAttention(nn.Module):
     prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+    has_attention_weights = True  # return_attn=True: (B, heads, N, Hk * Wk) over the sampled points
+    attention_kind = "deformable"
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, n_groups: int | None = None, ksize: int = 5, stride: int = 1,
@@ -98,7 +100,8 @@ class DeformableAttention(nn.Module):
         else:
             self.rpe_table = None
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False):
+        """``return_attn``: also the weights (B, heads, N, Hk * Wk) over the sampled key points, bias included."""
         H, W = grid_size(x, hw, "dat")
         B, N, C = x.shape
         G, dt, dev = self.n_groups, x.dtype, x.device
@@ -131,5 +134,9 @@ class DeformableAttention(nn.Module):
             bias = F.grid_sample(table, disp.flip(-1), mode="bilinear", align_corners=True)  # (BG, hg, N, Ns)
             bias = bias.reshape(B, self.num_heads, N, Ns)
         drop = self.attn_drop if self.training else 0.0
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)  # (B, heads, N, d)
-        return self.proj_drop(self.proj_out(o.transpose(1, 2).reshape(B, N, C)))
+        if return_attn:
+            o, attn = explicit_attention(q, k, v, bias, drop)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)  # (B, heads, N, d)
+        out = self.proj_drop(self.proj_out(o.transpose(1, 2).reshape(B, N, C)))
+        return (out, attn) if return_attn else out

@@ -42,6 +42,7 @@ from torch.nn.init import trunc_normal_
 
 from vitlab.attention._registry import register_attention
 from vitlab.attention._window import (
+    explicit_attention,
     grid_size,
     pad_to_multiple,
     partition,
@@ -80,6 +81,8 @@ def _window_to_pooled_index(ws: int, fw: int) -> torch.Tensor:
 @register_attention("focal")
 class FocalAttention(nn.Module):
     prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
+    has_attention_weights = True  # return_attn=True: (B, heads, N, S), each query over its window's S keys
+    attention_kind = "focal"
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, window_size: int = 7, expand_size: int = 3, focal_level: int = 2,
@@ -160,7 +163,9 @@ class FocalAttention(nn.Module):
         mask = bias[None] + neg[:, None, None, :]  # (nW, h, L, S)
         return mask.reshape(1, -1, L, mask.shape[-1])
 
-    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False):
+        """``return_attn``: also the weights (B, heads, N, S) of each query (raster order) over the S keys of its
+        window: the window's own L tokens, its surroundings, then the pooled windows around (masked keys 0)."""
         H, W = grid_size(x, hw, "focal")
         B, N, C = x.shape
         ws, h = self.window_size, self.num_heads
@@ -184,8 +189,14 @@ class FocalAttention(nn.Module):
         k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)  # (B, nW * h, S, d)
         mask = self._mask(H, W, Hp, Wp, q.dtype, x.device)  # (1, nW * h, L, S)
         drop = self.attn_drop if self.training else 0.0
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nW * h, L, d)
+        if return_attn:
+            o, attn = explicit_attention(q, k, v, mask, drop)
+            attn = rearrange(attn, "b (nh nw h) (wh ww) s -> b h (nh wh) (nw ww) s", nh=Hp // ws, h=h, wh=ws)
+            attn = attn[:, :, :H, :W].reshape(B, h, N, -1)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nW * h, L, d)
         o = reverse(o, ws, ws, Hp, Wp, h)  # (B, Hp, Wp, C)
         if Hp != H or Wp != W:
             o = o[:, :H, :W]
-        return self.proj_drop(self.proj(o.reshape(B, N, C)))
+        out = self.proj_drop(self.proj(o.reshape(B, N, C)))
+        return (out, attn) if return_attn else out
