@@ -68,7 +68,7 @@ def main() -> int:
         diff = (ours.encode_image(x) - ref.encode_image(x)).abs().max().item()
     fns = {"vitlab": lambda: ours.encode_image(x), "open_clip": lambda: ref.encode_image(x)}
     if dev.type == "cpu" and args.amp == "none" and not args.no_optimize:
-        fast = vitlab.optimize(ours.visual, x, tune=True)
+        fast = vitlab.optimize.optimize(ours.visual, x, tune=True)
         with torch.no_grad():
             diff_opt = (fast(x) - ours.encode_image(x)).abs().max().item()
         fns["vitlab.optimize"] = lambda: fast(x)

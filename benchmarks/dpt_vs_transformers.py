@@ -78,7 +78,7 @@ def main() -> None:
     if dev.type == "cpu" and not args.no_optimize:
         import vitlab
 
-        fast = vitlab.optimize(ours, x, tune=True)
+        fast = vitlab.optimize.optimize(ours, x, tune=True)
 
         def run_opt():
             with torch.inference_mode():

@@ -57,7 +57,7 @@ def bench_model(name: str, batch_size: int, warmup: int, runs: int, repeat: int,
     dev = torch.device("cpu")
 
     t0 = time.perf_counter()
-    fast = vitlab.optimize(ours, x, cache=cache, tune=True)
+    fast = vitlab.optimize.optimize(ours, x, cache=cache, tune=True)
     t_opt = time.perf_counter() - t0
     t0 = time.perf_counter()
     timm_c = torch.compile(copy.deepcopy(twin), options=inductor_options())  # freezing, as vitlab.optimize
