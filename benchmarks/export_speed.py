@@ -1,5 +1,5 @@
 """CPU fp32 inference at batch 32: ONNX Runtime (the file ``vitlab export`` writes) against vitlab eager PyTorch and
-``vitlab.optimize(model)`` (``backend="auto"``: the fastest path measured on this machine), paired in one process.
+``optimize(model)`` (``backend="auto"``: the fastest path measured on this machine), paired in one process.
 
     python benchmarks/export_speed.py                                  # deit_tiny, vit_base, swin_tiny, levit_256
     python benchmarks/export_speed.py --models deit_tiny_patch16_224 --runs 5 --threads 2

@@ -1,8 +1,8 @@
-"""CPU fp32 inference: ``vitlab.optimize(model)`` against timm + ``torch.compile`` (Inductor, freezing), and our
-plain eager model against timm eager; same weights, paired timing in one process.
+"""CPU fp32 inference: ``vitlab.optimize.optimize(model)`` against timm + ``torch.compile`` (Inductor, freezing),
+and our plain eager model against timm eager; same weights, paired timing in one process.
 
 For each model: our model and timm's twin carry the same weights (checked by a state-dict round trip);
-``vitlab.optimize(model, x)`` measures its candidates on this batch (``--cache`` to reuse a cached choice) and
+``vitlab.optimize.optimize(model, x)`` measures its candidates on this batch (``--cache`` to reuse a cached choice) and
 timm's twin is compiled with ``torch.compile(twin, options={"freezing": True, "cpp.simdlen": ...})``
 (``vitlab.optimize.cpu.inductor_options``: the SIMD width Inductor picks anyway, stated so it keys the cache).
 Four implementations are then timed in round robin (``--runs`` runs after ``--warmup``, the order reversed every
