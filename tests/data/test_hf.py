@@ -137,8 +137,8 @@ def test_bad_input_one_line(saved, tmp_path, capsys, monkeypatch):
     error(["data", "info", f"hf:{tmp_path}/missing"], "no dataset folder or file")
     (tmp_path / "x.txt").write_text("hello")
     error(["data", "info", f"hf:{tmp_path / 'x.txt'}"], "a file source is .parquet")
-    error(["train", "--data", f"hf:{saved}", "--data.options.labels_column", "label", "--epochs", "1", "--quiet"],
-          "labels_column")
+    error(["train", "--data", f"hf:{saved}", "--data.options", "{labels_column: label}", "--epochs", "1", "--quiet"],
+          "unexpected keyword argument 'labels_column'")
     d = hfd.Dataset.from_dict({"image": [png(i) for i in range(4)], "label": [0, 1, 2, 3]},
                               features=hfd.Features({"image": hfd.Image(), "label": hfd.Value("int64")}))
     d.save_to_disk(str(tmp_path / "plainlabels"))
@@ -182,3 +182,17 @@ def test_train_on_hf_through_the_cli(saved, tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     record = json.loads((run / "last" / "meta.json").read_text())
     assert summary["epochs"] == 1 and record["data"]["dataset"] == f"hf:{saved}"
+
+
+def test_clip_trains_on_a_caption_column_and_scores_retrieval(saved, tmp_path):
+    from vitlab.clip.data import training_texts
+
+    run = tmp_path / "clip"
+    assert main(["train", "--task", "clip", "--data", f"hf:{saved}", "--task_args.tokenizer", "clip",
+                 "--data.options", "{test_split: validation}", "--model", "clip_vit_pico_patch8",
+                 "--model_kwargs.image_depth", "1", "--model_kwargs.text_depth", "1", "--model_kwargs.in_chans", "3",
+                 "--data.img_size", "16", "--epochs", "1", "--batch_size", "8", "--threads", "1",
+                 "--output_dir", str(run), "--quiet"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert {"test_i2t_r1", "test_t2i_r10"} <= set(summary) and summary["test_t2i_r10"] == 100.0  # 6 images
+    assert training_texts(DataConfig(f"hf:{saved}"))[:2] == ["picture 0", "picture 1"]

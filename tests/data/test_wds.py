@@ -14,7 +14,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from vitlab.cli import main
-from vitlab.data import DataError, streaming
+from vitlab.data import DataConfig, DataError, streaming
 from vitlab.data.wds import pack, read_index, read_split
 
 wds = pytest.importorskip("webdataset")
@@ -221,3 +221,20 @@ def test_missing_package_names_the_extra(monkeypatch, tmp_path):
     with pytest.raises(DataError, match="webdataset"):
         pack("digits", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_clip_trains_on_caption_shards(tmp_path):
+    from vitlab.clip.data import training_texts
+
+    for split, n in (("train", 24), ("val", 8)):
+        write_shards(tmp_path / "d", n=n, per_shard=8, prefix=split, label=lambda i: {},
+                     extra=lambda i: {"txt": f"a grey square of shade {i % 4}"})
+    run = tmp_path / "clip"
+    assert main(["train", "--task", "clip", "--data", f"wds:{tmp_path / 'd'}", "--task_args.tokenizer", "clip",
+                 "--model", "clip_vit_pico_patch8", "--model_kwargs.image_depth", "1", "--model_kwargs.text_depth",
+                 "1", "--model_kwargs.in_chans", "3", "--data.img_size", "16", "--epochs", "1", "--batch_size", "8",
+                 "--threads", "1", "--output_dir", str(run), "--quiet"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["finished"] and summary["best_val_loss"] > 0
+    assert sorted(training_texts(DataConfig(f"wds:{tmp_path / 'd'}"))) == sorted(
+        f"a grey square of shade {i % 4}" for i in range(24))

@@ -12,7 +12,13 @@
   share no template with training. For retrieval a split's images face the 100 distinct training captions (10
   digits x 10 templates); a caption matches every image of its digit.
 
-Both kinds of split give retrieval the same view: ``tokens`` and ``groups`` (each distinct caption's token ids
+- ``wds:SOURCE`` / ``hf:SOURCE[:SPLIT]`` (:mod:`vitlab.data.wds`, :mod:`vitlab.data.hf`): image-text shards (the
+  ``txt`` member is the caption) or a Hugging Face dataset with a caption column (``caption_column``, else
+  ``caption`` / ``text`` / ``txt``); the dataset's own options (``--data.options.NAME``) apply. A Hugging Face
+  split is one caption per row (``group`` is the row), with retrieval's view below; shards are a stream, split by
+  rank and worker (``group`` counts the stream's samples).
+
+Captions and image files give retrieval the same view: ``tokens`` and ``groups`` (each distinct caption's token ids
 and group) and :meth:`distinct_images` (each image once, as (image, group)); a caption matches the images of its
 group.
 
@@ -30,9 +36,11 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from vitlab.data import DataBundle, DataConfig, DataError, build, declare_dataset, load_image
+from vitlab.data.datasets import as_uint8
+from vitlab.data.streaming import StreamImages
 from vitlab.data.transforms import channel_stats, eval_transform, train_transform
 
 # read by build_clip_data, not vitlab.data.build: a classifier given this name is sent to the clip task
@@ -189,6 +197,65 @@ class DigitCaptions(Dataset):
         return self.images
 
 
+class CaptionRows(Dataset):
+    """A Hugging Face split of (image, caption) rows as (image, tokens, row); each row is its own group."""
+
+    def __init__(self, rows, tokenizer, in_chans: int, transform):
+        self.rows, self.in_chans, self.transform = rows, in_chans, transform
+        self.tokens = tokenizer(rows.captions())
+        self.groups = torch.arange(len(rows))
+        self.images = range(len(rows))  # retrieval's distinct images: every row
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def load(self, i: int) -> Tensor:
+        return self.transform(as_uint8(self.rows[i][0], self.in_chans))
+
+    def __getitem__(self, i: int):
+        return self.load(i), self.tokens[i], i
+
+    def distinct_images(self) -> Dataset:
+        """Each row's image once, as (image, row)."""
+        return ImagesOf(self)
+
+
+class CaptionStream(StreamImages):
+    """An image-text stream as (image, tokens, index in this worker's stream); tokenized as it is read."""
+
+    def __init__(self, stream, tokenizer, in_chans: int, transform):
+        super().__init__(stream, in_chans, transform)
+        self.tokenizer = tokenizer
+
+    def __iter__(self):
+        for k, (x, caption) in enumerate(super().__iter__()):
+            yield x, self.tokenizer([caption])[0], k
+
+
+def read_pairs(data_cfg: DataConfig, split: str):
+    """One split of ``wds:`` / ``hf:`` image-text data: (PIL image, caption) items, or None (no test split)."""
+    from vitlab.data import hf, wds
+
+    reader = wds.read_split if data_cfg.name == "wds" else hf.read_split
+    return reader(split, data_cfg.root, seed=data_cfg.seed, skip_bad_images=data_cfg.skip_bad_images,
+                  captions=True, **data_cfg.options)
+
+
+def training_texts(data_cfg: DataConfig) -> list[str]:
+    """The training captions of ``wds:`` / ``hf:`` data (for a word tokenizer), read without decoding images."""
+    from vitlab.data.hf import HFImages
+    from vitlab.data.wds import ShardStream, shard_samples
+
+    pairs = read_pairs(data_cfg, "train")
+    if isinstance(pairs, HFImages):  # a Hugging Face split: the caption column alone
+        return pairs.captions()
+    if isinstance(pairs, ShardStream):  # shards: their txt members
+        return [s["txt"].decode("utf-8", "replace").strip() for shard in pairs.shards
+                for s in shard_samples(shard.url) if "txt" in s]
+    column = pairs.cols.target  # a Hugging Face stream: one pass over its caption column
+    return [str(row[column]).strip() for row in pairs.data.select_columns([column])]
+
+
 def build_clip_data(data_cfg: DataConfig, tokenizer, mean, std, in_chans: int, img_size: int) -> DataBundle:
     """The CLIP data bundle of ``data_cfg`` (``digits`` or ``captions:PATH``): train / val / test datasets of
     (image, tokens, group), the loaders of :class:`vitlab.data.DataBundle`."""
@@ -201,8 +268,9 @@ def build_clip_data(data_cfg: DataConfig, tokenizer, mean, std, in_chans: int, i
                        val=DigitCaptions(base.val, tokenizer, random=False),
                        test=DigitCaptions(base.test, tokenizer, random=False),
                        class_names=list(DIGIT_WORDS), mixup=None)
-    if data_cfg.name != "captions":
-        raise DataError(f"the clip task reads digits or captions:PATH, not {data_cfg.dataset!r}")
+    if data_cfg.name not in ("captions", "wds", "hf"):
+        raise DataError(f"the clip task reads digits, captions:PATH, wds:SOURCE or hf:SOURCE, not "
+                        f"{data_cfg.dataset!r}")
     try:
         mean, std = channel_stats(mean, in_chans), channel_stats(std, in_chans)
     except ValueError as e:
@@ -210,10 +278,21 @@ def build_clip_data(data_cfg: DataConfig, tokenizer, mean, std, in_chans: int, i
     t_train = train_transform(img_size, scale=scale, hflip=0.0, randaugment=False, rand_num_ops=0,
                               rand_magnitude=0, color_jitter=0.0, reprob=0.0, mean=mean, std=std)
     t_eval = eval_transform(img_size, crop_pct=data_cfg.crop_pct or 1.0, mean=mean, std=std)
-    splits = read_captions(data_cfg.path)
-    train = CaptionPairs(splits["train"], tokenizer, in_chans, t_train)
-    val = CaptionPairs(splits["val"], tokenizer, in_chans, t_eval)
-    test = CaptionPairs(splits["test"], tokenizer, in_chans, t_eval) if splits.get("test") else None
+    if data_cfg.name == "captions":
+        splits = read_captions(data_cfg.path)
+        train = CaptionPairs(splits["train"], tokenizer, in_chans, t_train)
+        val = CaptionPairs(splits["val"], tokenizer, in_chans, t_eval)
+        test = CaptionPairs(splits["test"], tokenizer, in_chans, t_eval) if splits.get("test") else None
+    else:
+        def pairs(split, transform):
+            d = read_pairs(data_cfg, split)
+            if d is None:
+                return None
+            if isinstance(d, IterableDataset):
+                return CaptionStream(d, tokenizer, in_chans, transform)
+            return CaptionRows(d, tokenizer, in_chans, transform)
+
+        train, val, test = pairs("train", t_train), pairs("val", t_eval), pairs("test", t_eval)
     resolved = replace(data_cfg, img_size=img_size, scale=scale, hflip=0.0, randaugment=False, reprob=0.0,
                        mixup=0.0, cutmix=0.0, color_jitter=0.0, crop_pct=data_cfg.crop_pct or 1.0,
                        preset=data_cfg.preset or "tiny")
