@@ -21,12 +21,13 @@
   reference goes; ``nn.Module.__call__`` keeps its arguments until ``forward`` returns):
 
   - **inference** (no autograd): ``U`` (the blocks' input, kept by ``forward_features`` for the whole loop)
-    plus the largest set alive inside one block, the larger of its MLP phase ``4 U + 2 Hf`` (block input,
-    attention output ``y``, ``x1 = x + y``, ``norm2(x1)``, then ``fc1``'s output and GELU's output together)
-    and its attention phase: ``7 U`` + the log-sum-exp (``B h N`` fp32) when SDPA's chosen kernel is flash
-    (the map is never materialised: block input, ``norm1``, ``qkv`` 3 U, the heads' output, the projection),
+    plus the largest set alive inside one block, the larger of its MLP phase ``3 U + 2 Hf`` (block input,
+    ``x1 = x + y``, ``norm2(x1)``, then ``fc1``'s output and GELU's output together; the attention output
+    ``y`` is gone with the attention step that made ``x1``) and its attention phase: ``7 U`` when SDPA's chosen
+    kernel is flash (the map is never materialised: block input, ``norm1``, ``qkv`` 3 U, the heads' output,
+    the projection; the log-sum-exp, ``B h N`` fp32, lives only inside the SDPA op, when less is alive),
     ``6 U + S + max(U, S)`` when it is the math kernel (scaled queries and keys, then the scores and their
-    softmax alive together). ViT-B, B = 64, fp32, flash: ``13 U`` = 0.50 GB. The patch embedding (at most
+    softmax alive together). ViT-B, B = 64, fp32, flash: ``12 U`` = 0.47 GB. The patch embedding (at most
     3 U) and the head (B x classes) are smaller and do not set the peak.
   - **training step** (forward, cross-entropy, backward, AdamW; the first step, so AdamW's two moments are
     created in it): the larger of (a) the start of the backward pass, weights + input + every saved
@@ -40,8 +41,9 @@
     on CUDA its multi-tensor path: one weight-sized ``sqrt(v)`` list). Saved per block: block input, its
     norm, ``qkv`` (3 U), the attention output, ``x1``, its norm (8 U), ``fc1``'s and GELU's outputs (2 Hf),
     the two LayerNorms' float mean and rstd, and flash's log-sum-exp (math kernel instead: scaled q and k
-    (2 U) and the softmax (S)); after the blocks the final norm's input and, with class-token pooling, its
-    output (the head holds a view of it). ViT-B: ``16 U`` a block, ``194 U`` in all. (The math-kernel
+    (2 U) and the softmax (S)); after the blocks, with class-token pooling, the final norm's input and
+    output (the head holds a view of it), with mean pooling only the pooled (B, D) tensor and its norm.
+    ViT-B: ``16 U`` a block, ``194 U`` in all. (The math-kernel
     terms of a training step are derived from what its autograd graph saves, not measured; the replay below,
     which equals the live tensors of a real step, finds about 2 U a block less there, so for the math kernel in
     training :func:`trace_activations` is the figure to trust.)
@@ -509,13 +511,16 @@ def activation_estimate(shape: BlockShape, batch_size: int, mode: str, bytes_per
     U, Hf, S = B * N * D * bytes_per, B * N * F_ * bytes_per, B * h * N * N * bytes_per
     lse = B * h * N * 4  # flash's log-sum-exp, float32
     if mode == "infer":
-        mlp_phase = 4 * U + 2 * Hf
-        attn_phase = 6 * U + S + max(U, S) if materialised else 7 * U + lse
+        mlp_phase = 3 * U + 2 * Hf
+        attn_phase = 6 * U + S + max(U, S) if materialised else 7 * U  # flash's lse lives inside its op only
         return {"unit_U": U, "unit_Hf": Hf, "unit_S": S, "residual_stream": U, "mlp_phase": mlp_phase,
                 "attention_phase": attn_phase, "peak_bytes": U + max(mlp_phase, attn_phase)}
     ln_stats = 2 * 2 * B * N * 4  # two LayerNorms, float mean and rstd each
     saved_block = 8 * U + 2 * Hf + ln_stats + (2 * U + S if materialised else lse)
-    saved_head = U + (U if shape.token_pool else 0) + B * N * 2 * 4  # final norm input (+ output) and stats
+    if shape.token_pool:  # the final norm over every token: its input, its output (the head's view) and stats
+        saved_head = 2 * U + B * N * 2 * 4
+    else:  # the patch tokens' mean, then fc_norm on (B, D): its input, its output (the head's input) and stats
+        saved_head = 2 * B * D * bytes_per + B * 2 * 4
     saved = L * saved_block + saved_head
     transient = U + Hf
     g_block, g_tail = shape.block_params * bytes_per, shape.tail_params * bytes_per
