@@ -22,7 +22,7 @@ from vitlab.attention._registry import (
     list_attention,
     register_attention,
 )
-from vitlab.attention._window import stitch_windows, window_positions
+from vitlab.attention._window import pad_to_multiple, stitch_windows, window_positions
 from vitlab.attention.block import Block
 from vitlab.attention.local_window import LocalWindowAttention
 from vitlab.attention.msa import MultiHeadSelfAttention, QKVAttention, softmax_with_policy
@@ -39,6 +39,6 @@ __all__ = [
     "Block", "LocalWindowAttention", "MultiHeadSelfAttention", "OffsetBiasAttentionBase", "QKVAttention",
     "ShiftedWindowAttention", "SpatialReductionAttention", "accepts_keywords", "accepts_prefix_tokens",
     "attention_weights_error", "create", "create_attention", "fold_offset_biases", "get_attention",
-    "has_attention_weights", "layout_kwargs", "list_attention", "register_attention", "softmax_with_policy",
-    "stitch_windows", "window_positions",
+    "has_attention_weights", "layout_kwargs", "list_attention", "pad_to_multiple", "register_attention",
+    "softmax_with_policy", "stitch_windows", "window_positions",
 ]

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.attention._window import pad_to_multiple
+from vitlab.attention import QKVAttention, pad_to_multiple
 
 
 def feature_specs(model: nn.Module, indices: list[int]) -> list[tuple[int, int]]:
@@ -95,11 +95,12 @@ def decomposed_rel_pos_bias(q: torch.Tensor, rel_pos_h: torch.Tensor, rel_pos_w:
 
 
 class RelPosAttention(nn.Module):
-    """An existing multi-head self-attention ``attn`` (fused ``qkv``, ``q_norm`` / ``k_norm``, ``proj``; weights
-    kept) with ViTDet's decomposed relative position bias added to its logits (Li et al., 2022, ViTDet, Sec. 4.2
-    "relative positional biases", from MViTv2). The tables ``rel_pos_h`` / ``rel_pos_w`` are made for ``size``
-    (the window, or the global grid) and start at zero (ViTDet's ``rel_pos_zero_init``), so a pretrained ViT's
-    output is unchanged until they train; another grid size resizes them (:func:`rel_pos_table`)."""
+    """An existing softmax attention ``attn`` (a :class:`vitlab.attention.QKVAttention`: ``msa``, HaLViT's; its
+    projections ``project_qkv`` / ``project_out`` and weights kept) with ViTDet's decomposed relative position
+    bias added to its logits (Li et al., 2022, ViTDet, Sec. 4.2 "relative positional biases", from MViTv2). The
+    tables ``rel_pos_h`` / ``rel_pos_w`` are made for ``size`` (the window, or the global grid) and start at zero
+    (ViTDet's ``rel_pos_zero_init``), so a pretrained ViT's output is unchanged until they train; another grid size
+    resizes them (:func:`rel_pos_table`)."""
 
     def __init__(self, attn: nn.Module, size: tuple[int, int]):
         super().__init__()
@@ -109,16 +110,14 @@ class RelPosAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, rope=None) -> torch.Tensor:
         a = self.attn
-        B, N, C = x.shape
+        N = x.shape[1]
         if hw is None or N != hw[0] * hw[1]:
             raise ValueError("relative position bias needs a grid without prefix tokens (class_token=False, "
                              "global_pool='avg')")
-        q, k, v = a.qkv(x).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = a.q_norm(q), a.k_norm(k)
+        q, k, v = a.project_qkv(x)  # (B, heads, N, d) each
         bias = decomposed_rel_pos_bias(q, self.rel_pos_h, self.rel_pos_w, tuple(hw), tuple(hw))
         drop = a.attn_drop if self.training else 0.0
-        x = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)
-        return a.proj_drop(a.proj(x.transpose(1, 2).reshape(B, N, C)))
+        return a.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop))
 
 
 def vitdet_backbone(model: nn.Module, window_size: int = 14, global_blocks: list[int] | None = None,
@@ -139,6 +138,9 @@ def vitdet_backbone(model: nn.Module, window_size: int = 14, global_blocks: list
         if isinstance(blk.attn, (WindowedAttention, RelPosAttention)):
             continue
         if rel_pos:
+            if not isinstance(blk.attn, QKVAttention):
+                raise ValueError(f"relative position bias goes into softmax attention (msa); block {i} uses "
+                                 f"{type(blk.attn).__name__}")
             blk.attn = RelPosAttention(blk.attn, tuple(grid) if i in glob else (window_size, window_size))
         if i not in glob:
             blk.attn = WindowedAttention(blk.attn, window_size)
