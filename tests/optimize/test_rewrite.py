@@ -91,3 +91,18 @@ def test_rewrite_backend_equals_eager_and_none_is_plain(name):
     assert any(type(m) is PatchGemmConv2d for m in fast.modules())
     with torch.no_grad():
         assert max_abs_diff(fast(x), ref) <= 1e-5
+
+
+def test_a_bf16_rewrite_is_within_the_tolerance_for_its_dtype():
+    """In bf16 the fp32 windows round differently from eager: within auto's bf16 tolerance, not fp32's."""
+    from vitlab.optimize import _core
+
+    torch.manual_seed(0)
+    model = vitlab.create_model("deit_tiny_patch16_224", img_size=64, depth=2, attn_layer="hilo",
+                                class_token=False, global_pool="avg").eval().bfloat16()
+    x = torch.randn(2, 3, 64, 64).bfloat16()
+    with torch.no_grad():
+        ref = model(x)
+        out = optimize(copy.deepcopy(model), x, backend="rewrite")(x)
+    assert _core._tolerance(ref) == _core.TOLERANCE[torch.bfloat16] > _core.TOLERANCE[torch.float32]
+    assert 0 < max_abs_diff(out, ref) <= _core._tolerance(ref) * max(1.0, _core._scale(ref))
