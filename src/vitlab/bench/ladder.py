@@ -1,5 +1,5 @@
-"""``vitlab bench ladder``: the "optimization ladder" of "Scaling ViTs across Training Compute" for training one model,
-one rung at a time.
+"""``vitlab bench ladder``: the "optimization ladder" of Mboya's "Scaling ViTs across Training Compute" for training
+one model, one rung at a time.
 
 Rungs (each adds to the one before): fp32 eager (explicit-softmax attention) -> bf16 autocast -> fused
 attention (SDPA) -> ``torch.compile`` -> channels-last and fused AdamW -> activation checkpointing at the
