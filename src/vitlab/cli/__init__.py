@@ -50,6 +50,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export", "export a model to ONNX / ExportedProgram / TorchScript and validate it"),
     "zeroshot": ("zeroshot", "zero-shot classification with a CLIP checkpoint: top-1 / top-5"),
     "retrieval": ("retrieval", "image-text retrieval with a CLIP checkpoint: recall@1/5/10 both ways"),
+    "generate": ("generate", "continue a prompt with a Llama language model, streaming the tokens"),
     "data": ("data", "streaming datasets: pack WebDataset shards, describe wds: / hf: data"),
 }
 

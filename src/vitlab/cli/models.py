@@ -57,6 +57,7 @@ def cmd_info(args) -> int:
     from rich.table import Table
 
     from vitlab._console import console
+    from vitlab.profile import memory_estimate_gb
 
     cfg = vitlab.get_model_config(args.name)
     with torch.device("meta"):
@@ -71,12 +72,20 @@ def cmd_info(args) -> int:
     t.add_column("ours", justify="right")
     t.add_column("published", justify="right")
     t.add_row("params (M)", f"{prof.params_m:.2f}", _fmt(cfg.published_params_m, ".2f"))
+    t.add_row("parameters", f"{sum(p.numel() for p in model.parameters()):,}", "")
     t.add_row("trainable params (M)", f"{prof.trainable_params_m:.2f}", "")
     t.add_row("GMACs", f"{prof.gmacs:.3f}", _fmt(cfg.published_gmacs, ".2f"))
     t.add_row("activations saved for backward (MB, fp32)", f"{prof.activation_mb:.1f}", "")
+    # the article's rule M = P*4B/(32/Q)*1.2 with our count, and with the paper's size (Llama 2 "7B": 33.6 GB fp32)
+    paper = {q: memory_estimate_gb(cfg.published_params_m * 1e6, q) for q in prof.memory_estimate_gb} \
+        if cfg.published_params_m else {}
     for q, gb in prof.memory_estimate_gb.items():
-        t.add_row(f"serving memory, P*4B/(32/Q)*1.2, {q}-bit (GB)", f"{gb:.3f}", "")
+        t.add_row(f"serving memory, P*4B/(32/Q)*1.2, {q}-bit (GB)", f"{gb:.3f}", _fmt(paper.get(q), ".4g"))
     console.print(t)
+    if cfg.published_params_m and cfg.published_params_m >= 1e3:  # a model known by its size in billions
+        console.print(f"serving estimate with the paper's {cfg.published_params_m / 1e3:g}B parameters: "
+                      f"{paper[32]:.1f} GB fp32, " + " / ".join(f"{paper[q]:.1f}" for q in (16, 8, 4))
+                      + " GB at 16 / 8 / 4 bits")
     return 0
 
 

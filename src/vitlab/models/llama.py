@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from vitlab.convert import CheckpointError, read_hf_config, read_hf_state_dict, unreadable
 from vitlab.layers import RMSNorm, RotaryEmbedding1D, SwiGLU, check_heads, rope_rotate, swiglu_hidden_dim
-from vitlab.registry import ModelConfig, register_model
+from vitlab.registry import ModelConfig, create_model, get_model_config, is_model, register_model
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "llama")
 
@@ -272,7 +272,7 @@ class Llama(nn.Module):
                  *, attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                  pad_token_id: int | None = None, generator: torch.Generator | None = None,
                  on_token: Callable[[torch.Tensor], None] | None = None,
-                 step: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                 forward: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """Continue a batch of prompts by up to ``max_new_tokens`` tokens; returns only the new tokens
         (B, n_new).
 
@@ -283,8 +283,8 @@ class Llama(nn.Module):
         - A row stops at ``eos_token_id`` (one id or several); its later positions hold ``pad_token_id`` (default:
           the config's, else the first eos id); generation ends early when every row has stopped.
         - ``on_token(tokens)`` is called with each step's (B,) tokens as soon as they exist (streaming).
-        - ``step``: the decoding step ``step(tokens (B, 1), attention_mask, cache) -> logits (B, 1, vocab)``,
-          default the model's forward (:func:`vitlab.optimize.llama.compile_decode_step` makes a faster one).
+        - ``forward``: what computes the logits, called as the model's forward is (default: the model; a compiled
+          one from :func:`vitlab.optimize.llama.compile_llama` is faster).
 
         Prompt plus ``max_new_tokens`` must fit the context (``config.max_seq_len``): otherwise ``ValueError``.
         """
@@ -307,11 +307,11 @@ class Llama(nn.Module):
         eos_t = torch.tensor(eos, device=device)
         pad = pad_token_id if pad_token_id is not None else (
             self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0))
-        step = step or (lambda tok, mask, cache: self(tok, attention_mask=mask, cache=cache))
+        forward = self if forward is None else forward
         cache = self.new_cache(b, n + max_new_tokens)
-        logits = self(input_ids if inputs_embeds is None else None, inputs_embeds=inputs_embeds,
-                      attention_mask=None if full_mask is None else full_mask[:, :n], cache=cache,
-                      logits_to_keep=1)[:, -1]
+        logits = forward(input_ids if inputs_embeds is None else None, inputs_embeds=inputs_embeds,
+                         attention_mask=None if full_mask is None else full_mask[:, :n], cache=cache,
+                         logits_to_keep=1)[:, -1]
         done = torch.zeros(b, dtype=torch.bool, device=device)
         out = []
         for i in range(max_new_tokens):
@@ -324,7 +324,8 @@ class Llama(nn.Module):
                 on_token(tok)
             if i == max_new_tokens - 1 or (eos and bool(done.all())):
                 break
-            logits = step(tok[:, None], None if full_mask is None else full_mask[:, :n + i + 1], cache)[:, -1]
+            logits = forward(tok[:, None], attention_mask=None if full_mask is None else full_mask[:, :n + i + 1],
+                             cache=cache)[:, -1]
         return torch.stack(out, dim=1)
 
     # ---- weights --------------------------------------------------------------------------------------
@@ -375,6 +376,19 @@ class Llama(nn.Module):
             model.lm_head.weight = model.embed_tokens.weight
         model.reset_rope(device="cpu")
         return model.eval()
+
+
+def load_llama(spec: str | os.PathLike, dtype: torch.dtype | None = None) -> Llama:
+    """A Llama from a checkpoint directory (Hugging Face or Meta, :meth:`Llama.from_pretrained`) or a registered
+    language model's name (random weights)."""
+    if Path(spec).is_dir():
+        return Llama.from_pretrained(spec, dtype=dtype)
+    if is_model(str(spec)):
+        if get_model_config(str(spec)).family != "llama":
+            raise ValueError(f"{spec} is not a language model (family {get_model_config(str(spec)).family!r})")
+        return create_model(str(spec)).to(dtype or torch.float32).eval()
+    raise FileNotFoundError(f"{spec} is neither a checkpoint directory nor a registered language model "
+                            f"(e.g. llama_tiny)")
 
 
 # ---- checkpoint formats ---------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from vitlab.text.subword import (
     IMAGE_TOKEN,
     HFTokenizer,
     SentencePieceTokenizer,
+    StreamDecoder,
     Tokenizer,
     check_vocab,
     load_tokenizer,
@@ -22,4 +23,4 @@ from vitlab.text.templates import LLAVA_V1_SYSTEM, llama2_chat, llava_v1
 from vitlab.text.word import LookupTokenizer
 
 __all__ = ["check_vocab", "HFTokenizer", "IMAGE_TOKEN", "llama2_chat", "LLAVA_V1_SYSTEM", "llava_v1",
-           "load_tokenizer", "LookupTokenizer", "SentencePieceTokenizer", "Tokenizer"]
+           "load_tokenizer", "LookupTokenizer", "SentencePieceTokenizer", "StreamDecoder", "Tokenizer"]

@@ -209,6 +209,23 @@ def load_tokenizer(path: str | os.PathLike, added_tokens: tuple[str, ...] | list
     raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path} (or its parent); pass --tokenizer PATH")
 
 
+class StreamDecoder:
+    """Text of a growing token sequence, piece by piece, for printing tokens as they are generated:
+    :meth:`push` returns the text the new token adds (empty while a character's UTF-8 bytes are incomplete).
+    Decoding the whole sequence each time keeps the spaces SentencePiece attaches to the next piece right."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # a byte-fallback character not complete yet
+            return ""
+        new, self.text = text[len(self.text):], text
+        return new
+
+
 # an embedding may have spare rows: LLaVA-1.5 pads 32,001 tokens to 32,064 rows (a multiple of 64 runs faster)
 MAX_SPARE_ROWS = 128
 

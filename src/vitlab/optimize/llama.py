@@ -1,0 +1,39 @@
+"""Faster generation with the Llama decoder, from outside the model: :func:`compile_llama` compiles its
+one-token decoding step with Inductor, for :meth:`vitlab.models.llama.Llama.generate`'s ``forward=`` argument::
+
+    fast = compile_llama(model)
+    model.generate(ids, max_new_tokens=64, forward=fast)
+
+The function is unchanged (the compiled step computes the same logits within float rounding). Decoding is where
+the time goes per token: one token through every layer, many small kernels, each launched from Python in eager
+mode; compiled, a step is a few fused C++ kernels and GEMMs with prepacked weights (on the CPU the graph is
+compiled with the weights frozen and the SIMD width stated, :func:`vitlab.optimize.cpu.inductor_options`). The
+prompt (prefill) stays eager: it is a few large GEMMs, which compiling does not speed up, and its length varies.
+The cache is the model's preallocated :class:`~vitlab.models.llama.KVCache`; the cache position is compiled as a
+symbolic size, so every step after the first two reuses one graph (one more with a padding mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from vitlab.optimize import cpu as cpuinfo
+
+
+def compile_llama(model: nn.Module, options: dict | None = None) -> Callable[..., torch.Tensor]:
+    """A forward for ``model.generate(..., forward=...)``: one-token steps compiled, prompts eager. Inference only
+    (``generate`` runs under ``torch.no_grad()``). ``options``: Inductor options over the CPU defaults."""
+    model.eval()
+    if next(model.parameters()).device.type == "cpu":
+        cpuinfo.cpp_extension()  # imported quietly before Inductor's C++ build imports it and warns
+        options = {**cpuinfo.inductor_options(), **(options or {})}
+    step = torch.compile(model, dynamic=True, options=options)
+
+    def forward(input_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        one_token = input_ids is not None and input_ids.shape[1] == 1
+        return (step if one_token else model)(input_ids, **kwargs)
+
+    return forward

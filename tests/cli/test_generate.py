@@ -1,0 +1,108 @@
+"""``vitlab generate``: a Hugging Face directory (weights + tokenizer.json) continued greedily and streamed, Meta's
+layout found through the parent's tokenizer, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vitlab.cli import main
+from vitlab.models.llama import Llama
+from vitlab.text import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+TEXT = ["the ruler of a kingdom is a king", "the tower is in paris", "a red square left of a blue circle"] * 5
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lm")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tok.decoder = tokenizers.decoders.Metaspace()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(TEXT, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+                                   vocab_size=tok.get_vocab_size(), max_position_embeddings=32, bos_token_id=1,
+                                   eos_token_id=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def test_generate_streams_the_greedy_continuation(lm_dir, capsys):
+    assert main(["generate", "--checkpoint", str(lm_dir), "the tower is", "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    tok, model = load_tokenizer(lm_dir), Llama.from_pretrained(lm_dir)
+    new = model.generate(torch.tensor([tok.encode("the tower is")]), 6, eos_token_id=tok.eos_id)[0].tolist()
+    expected = tok.decode([t for t in new if t != tok.eos_id])
+    assert out == expected + "\n"
+    assert "prompt tokens" in err and "new tokens" in err
+
+
+def test_sampling_is_seeded(lm_dir, capsys):
+    args = ["generate", "--checkpoint", str(lm_dir), "a red", "--max-new-tokens", "8", "--temperature", "1.5",
+            "--top-k", "20", "--top-p", "0.95"]
+    outs = []
+    for seed in ("1", "1"):
+        assert main(args + ["--seed", seed]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-new-tokens", "40"], r"the prompt \(\d+ tokens\) plus --max-new-tokens \(40\) exceed the context of 32 "
+                                 r"tokens: shorten the prompt or ask for fewer tokens"),
+    (["--tokenizer", "WRONG_TOKENIZER"], r"tokenizer .*tokenizer.model has \d+ tokens but the model .*'s embedding "
+                                         r"has 512 rows: they belong to different models"),
+])
+def test_refusals_are_one_line(lm_dir, tmp_path, capsys, argv, message):
+    import re
+
+    checkpoint = str(lm_dir)
+    if "WRONG_TOKENIZER" in argv:  # the tiny registered model (512 rows) with this tokenizer of ~80 tokens
+        checkpoint = "llama_tiny"
+        spm = pytest.importorskip("sentencepiece")
+        (tmp_path / "c.txt").write_text("\n".join(TEXT))
+        spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "tokenizer"),
+                                       vocab_size=40, hard_vocab_limit=False, minloglevel=2)
+        argv = ["--tokenizer", str(tmp_path / "tokenizer.model")]
+    assert main(["generate", "--checkpoint", checkpoint, "the tower is", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and re.fullmatch(r"vitlab: error: " + message, err), err
+
+
+def test_registry_name_needs_a_tokenizer_and_meta_layout_finds_the_parents(lm_dir, tmp_path, capsys):
+    assert main(["generate", "--checkpoint", "llama_tiny", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab: error: llama_tiny has no tokenizer: pass --tokenizer PATH "
+                                               "(tokenizer.model or tokenizer.json)")
+    assert main(["generate", "--checkpoint", str(tmp_path / "absent"), "--tokenizer", str(lm_dir), "hi"]) == 2
+    assert "is neither a checkpoint directory nor a registered language model" in capsys.readouterr().err
+    # Meta's layout: <root>/tokenizer.json (here) beside <root>/7B/{params.json, consolidated.00.pth}
+    model = Llama.from_pretrained(lm_dir)
+    (tmp_path / "tokenizer.json").write_text((lm_dir / "tokenizer.json").read_text())
+    folder = tmp_path / "7B"
+    folder.mkdir()
+    meta = {"tok_embeddings.weight": model.embed_tokens.weight, "norm.weight": model.norm.weight,
+            "output.weight": model.lm_head.weight}
+    for i, layer in enumerate(model.layers):  # ours is Meta's layout with q, k, v and w1, w3 packed
+        q, k, v = layer.attn.qkv.weight.chunk(3)
+        w1, w3 = layer.mlp.fc1.weight.chunk(2)
+        meta.update({f"layers.{i}.attention.wq.weight": q, f"layers.{i}.attention.wk.weight": k,
+                     f"layers.{i}.attention.wv.weight": v, f"layers.{i}.attention.wo.weight": layer.attn.proj.weight,
+                     f"layers.{i}.feed_forward.w1.weight": w1, f"layers.{i}.feed_forward.w3.weight": w3,
+                     f"layers.{i}.feed_forward.w2.weight": layer.mlp.fc2.weight,
+                     f"layers.{i}.attention_norm.weight": layer.attn_norm.weight,
+                     f"layers.{i}.ffn_norm.weight": layer.mlp_norm.weight})
+    torch.save({k: v.detach().clone() for k, v in meta.items()}, folder / "consolidated.00.pth")
+    (folder / "params.json").write_text(json.dumps({"dim": 32, "n_heads": 2, "n_layers": 1, "multiple_of": 32,
+                                                    "norm_eps": 1e-6, "vocab_size": -1}))
+    assert main(["generate", "--checkpoint", str(lm_dir), "the tower is", "--max-new-tokens", "5"]) == 0
+    hf_out = capsys.readouterr().out
+    assert main(["generate", "--checkpoint", str(folder), "the tower is", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out == hf_out
