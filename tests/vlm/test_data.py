@@ -95,7 +95,7 @@ def test_vqa_jsonl(tmp_path):
     assert len(s["train"]) == 2 and len(s["val"]) == 1
     a = s["train"][0]
     assert a.turns == [("what colour?", "red")] and len(a.refs) == 10 and a.kind == "color"
-    assert s["train"][1].refs == ["yes"] * 10
+    assert s["train"][1].refs == ["yes"] * 10 and s["val"][0].refs == ["two"] * 10
     rows[0]["question"] = "  "
     file.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(DataError, match="line 1: empty question"):

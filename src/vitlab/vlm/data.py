@@ -10,9 +10,9 @@ training starts (one :class:`vitlab.data.DataError`: file, line or entry).
   ``{"images": [{"id", "file_name"}], "annotations": [{"image_id", "caption"}]}`` whose images lie in the
   JSON's folder or its ``images/``; or the COCO folder (``annotations/captions_<split>*.json`` with the images
   in ``<split>*/`` or ``images/``). Every image is checked (a corrupt or missing file is named).
-- ``vqa:PATH`` -- a JSONL file: ``{"image", "question", "answers": [...]}`` per line (or ``"answer"``; optional
-  ``"kind"`` and ``"split"``), images relative to the file (Antol et al., 2015, "VQA: Visual Question
-  Answering": scored against the human answers).
+- ``vqa:PATH`` -- a JSONL file: ``{"image", "question", "answers": [...]}`` per line (or ``"answer"``, which
+  counts as ten agreeing annotators; optional ``"kind"`` and ``"split"``), images relative to the file (Antol et
+  al., 2015, "VQA: Visual Question Answering": scored against the human answers).
 - ``llava:PATH`` -- LLaVA's instruction JSON (Liu et al., 2023, "Visual Instruction Tuning", Sec. 3): a list of
   ``{"image", "conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": ...}]}``;
   human and model turns alternate, the image placeholder is stripped from the text (the model puts the image
@@ -53,6 +53,7 @@ declare_dataset("vqa", read_by=READ_BY, needs_root=True)
 declare_dataset("llava", read_by=READ_BY, needs_root=True)
 
 VAL_FRACTION = 0.1
+HUMANS = 10  # answers per question in VQA v2
 IMAGE_TOKEN = "<image>"
 
 
@@ -170,7 +171,8 @@ def read_vqa(path: str | Path) -> dict[str, list[VLSample]]:
         q = row.get("question")
         if not isinstance(q, str) or not q.strip():
             raise DataError(f"{where}: empty question")
-        answers = row.get("answers", [row["answer"]] if "answer" in row else None)
+        # one given answer stands for VQA's ten agreeing humans (the accuracy rule needs 4 to give 1.0)
+        answers = row.get("answers", [row["answer"]] * HUMANS if "answer" in row else None)
         if isinstance(answers, list) and answers and all(isinstance(a, dict) for a in answers):
             answers = [a.get("answer") for a in answers]  # VQA v2's [{"answer": ...}, ...]
         if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip()
@@ -226,7 +228,7 @@ def read_llava(path: str | Path) -> dict[str, list[VLSample]]:
             raise DataError(f"{where}: the first human turn has no {IMAGE_TOKEN} placeholder")
         base = file.parent / e["image"]
         image = base if base.is_file() else file.parent / "images" / e["image"]
-        samples.append(VLSample(_checked_image(image, where), turns, [turns[-1][1]], "conversation"))
+        samples.append(VLSample(_checked_image(image, where), turns, [turns[-1][1]] * HUMANS, "conversation"))
     if not samples:
         raise DataError(f"{file}: no conversations")
     return _hold_out(samples, str(file))
@@ -243,20 +245,21 @@ SCENE_SIZE = 64
 SCENE_SPLITS = {"train": 4000, "val": 200, "test": 400}
 QUESTION_KINDS = ("count", "presence", "position", "class")
 
-# {obj}: a class, {objs}: a plural ("horses", "objects"), {a}/{b}: classes, {cell}: a corner
+# {obj}: a class, {plural}: a plural ("horses", "objects"), {a}/{b}: classes, {cell}: a corner
 QUESTION_TEMPLATES = {
-    "count": ("how many {objs} are there", "how many {objs} can you see", "how many {objs} are in the picture"),
+    "count": ("how many {plural} are there", "how many {plural} can you see",
+              "how many {plural} are in the picture"),
     "presence": ("is there a {obj}", "is there a {obj} in the picture", "can you see a {obj}"),
     "position": ("where is the {a} relative to the {b}", "where is the {a} compared to the {b}"),
     "class": ("what is in the {cell}", "what object is in the {cell}", "which object is in the {cell}"),
 }
 HELD_OUT_QUESTIONS = {
-    "count": ("how many {objs} do you see",),
+    "count": ("how many {plural} do you see",),
     "presence": ("do you see a {obj}",),
     "position": ("where is the {a} with respect to the {b}",),
     "class": ("what can you see in the {cell}",),
 }
-# {objs}: "two horses and a coin", {bg}: the texture
+# {objs}: "two horses and a cat", {bg}: the texture
 CAPTION_TEMPLATES = ("{objs} on {bg}", "a picture of {objs} on {bg}", "there are {objs} on {bg}",
                      "{objs} lying on {bg}")
 HELD_OUT_CAPTIONS = ("a photo of {objs} on {bg}", "an image showing {objs} on {bg}", "a scene with {objs} on {bg}")
@@ -375,7 +378,7 @@ def scene_question(scene: Scene, kind: str, rng: random.Random, templates=None) 
     template = rng.choice((templates or QUESTION_TEMPLATES)[kind])
     if kind == "count":
         target = rng.choice((*SCENE_CLASSES, "object"))
-        return template.format(objs=PLURALS[target]), str(scene.count(target))
+        return template.format(plural=PLURALS[target]), str(scene.count(target))
     if kind == "presence":
         c = rng.choice(SCENE_CLASSES)
         return template.format(obj=c), "yes" if scene.count(c) else "no"
@@ -422,20 +425,26 @@ def make_scenes(split: str, seed: int = 0, n: int | None = None, size: int = SCE
         for kind in QUESTION_KINDS:  # one question of each kind the scene has
             qa = scene_question(s, kind, rng, HELD_OUT_QUESTIONS if held else None)
             if qa is not None:
-                questions.append(VLSample(i, [qa], [qa[1]], kind))
+                questions.append(VLSample(i, [qa], [qa[1]] * HUMANS, kind))
         captions.append(VLSample(i, refs=scene_captions(s, HELD_OUT_CAPTIONS if held else CAPTION_TEMPLATES)))
     return ScenesSplit(images, scenes, questions, captions)
 
 
+def scene_texts() -> dict[str, list[str]]:
+    """Every question and caption template of the scenes (held-out ones included) filled with its longest words:
+    ``{"question": [...], "caption": [...]}``, what sizes the context and the vocabulary."""
+    fill = {"objs": "two horses and a cat and a digit", "plural": "objects", "obj": "horse", "a": "horse", "b": "digit",
+            "cell": "bottom right", "bg": "gravel"}
+    questions = [t.format(**fill) for d in (QUESTION_TEMPLATES, HELD_OUT_QUESTIONS) for ts in d.values() for t in ts]
+    captions = [t.format(**fill) for t in (*CAPTION_TEMPLATES, *HELD_OUT_CAPTIONS)]
+    return {"question": questions, "caption": captions}
+
+
 def scenes_vocabulary() -> list[str]:
-    """Every word of the scenes' templates, classes, textures and answers (held-out templates included, so a
-    held-out question has no unknown word; the model never trains on their phrasing)."""
+    """Every word of the scenes' templates, classes, textures, cells and answers (held-out templates included,
+    so a held-out question has no unknown word; the model never trains on their phrasing)."""
     words = {*SCENE_CLASSES, *PLURALS.values(), *TEXTURES, *COUNT_WORDS, "yes", "no", "left", "right", "above",
-             "below", *map(str, range(5))}
-    texts = [t for ts in (*QUESTION_TEMPLATES.values(), *HELD_OUT_QUESTIONS.values()) for t in ts]
-    texts += [*CAPTION_TEMPLATES, *HELD_OUT_CAPTIONS, *CELLS]
-    for t in texts:
-        for w in t.split():
-            if not w.startswith("{"):
-                words.add(w)
+             "below", *map(str, range(5)), *" ".join(CELLS).split()}
+    for texts in scene_texts().values():
+        words.update(w for t in texts for w in t.split())
     return sorted(words)
