@@ -51,6 +51,15 @@ def test_patch_embed_equals_timm(flatten):
     x = torch.randn(2, 5, 32, 48)
     assert type(pe.proj) is torch.nn.Conv2d
     torch.testing.assert_close(pe(x), ref(x))
+    assert _aten_ops(pe, x) == _aten_ops(ref, x)  # the same work: no extra copy, the same convolution kernel
+
+
+def _aten_ops(module, x) -> list[tuple[str, str]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        module(x)
+    return sorted((e.name, str(e.input_shapes)) for e in prof.events() if e.name.startswith("aten::"))
 
 
 def test_patch_embed_errors_and_dynamic_pad():
