@@ -133,3 +133,16 @@ def test_key_map_and_refusals(tmp_path):
         BLIP("vit_pico_patch8_32", heads=("vqa",))
     with pytest.raises(ValueError, match="needs a \\[CLS\\] token"):
         BLIP("vit_pico_patch8_32", {"class_token": False, "global_pool": "avg"})
+
+
+@pytest.mark.parametrize("name,cls", [("blip_base_caption", "BlipForConditionalGeneration"),
+                                      ("blip_base_retrieval", "BlipForImageTextRetrieval")])
+def test_base_configs_take_the_released_layout(name, cls):
+    """blip_base_* hold every tensor of transformers' BLIP-base classes (ViT-B/16 384, BERT-base: the layout of
+    the released checkpoints), shape for shape (built on meta: nothing is allocated)."""
+    with torch.device("meta"):
+        ref = getattr(transformers, cls)(transformers.BlipConfig())
+        ours = vitlab.create_model(name)
+    mapped = {k: tuple(v.shape) for k, v in convert_hf_blip_state_dict(ref.state_dict()).items()}
+    own = {k: tuple(v.shape) for k, v in ours.state_dict().items() if k != "temp"}
+    assert mapped == own

@@ -43,13 +43,13 @@ def blip_base(**kwargs) -> BLIP:
     return build_blip("vit_base_patch16_224", _BASE_VISION, _BASE_TEXT, **kwargs)
 
 
-@register_model(config=_blip_cfg("caption"))
+@register_model(config=_blip_cfg("caption", published_params_m=223.97))
 def blip_base_caption(**kwargs) -> BLIP:
     """BLIP's captioner (ViT-B/16 384, BERT-base decoder): transformers' ``BlipForConditionalGeneration``."""
     return build_blip("vit_base_patch16_224", _BASE_VISION, _BASE_TEXT, heads=("lm",), **kwargs)
 
 
-@register_model(config=_blip_cfg())
+@register_model(config=_blip_cfg(published_params_m=223.74))
 def blip_base_retrieval(**kwargs) -> BLIP:
     """BLIP's retrieval model (ViT-B/16 384, BERT-base encoder; ITC and ITM): ``BlipForImageTextRetrieval``."""
     return build_blip("vit_base_patch16_224", _BASE_VISION, _BASE_TEXT, heads=("itc", "itm"), **kwargs)
