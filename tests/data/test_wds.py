@@ -238,3 +238,48 @@ def test_clip_trains_on_caption_shards(tmp_path):
     assert summary["finished"] and summary["best_val_loss"] > 0
     assert sorted(training_texts(DataConfig(f"wds:{tmp_path / 'd'}"))) == sorted(
         f"a grey square of shade {i % 4}" for i in range(24))
+
+
+def _rank_labels(rank: int, world: int, port: int, sources: dict, out):
+    import os
+
+    import torch.distributed as dist
+
+    from vitlab.data import hf
+    from vitlab.data import wds as shards
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    streams = {"wds": shards.read_split("train", sources["wds"], shuffle=8),
+               "hf": hf.read_split("train", sources["hf"], streaming=True, shuffle=8)}
+    for name, s in streams.items():
+        s.set_epoch(1)
+        s.batch_size = 4
+        loader = DataLoader(streaming.StreamImages(s, 1, None), batch_size=4, num_workers=2, drop_last=True)
+        out[(name, rank)] = (len(loader), torch.cat([y for _, y in loader]).tolist())
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes import torch and vitlab: a minute on a busy 2-core machine
+def test_streams_split_between_torch_distributed_ranks(shards, tmp_path):
+    """Under a real process group (gloo, 2 ranks, 2 DataLoader workers each) both streams give every rank the
+    same number of batches and no sample twice: the loader needs no DistributedSampler."""
+    import socket
+
+    import datasets as hfd
+    import torch.multiprocessing as mp
+
+    f = hfd.Features({"image": hfd.Image(), "label": hfd.ClassLabel(names=[str(i) for i in range(32)])})
+    rows = {"image": [{"bytes": png(i), "path": None} for i in range(32)], "label": list(range(32))}
+    hfd.DatasetDict({"train": hfd.Dataset.from_dict(rows, features=f),
+                     "validation": hfd.Dataset.from_dict(rows, features=f)}).save_to_disk(str(tmp_path / "hf"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_rank_labels, args=(2, port, {"wds": str(shards), "hf": str(tmp_path / "hf")}, out), nprocs=2,
+             join=True)
+    for name, total in (("wds", 60), ("hf", 32)):
+        (n0, a), (n1, b) = out[(name, 0)], out[(name, 1)]
+        assert n0 == n1 == total // 2 // 4 and len(a) == len(b) == n0 * 4
+        assert not set(a) & set(b) and len(set(a)) == len(a) and len(set(b)) == len(b)
