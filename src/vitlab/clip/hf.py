@@ -36,7 +36,6 @@ configs). A checkpoint whose end-of-text id is neither is refused rather than po
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
 from vitlab.clip.model import CLIP, OPENAI_MEAN, OPENAI_STD, ImageTower, build_clip
@@ -44,7 +43,7 @@ from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict
 from vitlab.models.clip_vit import (
     HF_CLIP_VISION_DEFAULTS,
     clip_vision_transformer,
-    convert_hf_clip_tower,
+    convert_hf_clip_state_dict,
     convert_hf_clip_vision_state_dict,
     hf_act,
     hf_clip_vision_kwargs,
@@ -72,29 +71,6 @@ def clip_text_kwargs(text_config: dict) -> dict:
     return dict(vocab_size=c["vocab_size"], context_length=c["max_position_embeddings"], width=c["hidden_size"],
                 depth=c["num_hidden_layers"], num_heads=c["num_attention_heads"], mlp_ratio=hf_mlp_ratio(c),
                 act_layer=hf_act(c["hidden_act"]))
-
-
-def is_hf_clip_state_dict(sd: dict) -> bool:
-    """A transformers ``CLIPModel`` or ``CLIPVisionModel`` state dict (either prefix)."""
-    return any(k in sd for k in ("vision_model.embeddings.class_embedding", "embeddings.class_embedding"))
-
-
-def convert_hf_clip_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transformers ``CLIPModel`` state dict in the names of vitlab's :class:`CLIP` (see the module table)."""
-    if "vision_model.embeddings.class_embedding" not in sd or "text_model.embeddings.token_embedding.weight" not in sd:
-        raise ValueError("not a transformers CLIPModel state dict (no 'vision_model.' and 'text_model.' towers)")
-    out = {**convert_hf_clip_tower(sd, "vision_model.", "visual.trunk."),
-           **convert_hf_clip_tower(sd, "text_model.", "text.", vision=False)}
-    for k, v in sd.items():
-        if k == "visual_projection.weight":
-            out["visual.proj.weight"] = v
-        elif k == "text_projection.weight":
-            out["text.proj.weight"] = v
-        elif k == "logit_scale":
-            out[k] = v.reshape(1)
-        elif not k.startswith(("vision_model.", "text_model.")):
-            out[k] = v
-    return out
 
 
 def _pretrained_cfg(name: str, task: str, vision_config: dict) -> ModelConfig:

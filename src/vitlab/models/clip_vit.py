@@ -155,3 +155,27 @@ def convert_hf_clip_vision_state_dict(sd: dict[str, torch.Tensor], prefix: str =
                          f"(no '{src}embeddings.class_embedding')")
     skip = tuple(src + k for k in ("text_model.", "visual_projection.", "text_projection.", "logit_scale"))
     return convert_hf_clip_tower({k: v for k, v in sd.items() if not k.startswith(skip)}, src, "")
+
+
+def is_hf_clip_state_dict(sd: dict) -> bool:
+    """A transformers ``CLIPModel`` or ``CLIPVisionModel`` state dict (either prefix)."""
+    return any(k in sd for k in ("vision_model.embeddings.class_embedding", "embeddings.class_embedding"))
+
+
+def convert_hf_clip_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers ``CLIPModel`` state dict in the names of vitlab's ``vitlab.clip.CLIP`` (its image tower
+    ``visual.trunk`` is this module's ViT; the text tower ``text``: the same layer names)."""
+    if "vision_model.embeddings.class_embedding" not in sd or "text_model.embeddings.token_embedding.weight" not in sd:
+        raise ValueError("not a transformers CLIPModel state dict (no 'vision_model.' and 'text_model.' towers)")
+    out = {**convert_hf_clip_tower(sd, "vision_model.", "visual.trunk."),
+           **convert_hf_clip_tower(sd, "text_model.", "text.", vision=False)}
+    for k, v in sd.items():
+        if k == "visual_projection.weight":
+            out["visual.proj.weight"] = v
+        elif k == "text_projection.weight":
+            out["text.proj.weight"] = v
+        elif k == "logit_scale":
+            out[k] = v.reshape(1)
+        elif not k.startswith(("vision_model.", "text_model.")):
+            out[k] = v
+    return out
