@@ -136,3 +136,26 @@ def test_key_map_of_the_in_memory_layout():
     model = vitlab.create_model("llava_tiny")
     assert any(k.startswith("model.language_model.") for k in ref.state_dict())
     assert convert_hf_llava_state_dict(ref.state_dict(), model).keys() == model.state_dict().keys()
+
+
+def test_left_padded_batch_generates_as_each_prompt_alone():
+    torch.manual_seed(0)
+    model = vitlab.create_model("llava_tiny").eval()
+    x = torch.randn(2, 3, 32, 32)
+    short, long = [1, IMAGE, 20, 21], [1, IMAGE, 30, 31, 32, 33]
+    ids = torch.tensor([[PAD, PAD] + short, long])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    batch = model.generate(ids, x, max_new_tokens=6, attention_mask=mask, eos_token_id=-1)
+    for i, p in enumerate((short, long)):
+        alone = model.generate(torch.tensor([p]), x[i:i + 1], max_new_tokens=6, eos_token_id=-1)
+        assert batch[i].tolist() == alone[0].tolist()
+
+
+def test_a_clip_model_of_the_registry_as_image_tower():
+    from vitlab.vlm.llava import build_llava
+
+    model = build_llava("clip_vit_pico_patch8", "llama_tiny", image_token_id=7, vision_feature_layer=-1,
+                        vision_depth=2)
+    assert type(model.vision_tower).__name__ == "VisionTransformer" and len(model.vision_tower.blocks) == 2
+    logits, _ = model(torch.tensor([[1, 7, 9]]), torch.randn(1, 1, 32, 32))
+    assert logits.shape == (1, 3 - 1 + model.num_image_tokens, 512)

@@ -282,8 +282,9 @@ def build_llava(vision: str | dict, language: str, vision_kwargs: dict | None = 
     kwargs.pop("num_classes", None)  # create_model's; the language model's vocabulary is its classifier
     if isinstance(vision, dict):
         tower = clip_vision_transformer(vision, **vkw)
-    elif get_model_config(vision).family == "clip":
-        tower = create_model(vision, **vkw).visual.trunk
+    elif get_model_config(vision).family == "clip":  # a CLIP's image-tower options are its image_* arguments
+        common = ("img_size", "in_chans", "drop_path_rate", "dynamic_img_size")
+        tower = create_model(vision, **{k if k in common else f"image_{k}": v for k, v in vkw.items()}).visual.trunk
     else:
         tower = create_model(vision, num_classes=0, **vkw)
     text_len = lkw.pop("max_seq_len", None)
