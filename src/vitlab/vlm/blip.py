@@ -430,7 +430,7 @@ class BLIP(nn.Module):
     def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         """A Hugging Face ``save_pretrained`` directory of a BLIP model (architecture checked), else a file."""
         p = Path(path)
-        if p.is_dir() or (p.parent / "config.json").is_file() and p.suffix == ".safetensors":
+        if p.is_dir():
             read_hf_config(p, architectures=tuple(HF_ARCHITECTURES))
             return read_hf_state_dict(p)
         return read_state_dict(p)
