@@ -22,7 +22,7 @@ import torch
 import vitlab.export as ex
 from vitlab._io import atomic_write
 from vitlab.bench.attention import machine
-from vitlab.bench.timing import paired_ratio, round_robin_times
+from vitlab.timing import paired_ratio, round_robin_times
 
 
 def main() -> None:

@@ -6,7 +6,7 @@
 
 Each model is exported with :func:`vitlab.export.onnx` (validated: max abs diff vs eager <= 1e-4) and an ONNX
 Runtime session is opened with ``--threads`` intra-op threads (PyTorch gets the same ``torch.set_num_threads``).
-Every run calls the three once, the order reversed every other run (``vitlab.bench.timing.round_robin_times``);
+Every run calls the three once, the order reversed every other run (``vitlab.timing.round_robin_times``);
 ratios are taken within a run and summarised by median, min and max after ``--warmup`` runs. Writes
 ``docs/bench/export_speed_cpu_fp32_b32.json``.
 """
@@ -26,7 +26,7 @@ import vitlab
 import vitlab.export as ex
 from vitlab._io import atomic_write
 from vitlab.bench.attention import machine
-from vitlab.bench.timing import paired_ratio, round_robin_times
+from vitlab.timing import paired_ratio, round_robin_times
 from vitlab.optimize import optimize
 
 MODELS = ["deit_tiny_patch16_224", "vit_base_patch16_224", "swin_tiny_patch4_window7_224", "levit_256"]
