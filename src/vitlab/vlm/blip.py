@@ -199,8 +199,9 @@ class BLIP(nn.Module):
     """BLIP: ``vision_tower`` (a registered ViT, ``num_classes=0``), ``text_encoder`` (ITC / ITM) and
     ``text_decoder`` + ``lm_head`` (captioning), each present when its head is in ``heads``.
 
-    Public interface: :meth:`encode_image`, :meth:`forward` (captioning logits and loss), :meth:`losses` (the
-    three objectives), :meth:`itc_scores`, :meth:`itm_scores`, :meth:`generate_caption`."""
+    Public interface: :meth:`encode_image`, :meth:`forward` (captioning logits, or a retrieval model's ITM
+    logits, and the loss), :meth:`losses` (the objectives of its heads), :meth:`itc_scores`, :meth:`itm_scores`,
+    :meth:`generate_caption`."""
 
     def __init__(self, vision_model: str = "vit_base_patch16_224", vision_kwargs: dict | None = None,
                  text: BertConfig | dict | None = None, embed_dim: int = 256, heads: tuple[str, ...] = HEADS,
@@ -445,10 +446,6 @@ class BLIP(nn.Module):
         if "itc" in model.heads and "temp" not in out:
             out["temp"] = model.temp.detach().clone()
         return out
-
-    def forward_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """The image tokens (the timm name of :meth:`encode_image`)."""
-        return self.encode_image(pixel_values)
 
 
 # ---- transformers' layout -------------------------------------------------------------------------------
