@@ -171,7 +171,7 @@ def test_auto_picks_the_fastest_never_slower_than_eager(monkeypatch, times, expe
     monkeypatch.setattr(_core, "measure", timer)
     _, x, ref = reference("deit_tiny_patch16_224")
     model = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"], tune=True)
-    assert model.vitlab_backend == expected and timer.calls == 1
+    assert model.vitlab_backend == expected and timer.calls == 2  # the rewrites first, then the candidates
     r = model.vitlab_optimize
     assert r.timings[expected] <= r.timings["none"] and not r.cached
     with torch.no_grad():
@@ -183,8 +183,8 @@ def test_auto_rejects_a_candidate_that_changes_the_function(monkeypatch):
     monkeypatch.setattr(_core, "measure", FakeTimer({"none": 1.0, "onednn": 0.1}))
     real = _core._build
 
-    def broken(model, backend, device, notes, explicit=False):
-        out = real(model, backend, device, notes, explicit)
+    def broken(model, backend, device, notes, explicit=False, rewrites=True):
+        out = real(model, backend, device, notes, explicit, rewrites)
         if backend == "onednn":
             with torch.no_grad():
                 next(m for m in out.modules() if isinstance(m, OneDNNLinear)).bias.add_(1.0)
@@ -200,7 +200,7 @@ def test_auto_caches_the_choice_atomically_keyed_by_isa(monkeypatch, tmp_path):
     monkeypatch.setattr(_core, "measure", timer)
     x = vo.default_input(tiny("deit_tiny_patch16_224"), 2)
     first = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"], tune=True)
-    assert timer.calls == 1 and not first.vitlab_optimize.cached
+    assert timer.calls == 2 and not first.vitlab_optimize.cached
     path = tmp_path / "cache" / "optimize.json"
     assert vo.cache_file() == path
     data = json.loads(path.read_text())
@@ -210,17 +210,17 @@ def test_auto_caches_the_choice_atomically_keyed_by_isa(monkeypatch, tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["optimize.json"]  # the temporary file was renamed
 
     second = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"], tune=True)
-    assert timer.calls == 1 and second.vitlab_optimize.cached and second.vitlab_backend == "onednn"
+    assert timer.calls == 2 and second.vitlab_optimize.cached and second.vitlab_backend == "onednn"
     assert any(isinstance(m, OneDNNLinear) for m in second.modules())
 
     monkeypatch.setattr(cpu, "isa", lambda: "AVX2")  # another ISA (e.g. the AVX2 emulation): measured afresh
     third = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"], tune=True)
-    assert timer.calls == 2 and not third.vitlab_optimize.cached
+    assert timer.calls == 4 and not third.vitlab_optimize.cached
     assert len(json.loads(path.read_text())["entries"]) == 2
 
     fourth = vo.optimize(tiny("deit_tiny_patch16_224"), vo.default_input(tiny("deit_tiny_patch16_224"), 4),
                          candidates=["none", "onednn"], tune=True)  # another batch size: the same key
-    assert timer.calls == 2 and fourth.vitlab_optimize.cached
+    assert timer.calls == 4 and fourth.vitlab_optimize.cached
 
 
 def test_cache_key_leaves_the_batch_size_out():
@@ -272,7 +272,21 @@ def test_a_short_eager_call_is_not_measured(monkeypatch):
     assert model.vitlab_backend == "none" and timer.calls == 0 and "ms, under" in vo.explain(model)
     monkeypatch.setattr(_core, "TUNE_MIN_SECONDS", 0.0)  # every eager call is long enough: measured
     model = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"])
-    assert model.vitlab_backend == "onednn" and timer.calls == 1
+    assert model.vitlab_backend == "onednn" and timer.calls == 2
+
+
+@pytest.mark.parametrize("rewrite_time, kept", [(0.5, True), (1.5, False)])
+def test_the_other_backends_build_on_the_rewrites_only_where_they_are_faster(monkeypatch, rewrite_time, kept):
+    from vitlab.optimize.rewrite import PatchGemmConv2d
+
+    monkeypatch.setattr(_core, "measure", FakeTimer({"none": 1.0, "rewrite": rewrite_time, "onednn": 0.4}))
+    _, x, ref = reference("deit_tiny_patch16_224")
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "onednn"], cache=False, tune=True)
+    assert model.vitlab_backend == "onednn" and model.vitlab_optimize.rewrites is kept
+    assert any(type(m) is PatchGemmConv2d for m in model.modules()) is kept
+    assert ("layer rewrites kept" if kept else "layer rewrites left out") in vo.explain(model)
+    with torch.no_grad():
+        assert vo.max_abs_diff(model(x), ref) <= 1e-5
 
 
 def test_small_work_takes_the_fastest_cheap_cached_choice(monkeypatch):

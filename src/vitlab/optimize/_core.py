@@ -89,6 +89,7 @@ class OptimizeReport:
     rejected: dict[str, str] = dataclasses.field(default_factory=dict)
     max_abs_diff: dict[str, float] = dataclasses.field(default_factory=dict)
     cached: bool = False
+    rewrites: bool = True  # the layer rewrites under the backend (auto: only where they measured faster)
     cache_file: str | None = None
     key: dict = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -169,13 +170,14 @@ def _compile(model: nn.Module, device: torch.device, options: dict | None = None
 
 
 def _build(model: nn.Module, backend: str, device: torch.device, notes: list[str],
-           explicit: bool = False) -> nn.Module | None:
-    """``model`` (already eval + fused) made into ``backend``, in place where it swaps modules. None when the
-    backend adds nothing here for ``auto`` (not this device; no linear / no HiLo module to swap); an explicit
-    request gets what applies (``"kernels"`` without HiLo is ``"onednn"``; off the CPU, eager)."""
+           explicit: bool = False, rewrites: bool = True) -> nn.Module | None:
+    """``model`` (already eval + fused) made into ``backend``, in place where it swaps modules, on top of the
+    layer rewrites unless ``rewrites=False``. None when the backend adds nothing here for ``auto`` (not this
+    device; nothing to rewrite; no linear / no HiLo module to swap); an explicit request gets what applies
+    (``"kernels"`` without HiLo is ``"onednn"``; off the CPU, eager)."""
     if backend == "none":
         return model
-    rewritten = rewrite(model, device)
+    rewritten = rewrite(model, device) if rewrites or backend == "rewrite" else 0
     if backend == "rewrite":
         return model if rewritten or explicit else None
     if backend == "compile":
@@ -406,7 +408,8 @@ def _untuned(model: nn.Module, entry: dict | None, names: Sequence[str], device:
     report.timings = timings if report.cached else {}
     report.cache_file = report.cache_file if report.cached else None
     best = _fastest(timings, margin) if report.cached else "none"
-    built = _build(model, best, device, report.notes)
+    report.rewrites = bool((entry or {}).get("rewrites", True))
+    built = _build(model, best, device, report.notes, rewrites=report.rewrites)
     if built is None:  # the cached choice no longer applies here (e.g. oneDNN switched off since)
         best, built = "none", model
     report.backend = best
@@ -460,8 +463,8 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
     if entry and entry.get("backend") in names:
         report = OptimizeReport(backend=entry["backend"], requested="auto", timings=entry.get("timings", {}),
                                 rejected=entry.get("rejected", {}), cached=True, cache_file=str(path), key=key,
-                                notes=notes)
-        built = _build(model, report.backend, device, notes)
+                                notes=notes, rewrites=bool(entry.get("rewrites", True)))
+        built = _build(model, report.backend, device, notes, rewrites=report.rewrites)
         if built is not None:
             return _finish(built, report)
         notes.append(f"cached choice {report.backend!r} no longer applies: measuring again")
@@ -478,26 +481,45 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
         return _untuned(model, None, names, device, margin, report,
                         f"one eager call takes {eager_s * 1e3:.1f} ms, under {TUNE_MIN_SECONDS * 1e3:g} ms")
     scale, tol = max(1.0, _scale(ref)), _tolerance(ref)
-    built: dict[str, nn.Module] = {"none": model}
-    for name in names:
-        if name == "none":
-            continue
+
+    def check(name: str, rewrites: bool) -> nn.Module | None:
+        """The candidate ``name`` built on a copy and checked against eager; None (the reason recorded) if not."""
         try:
-            cand = _build(_share_copy(model), name, device, notes)
+            cand = _build(_share_copy(model), name, device, notes, rewrites=rewrites)
             if cand is None:
                 report.rejected[name] = "does not apply"
-                continue
+                return None
             with torch.no_grad():
                 diff = max_abs_diff(cand(*args), ref)
         except Exception as e:  # noqa: BLE001 -- a backend that fails to build or run is simply not chosen
             report.rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             log.warning("vitlab.optimize: %s failed: %s", name, report.rejected[name])
-            continue
+            return None
         report.max_abs_diff[name] = diff
         if not diff <= tol * scale:
             report.rejected[name] = f"output differs from eager by {diff:.3g} (> {tol:g} x {scale:.3g})"
-            continue
-        built[name] = cand
+            return None
+        return cand
+
+    # First the layer rewrites against eager (both eager PyTorch): the other backends build on them only where
+    # they are faster on this machine (e.g. oneDNN's patch convolution can beat the patch GEMM).
+    built: dict[str, nn.Module] = {"none": model}
+    rewritten = check("rewrite", True)
+    if rewritten is not None:
+        first = measure({"none": lambda: model(*args), "rewrite": lambda: rewritten(*args)}, device, warmup=1,
+                        runs=runs)
+        report.rewrites = _fastest(first, margin) == "rewrite"
+        notes.append(f"layer rewrites {'kept' if report.rewrites else 'left out'} under the other backends "
+                     f"({first['rewrite'] * 1e3:.2f} ms against eager's {first['none'] * 1e3:.2f} ms)")
+        if "rewrite" in names:
+            built["rewrite"] = rewritten
+    else:
+        report.rewrites = False
+        if "rewrite" not in names:
+            report.rejected.pop("rewrite", None)
+    for name in names:
+        if name not in ("none", "rewrite") and (cand := check(name, report.rewrites)) is not None:
+            built[name] = cand
     # each candidate ran once in its check (compiled there): one more untimed call each is warm-up enough
     timings = measure({n: (lambda m=m: m(*args)) for n, m in built.items()}, device, warmup=1, runs=runs)
     report.timings = {n: round(t, 6) for n, t in timings.items()}
@@ -505,7 +527,8 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
     if cache:
         try:
             entries = _read_cache(path)
-            entries[_key_id(key)] = dict(backend=best, timings=report.timings, rejected=report.rejected, key=key,
+            entries[_key_id(key)] = dict(backend=best, rewrites=report.rewrites, timings=report.timings,
+                                         rejected=report.rejected, key=key,
                                          written=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
             _write_cache(path, entries)
         except OSError as e:
