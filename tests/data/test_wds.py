@@ -114,6 +114,30 @@ def test_resume_mid_epoch_continues_exactly(shards, monkeypatch):
     assert head + [y for _, y in fresh] == full
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_exactly(shards, workers):
+    """torchdata's StatefulDataLoader (what a resumable training loop uses) keeps each worker's position."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader():
+        s = read_split("train", str(shards), shuffle=16, seed=4)
+        s.set_epoch(2)
+        d = streaming.StreamImages(s, 1, None)
+        d.batch_size = 4
+        return StatefulDataLoader(d, batch_size=4, num_workers=workers, drop_last=True)
+
+    full = [y for _, y in loader()]
+    first = loader()
+    it = iter(first)
+    head = [next(it)[1] for _ in range(5)]
+    state = first.state_dict()
+    del it
+    again = loader()
+    again.load_state_dict(state)
+    rest = [y for _, y in again]
+    assert len(full) == 15 and torch.equal(torch.cat(head + rest), torch.cat(full))
+
+
 def test_eval_split_reads_in_order_and_val_pattern_found(shards, monkeypatch):
     val = read_split("val", f"{shards}/train-*.tar", classes=[str(i) for i in range(60)])
     assert labels_of(val, 0, 1, monkeypatch=monkeypatch) == list(range(10))
