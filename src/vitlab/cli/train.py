@@ -9,6 +9,7 @@
     vitlab eval --checkpoint runs/RUN              the run's task scores it (top-1, mIoU, zero-shot, k-NN ...)
     vitlab predict --checkpoint runs/RUN img1.png img2.png --topk 3
     vitlab predict --onnx model.onnx img1.png                (ONNX Runtime; file from vitlab export)
+    vitlab predict --checkpoint runs/VQA img.png --prompt "how many cats are there"   (a vqa run answers)
 
 The config is built exactly as :meth:`vitlab.train.TrainConfig.for_task` builds it in Python: the engine's
 defaults < the task's recipe < ``--config FILE`` < flags. ``eval`` and ``predict`` dispatch on the checkpoint's
@@ -152,6 +153,20 @@ def cmd_predict(args) -> int:
         rows = predict_onnx(args.onnx, args.images, topk=args.topk)
         for r in rows:
             r["line"] = f"{r['image']}: " + "  ".join(f"{label} {p:.3f}" for label, p in r["top"])
+    elif args.prompt is not None:  # a question (or instruction) for a vision-language run's predict
+        import inspect
+        from pathlib import Path
+
+        from vitlab.data import check_image_files
+        from vitlab.train.evaluate import load_model, run_dir_of
+
+        images = check_image_files(args.images)
+        model, record, task = load_model(args.checkpoint, weights=args.weights, device=args.device)
+        if "prompt" not in inspect.signature(task.predict).parameters:
+            raise ValueError(f"--prompt is for vision-language runs (caption, vqa); this run's task is {record.task}")
+        out = Path(args.output_dir) if args.output_dir else run_dir_of(args.checkpoint) / "predictions"
+        rows = task.predict(model, record, images, out, topk=args.topk, device=args.device,
+                            optimize=not args.no_optimize, prompt=args.prompt)
     else:
         from vitlab.train import predict
 
@@ -218,6 +233,7 @@ def register(sub) -> None:
                    help="instead of --checkpoint: an ONNX file from vitlab export, run with ONNX Runtime")
     p.add_argument("images", nargs="+", metavar="IMAGE")
     p.add_argument("--topk", type=int, default=5, help="labels per image (classification, zero-shot)")
+    p.add_argument("--prompt", default=None, help="the question a vision-language run answers about each image")
     p.add_argument("--weights", default="auto", choices=["auto", "raw", "ema"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-optimize", action="store_true",

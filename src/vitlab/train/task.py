@@ -204,9 +204,10 @@ class Task:
         raise TaskError(f"task {self.name!r} has no evaluate")
 
     def predict(self, model: nn.Module, record: RunRecord, inputs: list[str], out_dir: Path, *, topk: int = 5,
-                device: str = "cpu", optimize: bool = True) -> list[dict]:
+                device: str = "cpu", optimize: bool = True, prompt: str | None = None) -> list[dict]:
         """One row per input (each with ``line``: what the console prints); files (masks, maps) under
-        ``out_dir``."""
+        ``out_dir``. ``prompt``: the question or instruction, for a task that answers one (``vitlab predict
+        --prompt``)."""
         raise TaskError(f"task {self.name!r} has no predict")
 
 

@@ -1,0 +1,538 @@
+"""Vision-language tasks on the engine: ``caption`` and ``vqa`` (``vitlab train --task caption | vqa``).
+
+Both train a LLaVA-style model (Liu et al., 2023, "Visual Instruction Tuning", Sec. 4: an image tower, a
+projector into the language model's embedding, a decoder that reads the image tokens where the ``<image>``
+placeholder stands) by next-token cross-entropy on the *answer* tokens only -- LLaVA's training objective (its
+Eq. 2 masks every token but the assistant's):
+
+- ``caption``: ``<s> <image> caption </s>``, the loss on the caption and its end token. Scored by BLEU-4 and
+  CIDEr-D (:mod:`vitlab.vlm.metrics`) of greedy captions against the references.
+- ``vqa``: LLaVA's instruction format, ``<s> <image> user : question assistant : answer </s>`` (several turns for
+  a conversation file), the loss on the answers and their end tokens. Scored by VQA accuracy per question kind.
+
+Freezing follows LLaVA's two stages (Sec. 4.2): ``stage 1`` trains the projector only (feature alignment),
+``stage 2`` the projector and the language model (the image tower stays frozen); ``freeze`` names further parts.
+``init`` starts from a CLIP run (its image tower), another caption / vqa run (its whole model: stage 2 after
+stage 1) or a checkpoint of the model. ``blind`` replaces every image by zeros: the same model trained and
+scored without seeing, the baseline that measures what the image adds.
+
+Data (:mod:`vitlab.vlm.data`): ``scenes`` (the embedded offline set; the default), ``coco:PATH``, ``vqa:PATH``
+and ``llava:PATH``. Text is tokenized into words over the training texts' vocabulary.
+
+The run record (model, tokenizer vocabulary, sequence length, image preprocessing) rebuilds the model for
+``vitlab eval`` (the metrics above on a split) and ``vitlab predict`` (a caption, or the answer to ``--prompt``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from vitlab.data import DataConfig, DataError, load_image
+from vitlab.data.transforms import channel_stats, eval_transform
+from vitlab.registry import create_model, get_model_config
+from vitlab.train import checkpoint as ck
+from vitlab.train.common import model_kwargs, prepare_model
+from vitlab.train.config import to_plain
+from vitlab.train.task import RunRecord, Task, register_task
+from vitlab.vlm.data import (
+    IMAGE_TOKEN,
+    QUESTION_KINDS,
+    SCENE_SPLITS,
+    VLSample,
+    make_scenes,
+    read_coco,
+    read_llava,
+    read_vqa,
+    scene_question,
+    scene_texts,
+    scenes_vocabulary,
+)
+from vitlab.vlm.metrics import caption_scores, vqa_accuracy
+
+PARTS = ("vision_tower", "projector", "language_model")
+PROMPT_WORDS = ("user", ":", "assistant")
+IGNORE = -100
+
+
+@dataclass
+class VLArgs:
+    """The caption and vqa tasks' options (``--task_args.NAME``; short flags --blind, --stage, --init)."""
+
+    blind: bool = False                # images replaced by zeros: the baseline without sight
+    stage: int = 0                     # LLaVA's stages: 1 trains the projector only, 2 projector + language model
+    freeze: list[str] = field(default_factory=list)  # parts kept frozen: vision_tower, projector, language_model
+    init: str | None = None            # a CLIP run (image tower), a caption / vqa run or a checkpoint (whole model)
+    context_length: int | None = None  # tokens per sequence, image placeholder included (None: the longest)
+    max_new_tokens: int = 24           # generation bound of eval and predict
+    scenes_train: int | None = None    # scenes: training scenes (None: 4000)
+    scenes_eval: int | None = None     # scenes: validation and test scenes (None: 200 and 400)
+
+
+# ---------------------------------------------------------------- tokens
+
+_WORD = re.compile(r"[\w']+|[^\w\s]")
+
+
+class WordTokenizer:
+    """Lower-cased words and punctuation marks over a fixed vocabulary: ids 0 padding, 1 unknown, 2 ``<s>``, 3
+    ``</s>``, 4 the image placeholder, then the words (sorted, so the same texts always give the same ids)."""
+
+    SPECIALS = ("<pad>", "<unk>", "<s>", "</s>", IMAGE_TOKEN)
+
+    def __init__(self, words: list[str]):
+        self.words = sorted(set(words) - set(self.SPECIALS))
+        self.vocab = [*self.SPECIALS, *self.words]
+        self.encoder = {w: i for i, w in enumerate(self.vocab)}
+        self.pad_id, self.unk_id, self.bos_id, self.eos_id, self.image_id = range(5)
+        self.vocab_size = len(self.vocab)
+
+    @classmethod
+    def from_texts(cls, texts) -> WordTokenizer:
+        return cls([w for t in texts for w in _WORD.findall(t.lower())])
+
+    def encode(self, text: str) -> list[int]:
+        return [self.encoder.get(w, self.unk_id) for w in _WORD.findall(text.lower())]
+
+    def decode(self, ids: list[int]) -> str:
+        """The words of ``ids`` up to the first ``</s>``, special tokens left out."""
+        words = []
+        for i in ids:
+            if i == self.eos_id:
+                break
+            if i >= len(self.SPECIALS):
+                words.append(self.vocab[i])
+        return " ".join(words)
+
+    def to_dict(self) -> dict:
+        return {"kind": "word", "words": self.words}
+
+
+class Sequences:
+    """Token ids of the instruction format: ``<s> <image> [user : Q assistant :] A </s>`` with labels on the
+    answers (and their end tokens) only; ``<image>`` is one token the model replaces by the image's."""
+
+    def __init__(self, tokenizer: WordTokenizer, context_length: int, instruct: bool):
+        self.tok, self.length, self.instruct = tokenizer, context_length, instruct
+        self.bos, self.eos, self.image_id = tokenizer.bos_id, tokenizer.eos_id, tokenizer.image_id
+
+    def prompt(self, question: str | None = None) -> list[int]:
+        ids = [self.bos, self.image_id]
+        if self.instruct:
+            ids += self.tok.encode(f"user : {question} assistant :")
+        return ids
+
+    def encode(self, turns: list[tuple[str | None, str]]) -> tuple[list[int], list[int]]:
+        ids, labels = [self.bos, self.image_id], [IGNORE, IGNORE]
+        for q, a in turns:
+            if self.instruct:
+                p = self.tok.encode(f"user : {q} assistant :")
+                ids, labels = ids + p, labels + [IGNORE] * len(p)
+            t = self.tok.encode(a) + [self.eos]
+            ids, labels = ids + t, labels + t
+        return ids, labels
+
+    def padded(self, turns) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, labels = self.encode(turns)
+        if len(ids) > self.length:  # the answer is at the end: keep the whole sequence or refuse
+            raise DataError(f"a sequence of {len(ids)} tokens exceeds the context of {self.length}; raise "
+                            f"--task_args.context_length")
+        n = self.length - len(ids)
+        return torch.tensor(ids + [self.tok.pad_id] * n), torch.tensor(labels + [IGNORE] * n)
+
+
+def build_tokenizer(texts: list[str]) -> WordTokenizer:
+    """The words of ``texts`` and of the prompt."""
+    return WordTokenizer.from_texts([*texts, " ".join(PROMPT_WORDS)])
+
+
+# ---------------------------------------------------------------- data
+
+
+@dataclass
+class VLSplits:
+    """Samples per split and where their images come from (file paths, or the scenes' uint8 tensors)."""
+
+    train: list[VLSample]
+    val: list[VLSample]
+    test: list[VLSample] | None
+    images: dict[str, torch.Tensor | None]     # split -> in-memory images (scenes), None for files
+    scenes: dict[str, list] = field(default_factory=dict)   # split -> ground truth (scenes)
+
+    def texts(self) -> list[str]:
+        return [t for s in self.train for q, a in s.turns for t in (q or "", a)] + [r for s in self.train
+                                                                                   for r in s.refs]
+
+
+def read_splits(data: DataConfig, kind: str, scenes_train: int | None = None,
+                scenes_eval: int | None = None) -> VLSplits:
+    """The samples of ``data`` for ``kind`` ('caption' or 'vqa')."""
+    name, path = data.name, data.path
+    if name == "scenes":
+        sizes = {"train": scenes_train, "val": scenes_eval, "test": 2 * scenes_eval if scenes_eval else None}
+        sets = {s: make_scenes(s, data.seed, sizes[s]) for s in SCENE_SPLITS}
+        pick = (lambda s: s.captions) if kind == "caption" else (lambda s: s.questions)
+        # training draws a fresh question about each scene every time it is read: one sample per scene
+        train = pick(sets["train"]) if kind == "caption" else [VLSample(i) for i in range(len(sets["train"].scenes))]
+        return VLSplits(train, pick(sets["val"]), pick(sets["test"]),
+                        {s: v.images for s, v in sets.items()}, {s: v.scenes for s, v in sets.items()})
+    readers = {"coco": read_coco, "vqa": read_vqa, "llava": read_llava}
+    if name not in readers:
+        raise DataError(f"--task {kind} reads scenes, coco:PATH, vqa:PATH or llava:PATH, not "
+                        f"{data.dataset!r}")
+    if (kind == "caption") != (name == "coco"):
+        raise DataError(f"{data.dataset!r} holds {'captions' if name == 'coco' else 'questions'}; "
+                        f"--task {kind} needs {'captions' if kind == 'caption' else 'questions'}")
+    s = readers[name](path)
+    return VLSplits(s["train"], s["val"], s.get("test"), {k: None for k in ("train", "val", "test")})
+
+
+class VLDataset(Dataset):
+    """(image (C, H, W) float, token ids (L,), labels (L,)) per sample. Training draws a caption among the
+    references each time (and, on the scenes, a fresh question of a random kind about the scene)."""
+
+    def __init__(self, samples: list[VLSample], images: torch.Tensor | None, transform, seqs: Sequences,
+                 train: bool, blind: bool, scenes: list | None = None):
+        self.samples, self.images, self.transform, self.seqs = samples, images, transform, seqs
+        self.train, self.blind, self.scenes = train, blind, scenes
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def image(self, s: VLSample) -> torch.Tensor:
+        img = self.images[s.image] if isinstance(s.image, int) else load_image(s.image, 3)
+        x = self.transform(img)
+        return torch.zeros_like(x) if self.blind else x
+
+    def __getitem__(self, i: int):
+        s = self.samples[i]
+        turns = s.turns
+        if self.train:
+            # the trainer seeds torch's stream per rank and restores it on resume
+            rng = random.Random(int(torch.randint(2 ** 31, ())))
+            if self.scenes is not None and self.seqs.instruct:  # a question of a random kind the scene has
+                qa = None
+                while qa is None:
+                    qa = scene_question(self.scenes[s.image], rng.choice(QUESTION_KINDS), rng)
+                turns = [qa]
+            elif not s.turns:
+                turns = [(None, rng.choice(s.refs))]
+        elif not s.turns:
+            turns = [(None, s.refs[0])]
+        ids, labels = self.seqs.padded(turns)
+        return self.image(s), ids, labels
+
+
+# ---------------------------------------------------------------- the model
+
+
+def _logits(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def answer_loss(logits: torch.Tensor, labels: torch.Tensor, image_pos: int = 1) -> tuple[torch.Tensor, dict]:
+    """Cross-entropy of next-token ``logits`` on the labelled tokens. A model that widens the placeholder into
+    the image's tokens returns more positions than ``labels`` has: they are aligned by skipping the image's."""
+    extra = logits.shape[1] - labels.shape[1]
+    if extra:
+        pad = labels.new_full((labels.shape[0], extra), IGNORE)
+        labels = torch.cat([labels[:, :image_pos], pad, labels[:, image_pos:]], dim=1)
+    logits, target = logits[:, :-1], labels[:, 1:]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=IGNORE)
+    mask = target != IGNORE
+    hit = (logits.argmax(-1) == target) | ~mask
+    return loss, {"tokens": mask.sum(), "token_hits": (hit & mask).sum(), "seq_hits": hit.all(-1).sum()}
+
+
+def apply_freezing(model: nn.Module, args: VLArgs) -> list[str]:
+    """Freeze the parts ``args`` name (LLaVA's stage 1: all but the projector; stage 2: the image tower)."""
+    frozen = set(args.freeze) | {1: {"vision_tower", "language_model"}, 2: {"vision_tower"}}.get(args.stage, set())
+    for part in frozen:
+        for p in getattr(model, part).parameters():
+            p.requires_grad_(False)
+    return sorted(frozen)
+
+
+def init_from(model: nn.Module, source: str) -> str:
+    """Weights from ``source``: a CLIP run gives the image tower, a caption / vqa run or a checkpoint of this
+    model everything. Returns what was loaded."""
+    from vitlab.convert import load_checkpoint, load_state_dict
+
+    p = Path(source)
+    if (p.is_dir() and not (p / "config.json").is_file()) or p.suffix == ".safetensors":  # a vitlab run
+        sd, meta = ck.load_weights(source, weights="raw")
+        if meta.get("task") == "clip":  # CLIP's image tower is the ViT under visual.trunk
+            trunk = {k.removeprefix("visual.trunk."): v for k, v in sd.items() if k.startswith("visual.trunk.")}
+            load_state_dict(model.vision_tower, trunk, source=source)
+            return "vision_tower"
+        load_state_dict(model, sd, source=source)
+        return "all"
+    load_checkpoint(model, source)  # a checkpoint of the model (a transformers directory, a state dict file)
+    return "all"
+
+
+def build_vl_model(name: str, kwargs: dict, vocab_size: int, image_token_id: int, img_size: int,
+                   context_length: int) -> nn.Module:
+    return create_model(name, **{"vocab_size": vocab_size, "image_token_id": image_token_id, "img_size": img_size,
+                                 "max_seq_len": context_length, **kwargs})
+
+
+# ---------------------------------------------------------------- the tasks
+
+
+class _VLTask(Task):
+    Args = VLArgs
+    instruct = False
+    aliases = {"blind": "task_args.blind", "stage": "task_args.stage", "init": "task_args.init"}
+
+    @classmethod
+    def defaults(cls) -> dict:
+        return {"model": "llava_scenes", "data.dataset": "scenes", "epochs": 20, "batch_size": 64, "lr": 1.6e-2,
+                "warmup_epochs": 1.0, "weight_decay": 0.05, "drop_path": 0.0}
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        a = cfg.task_args
+        bad = [p for p in a.freeze if p not in PARTS]
+        if bad:
+            raise ValueError(f"freeze names parts of {', '.join(PARTS)}, got {bad}")
+        if a.stage not in (0, 1, 2):
+            raise ValueError(f"stage must be 0 (train everything), 1 or 2, got {a.stage}")
+        if a.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {a.max_new_tokens}")
+        for k in ("scenes_train", "scenes_eval", "context_length"):
+            v = getattr(a, k)
+            if v is not None and v < 1:
+                raise ValueError(f"{k} must be >= 1, got {v}")
+
+    def build(self, cfg, device: torch.device) -> None:
+        self.cfg, self.device, self.args = cfg, device, cfg.task_args
+        a: VLArgs = self.args
+        mcfg = get_model_config(cfg.model)
+        img_size = int(cfg.data.img_size or cfg.model_kwargs.get("img_size", mcfg.input_size[-1]))
+        kind = "vqa" if self.instruct else "caption"
+        self.splits = read_splits(cfg.data, kind, a.scenes_train, a.scenes_eval)
+        texts = self.splits.texts() + (scenes_vocabulary() if cfg.data.name == "scenes" else [])
+        self.tokenizer = build_tokenizer(texts)
+        probe = Sequences(self.tokenizer, 10 ** 6, self.instruct)
+        longest = max(len(probe.encode(s.turns or [(None, r) for r in s.refs])[0])
+                      for s in self.splits.train + self.splits.val)
+        if cfg.data.name == "scenes":  # every template's longest question or caption, the held-out ones too
+            t = scene_texts()
+            longest = max(longest, *(len(probe.encode([(q, "yes")])[0]) for q in t["question"])) if self.instruct \
+                else max(longest, *(len(probe.encode([(None, c)])[0]) for c in t["caption"]))
+        context = a.context_length or longest
+        self.seqs = Sequences(self.tokenizer, context, self.instruct)
+        mean, std = channel_stats(mcfg.mean, 3), channel_stats(mcfg.std, 3)
+        tf = eval_transform(img_size, crop_pct=1.0, mean=mean, std=std)
+        sp = self.splits
+        scenes = sp.scenes.get("train") if self.instruct else None
+        self.data = _Data(VLDataset(sp.train, sp.images["train"], tf, self.seqs, True, a.blind, scenes),
+                          VLDataset(sp.val, sp.images["val"], tf, self.seqs, False, a.blind))
+        kwargs = model_kwargs(cfg)
+        model = build_vl_model(cfg.model, kwargs, self.tokenizer.vocab_size, self.seqs.image_id, img_size,
+                               context)
+        self.loaded = init_from(model, a.init) if a.init else None
+        self.frozen = apply_freezing(model, a)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.model = self.module = prepare_model(model, cfg, device)
+        data = {**cfg.data.to_dict(), "img_size": img_size}
+        self._record = RunRecord(
+            task=self.name, model=cfg.model, model_kwargs=kwargs, task_args=to_plain(a), data=data,
+            img_size=img_size, in_chans=3, mean=list(mean), std=list(std), crop_pct=1.0, params=self.num_params,
+            extra={"tokenizer": self.tokenizer.to_dict(), "context_length": context})
+
+    def _batch(self, batch):
+        x, ids, labels = (t.to(self.device, non_blocking=True) for t in batch)
+        return x, ids, labels
+
+    def training_step(self, batch, forward) -> tuple[torch.Tensor, dict]:
+        x, ids, labels = self._batch(batch)
+        # right padding under causal attention: no real token attends to a pad, so no mask is needed
+        loss, _ = answer_loss(_logits(forward(ids, x)), labels)
+        return loss, {}
+
+    def validation_step(self, batch, forward) -> dict[str, torch.Tensor]:
+        x, ids, labels = self._batch(batch)
+        loss, s = answer_loss(_logits(forward(ids, x)), labels)
+        return {"loss": (loss.detach() * s["tokens"]).double().cpu(), **{k: v.double().cpu() for k, v in s.items()},
+                "n": torch.tensor(float(ids.shape[0]), dtype=torch.float64)}
+
+    def validation_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        t = max(sums["tokens"].item(), 1.0)
+        return {"loss": sums["loss"].item() / t, "token_acc": 100.0 * sums["token_hits"].item() / t,
+                "answer_acc": 100.0 * sums["seq_hits"].item() / max(sums["n"].item(), 1.0)}
+
+    def summary(self) -> dict:
+        return {"model": self.cfg.model, "dataset": self.cfg.data.dataset, "params_m": self.num_params / 1e6,
+                "img_size": self._record.img_size, "train_images": len(self.data.train),
+                "val_images": len(self.data.val), "vocab_size": self.tokenizer.vocab_size,
+                "context_length": self.seqs.length, "frozen": self.frozen, "blind": self.args.blind}
+
+    def record(self) -> RunRecord:
+        return self._record
+
+    @torch.no_grad()
+    def test(self, run_dir, batch_size: int, checkpoint: str = "last") -> dict:
+        from vitlab.train.evaluate import load_model
+
+        ckpt = Path(run_dir) / checkpoint
+        if self.splits.test is None or not ckpt.exists():
+            return {}
+        model, record, _ = load_model(ckpt, device=self.device)
+        r = self.score(model, record, self.splits, "test", batch_size, self.device)
+        return {f"test_{k}": v for k, v in r.items() if isinstance(v, float)}
+
+    # ---- the run record ------------------------------------------------------------------------------
+    def load(self, record: RunRecord) -> nn.Module:
+        tok = WordTokenizer(record.extra["tokenizer"]["words"])
+        return build_vl_model(record.model, record.model_kwargs, tok.vocab_size, tok.image_id,
+                              record.img_size, record.extra["context_length"])
+
+    def _record_seqs(self, record: RunRecord) -> Sequences:
+        tok = WordTokenizer(record.extra["tokenizer"]["words"])
+        return Sequences(tok, record.extra["context_length"], self.instruct)
+
+    def _transform(self, record: RunRecord):
+        return eval_transform(record.img_size, crop_pct=1.0, mean=record.mean, std=record.std)
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, record: RunRecord, images: torch.Tensor, prompts: list[list[int]],
+                 batch_size: int, device) -> list[str]:
+        """Greedy continuations of ``prompts`` (token ids) for ``images`` (normalised); prompts of one length are
+        batched together, so no padding is needed."""
+        seqs = self._record_seqs(record)
+        blind = bool(record.task_args.get("blind"))
+        max_new = int(record.task_args.get("max_new_tokens", 24))
+        out: list[str] = [""] * len(prompts)
+        by_len: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_len.setdefault(len(p), []).append(i)
+        for n, idx in sorted(by_len.items()):
+            room = min(max_new, seqs.length - n)
+            if room < 1:
+                raise ValueError(f"the prompt ({n} tokens) leaves no room to answer in the context of {seqs.length}")
+            for k in range(0, len(idx), batch_size):
+                chunk = idx[k:k + batch_size]
+                x = images[chunk].to(device)
+                if blind:
+                    x = torch.zeros_like(x)
+                ids = torch.tensor([prompts[i] for i in chunk], device=device)
+                new = model.generate(ids, x, max_new_tokens=room, eos_token_id=seqs.eos)
+                for i, row in zip(chunk, new.tolist(), strict=True):
+                    out[i] = seqs.tok.decode(row)
+        return out
+
+    def score(self, model, record, splits: VLSplits, split: str, batch_size: int, device) -> dict:
+        raise NotImplementedError
+
+    def _eval_splits(self, record: RunRecord, data: str | None) -> VLSplits:
+        a = record.task_args
+        cfg = DataConfig(**{**record.data, "dataset": data}) if data else DataConfig(**record.data)
+        return read_splits(cfg, "vqa" if self.instruct else "caption", 1 if cfg.name == "scenes" else None,
+                           a.get("scenes_eval"))
+
+    def _images(self, record: RunRecord, splits: VLSplits, split: str, samples: list[VLSample]) -> torch.Tensor:
+        tf = self._transform(record)
+        mem = splits.images[split]
+        return torch.stack([tf(mem[s.image] if isinstance(s.image, int) else load_image(s.image, 3))
+                            for s in samples])
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, record: RunRecord, data: str | None, split: str, *, out_dir: Path,
+                 batch_size: int = 256, device: str = "cpu", optimize: bool = True) -> dict:
+        """The task's metrics on ``data`` (default: the record's) ``split`` ('test' falls back to 'val' when the
+        data has none); writes ``eval-<split>.json`` (with every generated output) to ``out_dir``."""
+        splits = self._eval_splits(record, data)
+        if split == "test" and splits.test is None:
+            split = "val"
+        if getattr(splits, split) is None or split == "train" and not getattr(splits, split):
+            raise DataError(f"the data has no {split} split")
+        result = {"task": self.name, "split": split, **self.score(model, record, splits, split, batch_size, device)}
+        file = Path(out_dir) / f"eval-{split}.json"
+        ck.atomic_write(file, json.dumps(result, indent=2).encode())
+        summary = "  ".join(f"{k} {v:.2f}" for k, v in result.items() if isinstance(v, float))
+        return {**result, "files": [str(file)], "summary": f"{self.name} {split}: {summary}"}
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, record: RunRecord, inputs: list[str], out_dir: Path, *, topk: int = 5,
+                device: str = "cpu", optimize: bool = True, prompt: str | None = None) -> list[dict]:
+        """A caption (``caption``) or the answer to ``prompt`` (``vqa``) per image."""
+        seqs = self._record_seqs(record)
+        if self.instruct:
+            if prompt is None or not prompt.strip():
+                raise ValueError("empty question: pass --prompt \"...\"")
+            text = prompt.replace(IMAGE_TOKEN, " ").strip()
+            if not text:
+                raise ValueError("empty question: the prompt holds only the image placeholder")
+            p = seqs.prompt(text)
+        else:
+            if prompt is not None:
+                raise ValueError("a caption run answers no question; drop --prompt (or use a vqa run)")
+            p = seqs.prompt()
+        if len(p) >= seqs.length:
+            raise ValueError(f"the question ({len(p)} tokens with the image) does not fit the context of "
+                             f"{seqs.length} tokens")
+        tf = self._transform(record)
+        x = torch.stack([tf(load_image(f, 3)) for f in inputs])
+        texts = self.generate(model, record, x, [p] * len(inputs), 64, device)
+        return [{"image": str(f), "prompt": prompt, "output": t, "line": f"{f}: {t}"}
+                for f, t in zip(inputs, texts, strict=True)]
+
+
+@dataclass
+class _Data:
+    train: Dataset
+    val: Dataset
+    test: Dataset | None = None
+
+
+@register_task("caption")
+class CaptionTask(_VLTask):
+    """Image captioning: the loss on the caption tokens; scored by BLEU-4 and CIDEr-D."""
+
+    monitor = "loss"
+    monitor_mode = "min"
+
+    def score(self, model, record, splits: VLSplits, split: str, batch_size: int, device) -> dict:
+        samples = getattr(splits, split)
+        seqs = self._record_seqs(record)
+        x = self._images(record, splits, split, samples)
+        outs = self.generate(model, record, x, [seqs.prompt()] * len(samples), batch_size, device)
+        hyps = {i: o for i, o in enumerate(outs)}
+        refs = {i: s.refs for i, s in enumerate(samples)}
+        r = caption_scores(hyps, refs)
+        return {"bleu4": 100.0 * r["bleu4"], "cider": 100.0 * r["cider"], "images": len(samples),
+                "captions": [{"image": str(s.image), "output": o, "refs": s.refs} for s, o in zip(samples, outs)]}
+
+
+@register_task("vqa")
+class VQATask(_VLTask):
+    """Visual question answering in LLaVA's instruction format: the loss on the answer tokens; scored by VQA
+    accuracy per question kind."""
+
+    monitor = "answer_acc"
+    instruct = True
+
+    def score(self, model, record, splits: VLSplits, split: str, batch_size: int, device) -> dict:
+        samples = getattr(splits, split)
+        seqs = self._record_seqs(record)
+        x = self._images(record, splits, split, samples)
+        # a conversation is scored on its last answer, its earlier turns given
+        prompts = []
+        for s in samples:
+            ids, _ = seqs.encode(s.turns[:-1]) if len(s.turns) > 1 else ([seqs.bos, seqs.image_id], None)
+            prompts.append(ids + seqs.prompt(s.turns[-1][0])[2:])
+        outs = self.generate(model, record, x, prompts, batch_size, device)
+        r = vqa_accuracy(outs, [s.refs for s in samples], [s.kind or "all" for s in samples])
+        return {"accuracy": r.pop("overall"), **r, "questions": len(samples),
+                "answers": [{"image": str(s.image), "question": s.turns[-1][0], "output": o, "refs": s.refs,
+                             "kind": s.kind} for s, o in zip(samples, outs)]}

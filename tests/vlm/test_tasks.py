@@ -1,0 +1,165 @@
+"""The caption and vqa tasks through the command line: a seconds-long train, eval and predict on the scenes; the
+loss only on answer tokens (equal to the model's own labelled loss); LLaVA's freezing stages; bad input in one
+line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+import vitlab
+from vitlab.cli import main
+from vitlab.train import TrainConfig
+from vitlab.vlm.data import draw_scene
+from vitlab.vlm.tasks import IGNORE, Sequences, VLArgs, WordTokenizer, answer_loss, apply_freezing
+
+# a one-block tower and a one-layer decoder: seconds on a CPU
+TINY = ["--model_kwargs.vision_depth", "1", "--model_kwargs.text_n_layers", "1", "--model_kwargs.vision_patch_size",
+        "16", "--task_args.scenes_train", "16", "--task_args.scenes_eval", "6", "--epochs", "1", "--batch_size", "8",
+        "--task_args.max_new_tokens", "4"]
+
+
+@pytest.fixture(scope="module")
+def scene_png(tmp_path_factory):
+    path = tmp_path_factory.mktemp("img") / "scene.png"
+    Image.fromarray(draw_scene(3)[0].permute(1, 2, 0).numpy()).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vqa_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("vqa") / "run"
+    assert main(["train", "--task", "vqa", "--output_dir", str(run), *TINY]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def caption_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("caption") / "run"
+    assert main(["train", "--task", "caption", "--output_dir", str(run), *TINY]) == 0
+    return run
+
+
+def _one_line_error(capsys, argv, *words):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vitlab: error:"), err
+    for w in words:
+        assert w in err[0], err[0]
+    return err[0]
+
+
+def test_vqa_train_eval_predict(vqa_run, scene_png, tmp_path, capsys):
+    summary = json.loads((vqa_run / "summary.json").read_text())
+    for kind in ("count", "presence", "position", "class"):
+        assert 0.0 <= summary[f"test_acc_{kind}"] <= 100.0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(vqa_run), "--output-dir", str(tmp_path), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["task"] == "vqa" and r["split"] == "test" and {"accuracy", "acc_count", "acc_class"} <= set(r)
+    rows = json.loads((tmp_path / "eval-test.json").read_text())["answers"]
+    assert rows and all({"question", "output", "refs", "kind"} <= set(a) for a in rows)
+    assert main(["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", "how many cats are there",
+                 "--json"]) == 0
+    row, = json.loads(capsys.readouterr().out)
+    assert row["prompt"] == "how many cats are there" and isinstance(row["output"], str)
+
+
+def test_vqa_bad_questions(vqa_run, scene_png, capsys):
+    _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", "  "],
+                    "empty question")
+    _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png)], "empty question")
+    long = " ".join(["cat"] * 40)
+    _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", long],
+                    "does not fit the context")
+
+
+def test_caption_train_eval_predict(caption_run, scene_png, tmp_path, capsys):
+    summary = json.loads((caption_run / "summary.json").read_text())
+    assert "test_cider" in summary and "test_bleu4" in summary
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(caption_run), "--split", "val", "--output-dir", str(tmp_path),
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["split"] == "val" and r["cider"] >= 0.0 and len(r["captions"]) == r["images"] == 6
+    assert main(["predict", "--checkpoint", str(caption_run), str(scene_png)]) == 0
+    assert capsys.readouterr().out.startswith(f"{scene_png}:")
+    _one_line_error(capsys, ["predict", "--checkpoint", str(caption_run), str(scene_png), "--prompt", "what"],
+                    "answers no question")
+
+
+def test_prompt_refused_by_a_task_without_questions(tmp_path, scene_png, capsys):
+    run = tmp_path / "cls"
+    assert main(["train", "--model", "vit_pico_patch8_32", "--data.img_size", "16", "--epochs", "1",
+                 "--batch_size", "256", "--output_dir", str(run), "--quiet"]) == 0
+    _one_line_error(capsys, ["predict", "--checkpoint", str(run), str(scene_png), "--prompt", "what"],
+                    "--prompt is for vision-language runs")
+
+
+def test_wrong_data_for_the_task(tmp_path, capsys):
+    (tmp_path / "q.jsonl").write_text("")
+    _one_line_error(capsys, ["train", "--task", "caption", "--data", f"vqa:{tmp_path / 'q.jsonl'}", *TINY],
+                    "holds questions")
+    _one_line_error(capsys, ["train", "--task", "vqa", "--data", "digits", *TINY], "reads scenes")
+
+
+def test_corrupt_coco_image_is_one_line(tmp_path, capsys):
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "a.png")
+    (tmp_path / "images" / "b.png").write_bytes(b"\x89PNG broken")
+    d = {"images": [{"id": 1, "file_name": "a.png"}, {"id": 2, "file_name": "b.png"}],
+         "annotations": [{"image_id": 1, "caption": "a thing"}, {"image_id": 2, "caption": "another"}]}
+    (tmp_path / "c.json").write_text(json.dumps(d))
+    out = tmp_path / "run"
+    _one_line_error(capsys, ["train", "--task", "caption", "--data", f"coco:{tmp_path / 'c.json'}",
+                             "--output_dir", str(out), *TINY], "corrupt image", "b.png")
+    assert not out.exists()
+
+
+def test_loss_only_on_answers_equals_the_models_labelled_loss():
+    tok = WordTokenizer.from_texts(["user : how many cats are there assistant : 2"])
+    seqs = Sequences(tok, 16, instruct=True)
+    ids, labels = seqs.padded([("how many cats are there", "2")])
+    scored = [int(i) for i, lab in zip(ids, labels, strict=True) if lab != IGNORE]
+    assert tok.decode(scored) == "2" and scored[-1] == tok.eos_id
+    model = vitlab.create_model("llava_scenes", vocab_size=tok.vocab_size, image_token_id=tok.image_id,
+                                max_seq_len=16, vision_depth=1, text_n_layers=1)
+    x = torch.randn(1, 3, 64, 64)
+    out = model(ids[None], x, labels=labels[None])
+    loss, stats = answer_loss(out.logits, labels[None])
+    assert torch.allclose(loss, out.loss) and stats["tokens"] == 2
+
+
+@pytest.mark.parametrize("stage, trained", [(0, {"vision_tower", "projector", "language_model"}),
+                                            (1, {"projector"}), (2, {"projector", "language_model"})])
+def test_llava_stages_freeze_parts(stage, trained):
+    model = vitlab.create_model("llava_tiny")
+    apply_freezing(model, VLArgs(stage=stage))
+    for part in ("vision_tower", "projector", "language_model"):
+        grads = {p.requires_grad for p in getattr(model, part).parameters()}
+        assert grads == {part in trained}, part
+
+
+def test_blind_runs_see_zeros():
+    cfg = TrainConfig.for_task("vqa", task_args={"blind": True, "scenes_train": 4, "scenes_eval": 2},
+                               model_kwargs={"vision_depth": 1, "text_n_layers": 1})
+    from vitlab.train.task import create_task
+
+    task = create_task("vqa")
+    task.build(cfg, torch.device("cpu"))
+    x, ids, labels = task.data.train[0]
+    assert x.abs().sum() == 0 and (labels != IGNORE).sum() >= 2
+    cfg.task_args.blind = False
+    task.build(cfg, torch.device("cpu"))
+    assert task.data.train[0][0].abs().sum() > 0
+
+
+def test_stage_two_starts_from_a_stage_one_run(vqa_run, tmp_path):
+    run = tmp_path / "s2"
+    assert main(["train", "--task", "vqa", "--output_dir", str(run), *TINY, "--stage", "2", "--init",
+                 str(vqa_run), "--quiet"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["frozen"] == ["vision_tower"]
