@@ -114,6 +114,11 @@ def test_any_image_tower_and_freezing_by_part():
     assert logits.shape[1] == 4 - 1 + vit.num_image_tokens and vit.vision_tower.patch_embed.proj.weight.grad is None
     assert vit.projector.linear_1.weight.grad is not None
     assert model._take == [2]
+    swin = vitlab.create_model("swin_tiny_patch4_window7_224", num_classes=0, img_size=64, window_size=4,
+                               depths=(1, 1, 1, 1))
+    hier = LLaVA(swin, vitlab.create_model("llama_tiny"), image_token_id=7, vision_feature_layer=-2)
+    assert hier.num_image_tokens == 4 * 4 and hier.projector.linear_1.in_features == 384  # stage 3: 1/16, C = 384
+    assert hier(ids, torch.randn(2, 3, 64, 64)).logits.shape == (2, 4 - 1 + 16, 512)
     with pytest.raises(ValueError, match="vision_feature_layer 0"):
         vitlab.create_model("llava_tiny", vision_feature_layer=0)
 

@@ -7,7 +7,7 @@ model's token embedding, and a decoder-only language model that reads the projec
   CLIP ViT-L/14 at 336 px). Its tokens are taken after block ``vision_feature_layer`` in transformers' counting
   (``hidden_states[i]``: 0 is the embedded patches, i > 0 the output of block i; negatives from the end, so -2 is
   the penultimate block, LLaVA's choice: Sec. 4.1 of the first paper) -- several layers (a list) are concatenated
-  along the channels. ``vision_feature_select_strategy='default'`` drops the [CLS] token (LLaVA's), ``'full'``
+  along the channels. A hierarchical tower (Swin, PVT, ...) counts stages instead and gives that stage's grid. ``vision_feature_select_strategy='default'`` drops the [CLS] token (LLaVA's), ``'full'``
   keeps it.
 - ``projector``: LLaVA-1.5's two-layer MLP with GELU (``'mlp2x_gelu'``, Sec. 3.1 of the second paper) or the first
   paper's single linear map (``'linear'``).
@@ -106,25 +106,34 @@ class LLaVA(nn.Module):
         self.vision_feature_layer = vision_feature_layer
         self._take = [i - 1 if i > 0 else n + i for i in layers]  # hidden_states[i] is the output of block i - 1
         self._prefix = int(getattr(vision_tower, "num_prefix_tokens", 0))
-        width = vision_tower.num_features * len(layers)
+        if hasattr(vision_tower, "blocks"):  # a plain ViT: one width, the patch grid (and the prefix) as tokens
+            grid = vision_tower.patch_embed.grid_size
+            self.num_image_tokens = grid[0] * grid[1] + (self._prefix if self.select_strategy == "full" else 0)
+            width = vision_tower.num_features * len(layers)
+        else:  # a hierarchical tower: its stages' widths and grids, from one image of its size
+            with torch.no_grad():
+                self.num_image_tokens, width = self._select(self._probe_image()).shape[1:]
         self.projector = Projector(width, language_model.config.dim, projector, projector_act, projector_bias)
 
     # ---- the image ----------------------------------------------------------------------------------------
-    @property
-    def num_image_tokens(self) -> int:
-        """T: the tokens one image becomes (patches, plus the prefix tokens with the 'full' strategy)."""
-        grid = self.vision_tower.patch_embed.grid_size
-        return grid[0] * grid[1] + (self._prefix if self.select_strategy == "full" else 0)
+    def _probe_image(self) -> torch.Tensor:
+        embed, w = self.vision_tower.patch_embed, next(self.vision_tower.parameters())
+        return torch.zeros(1, embed.in_chans, *embed.img_size, device=w.device, dtype=w.dtype)
 
-    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> projected image tokens (B, T, dim of the language model)."""
+    def _select(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The image tower's tokens at the feature layers, prefix tokens kept or dropped, layers concatenated."""
         kw = {"return_prefix_tokens": True} if self._prefix else {}
         feats = self.vision_tower.forward_intermediates(pixel_values, indices=self._take, output_fmt="NLC",
                                                         intermediates_only=True, stop_early=True, **kw)
         if self._prefix:
             feats = [torch.cat([prefix, patches], 1) if self.select_strategy == "full" else patches
                      for patches, prefix in feats]
-        return self.projector(torch.cat(feats, dim=-1))
+        return torch.cat(feats, dim=-1)
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> projected image tokens (B, T, dim of the language model); T is
+        ``num_image_tokens``."""
+        return self.projector(self._select(pixel_values))
 
     def merge(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None):
