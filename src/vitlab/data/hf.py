@@ -23,8 +23,10 @@ et al., 2021, "Datasets: A Community Library for Natural Language Processing", E
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
+import logging
 import random
 import re
 import warnings
@@ -60,11 +62,28 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
+@contextlib.contextmanager
+def _hub_quiet():
+    # the Hub client logs each failed request before raising; the error line below says it once
+    log = logging.getLogger("huggingface_hub")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 @functools.lru_cache(maxsize=8)
 def load(source: str, streaming: bool = False) -> dict:
     """The splits of ``source`` as ``{name: datasets.Dataset or IterableDataset}``."""
     hfd = require("datasets", WHAT)
     path = Path(source).expanduser()
+    with _hub_quiet():
+        return _load(hfd, source, path, streaming)
+
+
+def _load(hfd, source: str, path: Path, streaming: bool) -> dict:
     try:
         if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
             d = hfd.load_from_disk(str(path))

@@ -298,6 +298,8 @@ class ShardStream(Stream):
         super().__init__(name, skip_bad)
         self.shards, self.classes, self.train, self.seed = shards, classes, train, seed
         self.total = sum(s.count for s in shards)
+        if not self.total:
+            raise DataError(f"{name}: the shards hold no samples")
         if epoch_length is not None and int(epoch_length) < 1:
             raise DataError(f"{name}: epoch_length must be positive, got {epoch_length}")
         self.epoch_length = int(epoch_length) if epoch_length else self.total
