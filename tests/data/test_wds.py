@@ -307,3 +307,20 @@ def test_streams_split_between_torch_distributed_ranks(shards, tmp_path):
         (n0, a), (n1, b) = out[(name, 0)], out[(name, 1)]
         assert n0 == n1 == total // 2 // 4 and len(a) == len(b) == n0 * 4
         assert not set(a) & set(b) and len(set(a)) == len(a) and len(set(b)) == len(b)
+
+
+def test_pack_failure_midway_leaves_nothing(tmp_path, monkeypatch):
+    from vitlab.data import wds as shards
+
+    calls = []
+
+    def broken(image):  # the third image cannot be encoded: the first shard is complete by then
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return "png", png(0)
+
+    monkeypatch.setattr(shards, "_encoded", broken)
+    with pytest.raises(OSError, match="disk full"):
+        pack("digits", tmp_path / "out", shard_size=2)
+    assert not (tmp_path / "out").exists()

@@ -445,10 +445,10 @@ def _encoded(image) -> tuple[str, bytes]:
     return "png", buf.getvalue()
 
 
-def write_shards(items: list[tuple[object, int]], out: Path, split: str, shard_size: int,
-                 written: list[Path]) -> list[Shard]:
-    """``items`` (an image file path, PIL image or uint8 tensor, and a label) as ``split-NNNNNN.tar`` shards of
-    ``shard_size`` samples; each shard is written under a temporary name and renamed into place when complete."""
+def write_shards(items, out: Path, split: str, shard_size: int, written: list[Path]) -> list[Shard]:
+    """``items`` (a sequence of (an image file path, PIL image or uint8 tensor, and a label), each read when it
+    is written) as ``split-NNNNNN.tar`` shards of ``shard_size`` samples; each shard is written under a temporary
+    name and renamed into place when complete."""
     wds = require("webdataset", WHAT)
     shards = []
     for i in range(0, len(items), shard_size):
@@ -472,6 +472,21 @@ def write_shards(items: list[tuple[object, int]], out: Path, split: str, shard_s
     return shards
 
 
+class _Ordered:
+    """``source[order[i]]`` for i in range(len(order)), read on access (slices give lists)."""
+
+    def __init__(self, source, order: list[int]):
+        self.source, self.order = source, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.source[j] for j in self.order[i]]
+        return self.source[self.order[i]]
+
+
 def pack(dataset: str, out: str | Path, shard_size: int = SHARD_SIZE, seed: int = 0,
          skip_bad_images: bool = False) -> dict:
     """Write a dataset's splits as WebDataset shards in ``out``: ``{split}-NNNNNN.tar``, a shard index per split
@@ -491,6 +506,7 @@ def pack(dataset: str, out: str | Path, shard_size: int = SHARD_SIZE, seed: int 
     require("webdataset", WHAT)
     cfg = DataConfig(dataset=dataset, skip_bad_images=skip_bad_images, seed=seed)
     bundle = build(cfg, in_chans=3)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     result = {"out": str(out), "classes": list(bundle.class_names), "splits": {}}
@@ -502,12 +518,11 @@ def pack(dataset: str, out: str | Path, shard_size: int = SHARD_SIZE, seed: int 
             raw = wrapped.dataset
             if not hasattr(raw, "__getitem__"):
                 raise DataError(f"{dataset} is a stream; pack reads datasets with indexed images")
-            if isinstance(raw, ImageFolderSplit):
-                items: list = list(raw.samples)
-            else:
-                items = [raw[i] for i in range(len(raw))]
+            order = list(range(len(raw)))
             if split == "train":
-                random.Random(seed).shuffle(items)
+                random.Random(seed).shuffle(order)
+            # an image folder's files are copied as they are; other images are read one at a time as written
+            items = _Ordered(raw.samples if isinstance(raw, ImageFolderSplit) else raw, order)
             shards = write_shards(items, out, split, shard_size, written)
             index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split,
                      "shardlist": [{"url": s.url, "nsamples": s.count} for s in shards],
@@ -518,6 +533,8 @@ def pack(dataset: str, out: str | Path, shard_size: int = SHARD_SIZE, seed: int 
     except BaseException:
         for p in written:
             p.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
         raise
     return result
 
