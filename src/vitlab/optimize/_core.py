@@ -7,8 +7,9 @@ them, on a GPU ``"none"``, ``"rewrite"`` and ``"compile"``):
 * ``"none"``: ``eval()`` and the model's own ``fuse()`` where it has one (LeViT folds its BatchNorms). Plain
   eager PyTorch; nothing else about the model changes.
 * ``"rewrite"``: the layer rewrites of :mod:`vitlab.optimize.rewrite` (class swaps, same function): a patch
-  embedding's convolution as one GEMM; on the CPU, HiLo's Hi-Fi windows in fp32 for bf16 / fp16 inputs. Every
-  backend below starts from them.
+  embedding's convolution as one GEMM; on the CPU, HiLo's Hi-Fi windows in fp32 for bf16 / fp16 inputs; CaiT's
+  talking-heads attention folded into one fused attention call. Every backend below starts from them: from all
+  of them when requested by name, from those that measured faster than eager (each alone) under ``"auto"``.
 * ``"onednn"``: ``"rewrite"`` and module swaps (CPU): every ``nn.Linear`` becomes a
   :class:`~vitlab.optimize.onednn.OneDNNLinear` (same parameters and state dict) and an MLP's
   ``fc1 -> activation`` one oneDNN GEMM with the activation in its epilogue.
@@ -64,7 +65,7 @@ import torch.nn as nn
 
 from vitlab._io import atomic_write
 from vitlab.optimize import cpu as cpuinfo
-from vitlab.optimize.rewrite import rewrite
+from vitlab.optimize.rewrite import REWRITES, rewrite
 
 log = logging.getLogger("vitlab.optimize")
 
@@ -89,7 +90,7 @@ class OptimizeReport:
     rejected: dict[str, str] = dataclasses.field(default_factory=dict)
     max_abs_diff: dict[str, float] = dataclasses.field(default_factory=dict)
     cached: bool = False
-    rewrites: bool = True  # the layer rewrites under the backend (auto: only where they measured faster)
+    rewrites: list[str] | None = None  # layer rewrites under the backend (None: all; auto: those measured faster)
     cache_file: str | None = None
     key: dict = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -170,14 +171,15 @@ def _compile(model: nn.Module, device: torch.device, options: dict | None = None
 
 
 def _build(model: nn.Module, backend: str, device: torch.device, notes: list[str],
-           explicit: bool = False, rewrites: bool = True) -> nn.Module | None:
+           explicit: bool = False, rewrites: Sequence[str] | None = None) -> nn.Module | None:
     """``model`` (already eval + fused) made into ``backend``, in place where it swaps modules, on top of the
-    layer rewrites unless ``rewrites=False``. None when the backend adds nothing here for ``auto`` (not this
-    device; nothing to rewrite; no linear / no HiLo module to swap); an explicit request gets what applies
-    (``"kernels"`` without HiLo is ``"onednn"``; off the CPU, eager)."""
+    layer rewrites ``rewrites`` (names of :data:`~vitlab.optimize.rewrite.REWRITES`; None: all). None when the
+    backend adds nothing here for ``auto`` (not this device; nothing to rewrite; no linear / no HiLo module to
+    swap); an explicit request gets what applies (``"kernels"`` without HiLo is ``"onednn"``; off the CPU,
+    eager)."""
     if backend == "none":
         return model
-    rewritten = rewrite(model, device) if rewrites or backend == "rewrite" else 0
+    rewritten = rewrite(model, device, rewrites)
     if backend == "rewrite":
         return model if rewritten or explicit else None
     if backend == "compile":
@@ -408,7 +410,7 @@ def _untuned(model: nn.Module, entry: dict | None, names: Sequence[str], device:
     report.timings = timings if report.cached else {}
     report.cache_file = report.cache_file if report.cached else None
     best = _fastest(timings, margin) if report.cached else "none"
-    report.rewrites = bool((entry or {}).get("rewrites", True))
+    report.rewrites = list((entry or {}).get("rewrites", []))
     built = _build(model, best, device, report.notes, rewrites=report.rewrites)
     if built is None:  # the cached choice no longer applies here (e.g. oneDNN switched off since)
         best, built = "none", model
@@ -463,7 +465,7 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
     if entry and entry.get("backend") in names:
         report = OptimizeReport(backend=entry["backend"], requested="auto", timings=entry.get("timings", {}),
                                 rejected=entry.get("rejected", {}), cached=True, cache_file=str(path), key=key,
-                                notes=notes, rewrites=bool(entry.get("rewrites", True)))
+                                notes=notes, rewrites=list(entry.get("rewrites", [])))
         built = _build(model, report.backend, device, notes, rewrites=report.rewrites)
         if built is not None:
             return _finish(built, report)
@@ -482,7 +484,7 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
                         f"one eager call takes {eager_s * 1e3:.1f} ms, under {TUNE_MIN_SECONDS * 1e3:g} ms")
     scale, tol = max(1.0, _scale(ref)), _tolerance(ref)
 
-    def check(name: str, rewrites: bool) -> nn.Module | None:
+    def check(name: str, rewrites: Sequence[str]) -> nn.Module | None:
         """The candidate ``name`` built on a copy and checked against eager; None (the reason recorded) if not."""
         try:
             cand = _build(_share_copy(model), name, device, notes, rewrites=rewrites)
@@ -501,24 +503,27 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
             return None
         return cand
 
-    # First the layer rewrites against eager (both eager PyTorch): the other backends build on them only where
-    # they are faster on this machine (e.g. oneDNN's patch convolution can beat the patch GEMM).
+    # First each layer rewrite on its own against eager (all eager PyTorch): the "rewrite" backend and every other
+    # one build on those faster on this machine (e.g. oneDNN's patch convolution can beat the patch GEMM).
+    alone = {}
+    for kind in REWRITES:
+        cand = check(f"rewrite:{kind}", (kind,))
+        if cand is not None:
+            alone[kind] = cand
+        elif report.rejected.get(f"rewrite:{kind}") == "does not apply":  # nothing to rewrite: not worth a line
+            del report.rejected[f"rewrite:{kind}"]
+    first = measure({"none": lambda: model(*args), **{k: (lambda m=m: m(*args)) for k, m in alone.items()}},
+                    device, warmup=1, runs=runs) if alone else {}
+    report.rewrites = [k for k in alone if _fastest({"none": first["none"], k: first[k]}, margin) == k]
+    if alone:
+        notes.append("layer rewrites measured alone: " + ", ".join(
+            f"{k} {first[k] * 1e3:.2f} ms ({'kept' if k in report.rewrites else 'left out'})" for k in alone)
+            + f" against eager's {first['none'] * 1e3:.2f} ms")
     built: dict[str, nn.Module] = {"none": model}
-    rewritten = check("rewrite", True)
-    if rewritten is not None:
-        first = measure({"none": lambda: model(*args), "rewrite": lambda: rewritten(*args)}, device, warmup=1,
-                        runs=runs)
-        report.rewrites = _fastest(first, margin) == "rewrite"
-        notes.append(f"layer rewrites {'kept' if report.rewrites else 'left out'} under the other backends "
-                     f"({first['rewrite'] * 1e3:.2f} ms against eager's {first['none'] * 1e3:.2f} ms)")
-        if "rewrite" in names:
-            built["rewrite"] = rewritten
-    else:
-        report.rewrites = False
-        if "rewrite" not in names:
-            report.rejected.pop("rewrite", None)
     for name in names:
-        if name not in ("none", "rewrite") and (cand := check(name, report.rewrites)) is not None:
+        if name == "rewrite" and not report.rewrites:
+            report.rejected[name] = "no layer rewrite is faster than eager here" if alone else "does not apply"
+        elif name != "none" and (cand := check(name, report.rewrites)) is not None:
             built[name] = cand
     # each candidate ran once in its check (compiled there): one more untimed call each is warm-up enough
     timings = measure({n: (lambda m=m: m(*args)) for n, m in built.items()}, device, warmup=1, runs=runs)

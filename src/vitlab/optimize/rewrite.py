@@ -3,8 +3,8 @@
 
 The models compute one plain arithmetic on every device (a patch embedding is a strided ``nn.Conv2d``, as in
 ViT, Dosovitskiy et al., 2021, Section 3.1); the kernels that run it fastest depend on the machine, so each
-rewrite here is an in-place class swap (parameters, buffers, state-dict keys and hooks stay) that
-:func:`vitlab.optimize` keeps only where it measures faster than eager:
+rewrite here (:data:`REWRITES`, by name) is an in-place class swap (parameters, buffers, state-dict keys and hooks
+stay) that :func:`vitlab.optimize.optimize` keeps only where it measures faster than eager, each on its own:
 
 * :class:`PatchGemmConv2d` (the ``proj`` of a :class:`~vitlab.layers.PatchEmbed`): the non-overlapping p x p
   convolution as one GEMM. The image is cut into patches in the kernel's (c, p1, p2) order, one copy, and
@@ -15,9 +15,13 @@ rewrite here is an in-place class swap (parameters, buffers, state-dict keys and
   fp32 for bf16 / fp16 inputs. On the CPU, ``scaled_dot_product_attention`` of the s x s = 4-token windows has
   no reduced-precision fast path; the cast rides on the window-partition copy and the output projection runs
   in the input's dtype again. Reduced-precision results differ from eager's by rounding only.
+* ``talking_heads`` (:func:`vitlab.optimize.cait.fold_talking_heads`): CaiT's talking-heads attention (Touvron
+  et al., ICCV 2021, Sec. 2) as one fused attention call over folded heads, without its N x N maps.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -25,8 +29,9 @@ import torch.nn.functional as F
 
 from vitlab.attention.hilo import HiLo
 from vitlab.layers.patch_embed import PatchEmbed
+from vitlab.optimize.cait import fold_talking_heads
 
-__all__ = ["Fp32WindowHiLo", "PatchGemmConv2d", "rewrite"]
+__all__ = ["REWRITES", "Fp32WindowHiLo", "PatchGemmConv2d", "rewrite"]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -67,15 +72,34 @@ class Fp32WindowHiLo(HiLo):
     window_dtype = torch.float32
 
 
-def rewrite(model: nn.Module, device: torch.device) -> int:
-    """Apply the rewrites of this module that suit ``device`` to ``model`` (itself included), in place; returns
-    how many modules changed. Only exact classes are swapped (a user's subclass is left alone)."""
+def _patch_gemm(model: nn.Module, device: torch.device) -> int:
     n = 0
     for m in model.modules():
         if isinstance(m, PatchEmbed) and _is_patch_conv(m.proj):
             m.proj.__class__ = PatchGemmConv2d
             n += 1
-        elif type(m) is HiLo and device.type == "cpu":
-            m.__class__ = Fp32WindowHiLo
-            n += 1
     return n
+
+
+def _fp32_windows(model: nn.Module, device: torch.device) -> int:
+    if device.type != "cpu":  # GPUs have reduced-precision attention kernels for any length
+        return 0
+    targets = [m for m in model.modules() if type(m) is HiLo]
+    for m in targets:
+        m.__class__ = Fp32WindowHiLo
+    return len(targets)
+
+
+# name -> fn(model, device) applying the rewrite in place and returning how many modules it changed
+REWRITES: dict[str, Callable[[nn.Module, torch.device], int]] = {
+    "patch_gemm": _patch_gemm,
+    "fp32_windows": _fp32_windows,
+    "talking_heads": lambda model, device: fold_talking_heads(model),
+}
+
+
+def rewrite(model: nn.Module, device: torch.device, names: Sequence[str] | None = None) -> int:
+    """Apply the rewrites ``names`` of :data:`REWRITES` (default: all) that suit ``device`` to ``model`` (itself
+    included), in place; returns how many modules changed. Only exact classes are swapped (a user's subclass is
+    left alone)."""
+    return sum(REWRITES[name](model, device) for name in (REWRITES if names is None else names))
