@@ -157,13 +157,17 @@ def test_labels_from_json_names_and_captions_from_txt(tmp_path, monkeypatch):
     assert caps == [f"a photo of a {names[i % 3]}" for i in range(9)]
 
 
-def test_pack_round_trip_through_the_cli(tmp_path, capsys):
-    root = tmp_path / "folder"
-    for split, n in (("train", 6), ("val", 2)):
+def image_folder(root, sizes=(("train", 6), ("val", 2))):
+    for split, n in sizes:
         for c in ("ant", "bee"):
             (root / split / c).mkdir(parents=True)
             for i in range(n):
                 Image.new("RGB", (9, 7), (10 * i, 100 if c == "ant" else 200, 0)).save(root / split / c / f"{i}.jpg")
+    return root
+
+
+def test_pack_round_trip_through_the_cli(tmp_path, capsys):
+    root = image_folder(tmp_path / "folder")
     out = tmp_path / "shards"
     assert main(["data", "pack", f"imagefolder:{root}", "--out", str(out), "--shard-size", "5"]) == 0
     assert "train 12 samples in 3 shards" in capsys.readouterr().out
@@ -322,5 +326,5 @@ def test_pack_failure_midway_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(shards, "_encoded", broken)
     with pytest.raises(OSError, match="disk full"):
-        pack("digits", tmp_path / "out", shard_size=2)
+        pack(f"imagefolder:{image_folder(tmp_path / 'folder')}", tmp_path / "out", shard_size=2)
     assert not (tmp_path / "out").exists()
