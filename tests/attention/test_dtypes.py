@@ -2,8 +2,9 @@
 
 Each runs forward on a 13 x 17 and a 7 x 5 grid (odd, non-square, no multiple of any window or pooling
 factor) with finite outputs close to its fp32 result; a mechanism whose structure needs a divisible grid would
-have to raise one clear ValueError instead (none does today: windows and pyramids pad, pooling uses ceil mode).
-Tiny layers, so that CPU fp16 (emulated, slow) keeps the whole file to a few seconds.
+have to raise one clear ValueError instead (none does: windows and pyramids pad, pooling uses ceil mode). The
+offset-bias attentions of LeViT / EfficientFormer, tied to the grid they are built for and not registered, are
+tested the same way in test_offset_bias.py. Tiny layers, so that CPU fp16 keeps the whole file to a second.
 """
 
 from __future__ import annotations

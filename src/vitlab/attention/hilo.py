@@ -22,7 +22,8 @@ Any H x W: Hi-Fi pads the projected map to a multiple of s and masks the padded 
 a ValueError is raised when N != H*W.
 
 Both attention cores run on ``F.scaled_dot_product_attention``. Fused inference kernels for them are applied
-from outside, by :func:`vitlab.optimize`.
+from outside, by :func:`vitlab.optimize.optimize`. ``forward(x, hw, return_attn=True)`` also returns the
+attention weights of every head over the tokens (:meth:`HiLo.attention_weights`).
 
 ``pooled_queries=True`` is the Table III ablation: Lo-Fi queries come from the pooled map as well, its output
 (projected at the pooled resolution) is resized back to H x W with bilinear interpolation.

@@ -18,7 +18,8 @@ CUDA ops, 9.6 M); we count the fine level (it is a matmul / SDPA here) and not n
 Any H, W: the grid is zero-padded up to a multiple of ``2^(num_levels-1)``; padded positions are excluded from
 pooling averages and masked out as keys, and cropped from the output. Tokens are handled in a Z-order (Morton)
 layout per level, so the four children of coarse token p are tokens 4p..4p+3 of the next level. The tokens
-must be exactly the H x W grid: prefix tokens are refused with a ValueError.
+must be exactly the H x W grid: prefix tokens are refused with a ValueError. ``forward(x, hw,
+return_attn=True)`` also returns the attention weights of every level (see :meth:`QuadTreeAttention.forward`).
 """
 
 from __future__ import annotations
