@@ -82,7 +82,9 @@ class Stream(IterableDataset):
         self.name, self.skip_bad = name, skip_bad
         self.epoch, self.batch_size = 0, None
         self._placement: tuple[int, int] | None = None    # (rank, world) fixed by set_placement
-        self._seen_placement = (0, 1)                      # the main process's, carried into the workers
+        # the main process's, carried into the workers; read now (a dataset is built after the process group
+        # starts) and again by set_epoch, len and iter in the main process
+        self._seen_placement = process_placement()
         self._resume: dict | None = None
         self._position: dict = {"epoch": 0, "consumed": 0}
 
@@ -105,6 +107,7 @@ class Stream(IterableDataset):
 
     # ---- epoch and position
     def set_epoch(self, epoch: int) -> None:
+        self.placement()
         self.epoch = int(epoch)
         self._position = {"epoch": self.epoch, "consumed": 0}
 
