@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vitlab
-from vitlab.vlm.blip import BLIP, blip_from_pretrained, convert_hf_blip_state_dict
+from vitlab.vlm.blip import BLIP, convert_hf_blip_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +69,7 @@ def test_captioning_equal_transformers(tmp_path):
 def test_retrieval_equal_transformers(tmp_path):
     ref = _perturbed(transformers.BlipForImageTextRetrieval(_hf_config()))
     ref.save_pretrained(tmp_path)
-    ours = blip_from_pretrained(tmp_path).eval()
+    ours = BLIP.from_pretrained(tmp_path)
     assert ours.heads == ("itc", "itm")
     x = torch.randn(3, 3, 32, 32)
     ids, mask = _text()

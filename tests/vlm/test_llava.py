@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vitlab
-from vitlab.vlm.llava import LLaVA, convert_hf_llava_state_dict, llava_from_pretrained
+from vitlab.vlm.llava import LLaVA, convert_hf_llava_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,9 +64,9 @@ def test_logits_loss_and_greedy_tokens_equal_transformers(tmp_path):
 
 
 def test_feature_layers_strategy_and_pretrained_config(tmp_path):
-    """Two feature layers concatenated and [CLS] kept ('full'), read from config.json by llava_from_pretrained."""
+    """Two feature layers concatenated and [CLS] kept ('full'), read from config.json by LLaVA.from_pretrained."""
     ref = _hf(tmp_path, vision_feature_layer=[-3, -1], vision_feature_select_strategy="full")
-    ours = llava_from_pretrained(tmp_path).eval()
+    ours = LLaVA.from_pretrained(tmp_path)
     assert ours.num_image_tokens == T + 1
     x = torch.randn(1, 3, 32, 32)
     ids = torch.cat([torch.tensor([[1]]), torch.full((1, T + 1), IMAGE), torch.tensor([[7, 8, 9]])], 1)

@@ -9,6 +9,7 @@ models and the Llama decoder, loading transformers' checkpoints.
     blip = vitlab.create_model("blip_base")            # ITC + ITM + captioning
     losses = blip.losses(pixel_values, input_ids, attention_mask)   # {"itc", "itm", "lm", "loss"}
     caption_ids = blip.generate_caption(pixel_values, max_new_tokens=30)
+    llava = vitlab.vlm.llava.LLaVA.from_pretrained(DIR)  # any transformers LLaVA / BLIP directory, its own sizes
 
 The interface the training tasks use (registered model task ``caption`` for LLaVA and BLIP's captioner, ``blip``
 for BLIP with ITC / ITM):

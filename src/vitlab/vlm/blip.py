@@ -24,7 +24,7 @@ all three.
 
 Hugging Face checkpoints (``save_pretrained`` directories of ``BlipForConditionalGeneration`` or
 ``BlipForImageTextRetrieval``) load through ``create_model(name, checkpoint_path=DIR)`` or
-:func:`blip_from_pretrained` (architecture from ``config.json``); :func:`convert_hf_blip_state_dict` holds the
+:meth:`BLIP.from_pretrained` (architecture from ``config.json``); :func:`convert_hf_blip_state_dict` holds the
 key map. For the same weights: :meth:`BLIP.forward` gives ``BlipForConditionalGeneration``'s logits and loss,
 :meth:`BLIP.generate_caption` its greedy captions, :meth:`BLIP.itm_scores` / :meth:`BLIP.itc_scores`
 ``BlipForImageTextRetrieval``'s ``itm_score`` with and without the ITM head.
@@ -436,6 +436,13 @@ class BLIP(nn.Module):
             return read_hf_state_dict(p)
         return read_state_dict(p)
 
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> BLIP:
+        """A BLIP with the architecture (``config.json``) and weights of a transformers
+        ``BlipForConditionalGeneration`` (the captioner) or ``BlipForImageTextRetrieval`` directory, in eval mode."""
+        model = cls(**blip_kwargs_from_hf(read_hf_config(path, architectures=tuple(HF_ARCHITECTURES))))
+        return load_state_dict(model, cls.read_checkpoint(path), source=str(path)).eval()
+
     @staticmethod
     def checkpoint_filter_fn(sd: dict[str, torch.Tensor], model: BLIP) -> dict[str, torch.Tensor]:
         """transformers' key names -> ours (:func:`convert_hf_blip_state_dict`); ours pass as they are. The
@@ -549,13 +556,6 @@ def blip_kwargs_from_hf(cfg: dict) -> dict:
                 label_smoothing=t.get("label_smoothing", cfg.get("label_smoothing", 0.0)))
 
 
-def blip_from_pretrained(path: str | os.PathLike) -> BLIP:
-    """A :class:`BLIP` with the architecture (``config.json``) and weights of a transformers
-    ``BlipForConditionalGeneration`` (the captioner) or ``BlipForImageTextRetrieval`` directory."""
-    model = BLIP(**blip_kwargs_from_hf(read_hf_config(path, architectures=tuple(HF_ARCHITECTURES))))
-    return load_state_dict(model, BLIP.read_checkpoint(path), source=str(path))
-
-
 def build_blip(vision_model: str, vision: dict, text: dict, **kwargs) -> BLIP:
     """A BLIP of a registered ViT (``vision``: its arguments) and a :class:`BertConfig` (``text``); ``kwargs``:
     ``vision_*`` go to the ViT (``vision_depth=2``), ``text_*`` to the text config (``text_depth=2``),
@@ -576,4 +576,4 @@ def build_blip(vision_model: str, vision: dict, text: dict, **kwargs) -> BLIP:
     return BLIP(vision_model, vision, BertConfig(**text), **kwargs)
 
 
-__all__ = ["BLIP", "BertConfig", "BertText", "blip_from_pretrained", "build_blip", "convert_hf_blip_state_dict"]
+__all__ = ["BLIP", "BertConfig", "BertText", "build_blip", "convert_hf_blip_state_dict"]

@@ -7,8 +7,8 @@ model's token embedding, and a decoder-only language model that reads the projec
   CLIP ViT-L/14 at 336 px). Its tokens are taken after block ``vision_feature_layer`` in transformers' counting
   (``hidden_states[i]``: 0 is the embedded patches, i > 0 the output of block i; negatives from the end, so -2 is
   the penultimate block, LLaVA's choice: Sec. 4.1 of the first paper) -- several layers (a list) are concatenated
-  along the channels. A hierarchical tower (Swin, PVT, ...) counts stages instead and gives that stage's grid. ``vision_feature_select_strategy='default'`` drops the [CLS] token (LLaVA's), ``'full'``
-  keeps it.
+  along the channels. A hierarchical tower (Swin, PVT, ...) counts stages instead and gives that stage's grid.
+  ``vision_feature_select_strategy='default'`` drops the [CLS] token (LLaVA's), ``'full'`` keeps it.
 - ``projector``: LLaVA-1.5's two-layer MLP with GELU (``'mlp2x_gelu'``, Sec. 3.1 of the second paper) or the first
   paper's single linear map (``'linear'``).
 - ``language_model``: the Llama decoder (:class:`vitlab.models.llama.Llama`, Touvron et al., 2023).
@@ -19,7 +19,7 @@ positions unscored) or T times in a row (transformers' processor expands it: the
 A prompt without the placeholder, or with more placeholders than the one image per prompt, is refused in one line.
 
 transformers' ``LlavaForConditionalGeneration`` ``save_pretrained`` directories load by ``create_model(name,
-checkpoint_path=DIR)`` or :func:`llava_from_pretrained` (architecture from ``config.json``); for the same weights
+checkpoint_path=DIR)`` or :meth:`LLaVA.from_pretrained` (architecture from ``config.json``); for the same weights
 the logits and the greedy tokens are equal.
 """
 
@@ -232,6 +232,16 @@ class LLaVA(nn.Module):
             return read_hf_state_dict(p)
         return read_state_dict(p)
 
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> LLaVA:
+        """A LLaVA with the architecture (``config.json``) and weights of a transformers
+        ``LlavaForConditionalGeneration`` directory (a CLIP image tower and a Llama decoder), in eval mode."""
+        cfg = read_hf_config(path, architectures=HF_ARCHITECTURES)
+        kw = llava_kwargs_from_hf(cfg)
+        language = Llama(llama_config_from_hf(cfg.get("text_config") or {}))
+        model = cls(clip_vision_transformer(kw.pop("vision")), language, **kw)
+        return load_state_dict(model, cls.read_checkpoint(path), source=str(path)).eval()
+
     @staticmethod
     def checkpoint_filter_fn(sd: dict[str, torch.Tensor], model: LLaVA) -> dict[str, torch.Tensor]:
         """transformers' key names (either layout) -> ours; ours pass as they are."""
@@ -315,13 +325,3 @@ def llava_kwargs_from_hf(cfg: dict) -> dict:
                 projector_bias=cfg.get("multimodal_projector_bias", True),
                 vision_feature_layer=cfg.get("vision_feature_layer", -2),
                 vision_feature_select_strategy=cfg.get("vision_feature_select_strategy", "default"))
-
-
-def llava_from_pretrained(path: str | os.PathLike) -> LLaVA:
-    """A :class:`LLaVA` with the architecture (``config.json``) and weights of a transformers
-    ``LlavaForConditionalGeneration`` directory (a CLIP image tower and a Llama decoder)."""
-    cfg = read_hf_config(path, architectures=HF_ARCHITECTURES)
-    kw = llava_kwargs_from_hf(cfg)
-    tower = clip_vision_transformer(kw.pop("vision"))
-    model = LLaVA(tower, Llama(llama_config_from_hf(cfg.get("text_config") or {})), **kw)
-    return load_state_dict(model, LLaVA.read_checkpoint(path), source=str(path))
