@@ -2,9 +2,12 @@
 
 Datasets are an open registry (``register_dataset``, ``list_datasets()``); built in: ``digits`` (scikit-learn's
 1,797 real 8x8 handwritten digits, embedded, split 1,257 / 270 / 270 train / val / test, stratified with a fixed
-seed), ``imagefolder:PATH``, ``cifar10:PATH``, ``cifar100:PATH``, ``mnist:PATH``, ``fashion-mnist:PATH`` and
-``fake``. Transforms are ``torchvision.transforms.v2``; presets ``imagenet`` (DeiT) and ``tiny`` are described in
-``vitlab.data.core``. Every bad-data problem raises ``DataError`` (a ``ValueError``) with one line naming the path.
+seed), ``imagefolder:PATH``, ``cifar10:PATH``, ``cifar100:PATH``, ``mnist:PATH``, ``fashion-mnist:PATH``,
+``fake``, and two sources for data that does not fit a folder tree: ``wds:SOURCE`` (WebDataset shards, a stream
+that splits itself by rank and worker; :mod:`vitlab.data.wds`) and ``hf:SOURCE[:SPLIT]`` (Hugging Face datasets,
+indexed or streamed; :mod:`vitlab.data.hf`), described in docs/data.md. Transforms are
+``torchvision.transforms.v2``; presets ``imagenet`` (DeiT) and ``tiny`` are described in ``vitlab.data.core``.
+Every bad-data problem raises ``DataError`` (a ``ValueError``) with one line naming the path.
 
     from vitlab.data import DataConfig, build
     bundle = build(DataConfig("digits"), mean=(0.5,), std=(0.5,), in_chans=1)

@@ -5,6 +5,8 @@ A registered function ``fn(split, root, **options) -> Dataset | None`` reads one
 are ``(image, label)``: a PIL image or a uint8 (C, H, W) tensor with 1 or 3 channels, and an int class index; the
 dataset has ``classes`` (the class names) and a length. A split the data does not have (e.g. no test set) is None;
 ``build`` needs train and val. ``build`` converts every image to the model's channels and applies its transforms.
+A split may also be a stream (a ``torch.utils.data.IterableDataset`` with a length and ``classes``, e.g.
+:class:`vitlab.data.streaming.Stream`): it splits itself by rank and worker, and the loader gives it no sampler.
 
     @vitlab.data.register_dataset("pets", needs_root=True, preset="imagenet")
     def pets(split, root, **options): ...        # DataConfig(dataset="pets:~/data/pets"), --data pets:~/data/pets
