@@ -280,15 +280,18 @@ def test_the_other_backends_build_on_the_rewrites_only_where_they_are_faster(mon
     """Each rewrite is timed alone against eager; the backends build on those that are faster."""
     from vitlab.optimize.rewrite import PatchGemmConv2d
 
-    monkeypatch.setattr(_core, "measure", FakeTimer({"none": 1.0, "patch_gemm": rewrite_time, "onednn": 0.4}))
+    timer = FakeTimer({"none": 1.0, "patch_gemm": rewrite_time, "onednn": 0.4})
+    monkeypatch.setattr(_core, "measure", timer)
     _, x, ref = reference("deit_tiny_patch16_224")
-    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "rewrite", "onednn"], cache=False,
-                        tune=True)
+    model = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "rewrite", "onednn"], tune=True)
     r = model.vitlab_optimize
     assert model.vitlab_backend == "onednn" and r.rewrites == (["patch_gemm"] if kept else [])
     assert any(type(m) is PatchGemmConv2d for m in model.modules()) is kept
     assert f"patch_gemm {rewrite_time * 1e3:.2f} ms ({'kept' if kept else 'left out'})" in vo.explain(model)
     assert ("rewrite" in r.timings) is kept and ("rewrite" in r.rejected) is not kept
+    cached = vo.optimize(tiny("deit_tiny_patch16_224"), x, candidates=["none", "rewrite", "onednn"], tune=True)
+    assert cached.vitlab_optimize.cached and timer.calls == 2 and cached.vitlab_optimize.rewrites == r.rewrites
+    assert any(type(m) is PatchGemmConv2d for m in cached.modules()) is kept
     with torch.no_grad():
         assert vo.max_abs_diff(model(x), ref) <= 1e-5
 
