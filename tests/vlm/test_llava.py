@@ -164,3 +164,11 @@ def test_a_clip_model_of_the_registry_as_image_tower():
     assert type(model.vision_tower).__name__ == "VisionTransformer" and len(model.vision_tower.blocks) == 2
     logits, _ = model(torch.tensor([[1, 7, 9]]), torch.randn(1, 1, 32, 32))
     assert logits.shape == (1, 3 - 1 + model.num_image_tokens, 512)
+
+
+def test_a_directory_of_another_architecture_is_refused(tmp_path):
+    transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**VISION)).save_pretrained(tmp_path)
+    for load in (lambda: vitlab.create_model("llava_tiny", checkpoint_path=str(tmp_path)),
+                 lambda: LLaVA.from_pretrained(tmp_path)):
+        with pytest.raises(ValueError, match="describes CLIPVisionModel.*not LlavaForConditionalGeneration"):
+            load()
