@@ -146,3 +146,18 @@ def test_base_configs_take_the_released_layout(name, cls):
     mapped = {k: tuple(v.shape) for k, v in convert_hf_blip_state_dict(ref.state_dict()).items()}
     own = {k: tuple(v.shape) for k, v in ours.state_dict().items() if k != "temp"}
     assert mapped == own
+
+
+@pytest.mark.slow
+def test_blip_base_caption_equal_transformers_base():
+    """The registered blip_base_caption with transformers' BLIP-base weights (random init: no download): the same
+    logits at 384 x 384."""
+    from vitlab.convert import load_state_dict
+
+    torch.manual_seed(0)
+    ref = transformers.BlipForConditionalGeneration(transformers.BlipConfig(
+        text_config={"num_attention_heads": 12})).eval()
+    ours = load_state_dict(vitlab.create_model("blip_base_caption"), ref.state_dict()).eval()
+    x, ids = torch.randn(1, 3, 384, 384), torch.tensor([[30522, 1037, 3861, 1997, 102]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, ids)[0], ref(pixel_values=x, input_ids=ids).logits, rtol=1e-4, atol=1e-4)
