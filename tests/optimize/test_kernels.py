@@ -163,7 +163,7 @@ def test_concurrent_builds_into_an_empty_cache(tmp_path, built):
 
 
 def test_aten_capability_picks_the_path(built):
-    """ATEN_CPU_CAPABILITY=avx2 (the issue's AVX2 emulation) runs the AVX2 path, and it is correct."""
+    """ATEN_CPU_CAPABILITY=avx2 (the AVX2 emulation of the benchmarks) runs the AVX2 path, and it is correct."""
     code = ("import torch, torch.nn.functional as F; from vitlab.optimize import kernels;"
             " q = torch.randn(2, 3, 50, 64); k, v = torch.randn(2, 2, 3, 49, 64); o = kernels.lofi_attention(q, k, v);"
             " print(kernels.status(), kernels.isa(), kernels.isa_code(),"
