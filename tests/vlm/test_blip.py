@@ -112,6 +112,23 @@ def test_three_objectives_train_and_hard_negatives():
         vitlab.create_model("blip_tiny_retrieval").generate_caption(x)
 
 
+def test_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = vitlab.create_model("blip_tiny", heads=("itc", "lm"))
+    x = torch.randn(2, 3, 32, 32)
+    ids, _ = _text(2, 8)
+    grads = []
+    for enable in (False, True):
+        model.set_grad_checkpointing(enable)
+        model.zero_grad(set_to_none=True)
+        model.losses(x, ids)["loss"].backward()
+        grads.append([p.grad for p in model.parameters() if p.grad is not None])
+    assert model.text_decoder.grad_checkpointing and model.vision_tower.grad_checkpointing
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_image_ids_make_same_image_captions_positives():
     model = vitlab.create_model("blip_tiny", heads=("itc",))
     x = torch.randn(4, 3, 32, 32)

@@ -109,6 +109,8 @@ def test_any_image_tower_and_freezing_by_part():
     ids = torch.tensor([[1, 7, 9, 10], [1, 7, 11, 12]])
     for p in vit.vision_tower.parameters():
         p.requires_grad_(False)
+    vit.set_grad_checkpointing()  # the image tower's blocks
+    assert vit.vision_tower.grad_checkpointing
     logits, loss = vit(ids, x, labels=ids)
     loss.backward()
     assert logits.shape[1] == 4 - 1 + vit.num_image_tokens and vit.vision_tower.patch_embed.proj.weight.grad is None

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict, read_state_dict
-from vitlab.layers import Mlp, check_heads, get_act_layer
+from vitlab.layers import Mlp, check_heads, checkpoint_seq, get_act_layer
 from vitlab.layers import attention_mask as sdpa_mask
 from vitlab.models.clip_vit import hf_act, hf_layernorm, hf_mlp_ratio
 from vitlab.models.llama import sample_next_token
@@ -144,6 +144,7 @@ class BertText(nn.Module):
         self.embed_norm = nn.LayerNorm(cfg.dim, eps=cfg.eps)
         self.embed_drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(BertLayer(cfg, context_dim) for _ in range(cfg.depth))
+        self.grad_checkpointing = False
         self.apply(_init_bert)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -161,10 +162,12 @@ class BertText(nn.Module):
         if causal and n > 1:  # query i (position start + i) sees keys up to start + i
             allowed = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(start)
             mask = allowed if mask is None else mask & allowed
-        if cache is not None and not cache:
+        if cache is None:
+            return checkpoint_seq(self.layers, x, mask, image, enabled=self.grad_checkpointing)
+        if not cache:
             cache.extend({} for _ in self.layers)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, mask, image, None, None if cache is None else cache[i])
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            x = layer(x, mask, image, None, layer_cache)
         return x
 
 
@@ -420,6 +423,13 @@ class BLIP(nn.Module):
             if hasattr(self, name):
                 units += list(getattr(self, name).layers)
         return units
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute the activations of the image encoder's blocks and the text layers in the backward pass."""
+        for m in self.modules():
+            if hasattr(m, "grad_checkpointing"):
+                m.grad_checkpointing = enable
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:

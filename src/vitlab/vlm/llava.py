@@ -218,6 +218,14 @@ class LLaVA(nn.Module):
         return [*self.vision_tower.shard_units(), *self.language_model.shard_units()]
 
     @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute activations in the backward pass in every part that checkpoints its blocks (the image
+        tower's; the language model's where it has the switch)."""
+        for m in self.modules():
+            if hasattr(m, "grad_checkpointing"):
+                m.grad_checkpointing = enable
+
+    @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         nwd = getattr(self.vision_tower, "no_weight_decay", set)()
         return {f"vision_tower.{n}" for n in nwd}
