@@ -153,6 +153,9 @@ def test_corrupt_image_named_or_skipped(tmp_path):
     s = read_split("val", str(tmp_path / "bad"))
     with pytest.raises(DataError, match=r"unreadable image in hf:.*bad \(validation, row 1\)"):
         s[1]
+    with pytest.raises(DataError) as e:  # raised in a DataLoader worker: still one line in the main process
+        list(DataLoader(s, batch_size=3, num_workers=1, collate_fn=list))
+    assert "\n" not in str(e.value) and str(e.value).startswith("unreadable image in hf:")
     s = read_split("val", str(tmp_path / "bad"), skip_bad_images=True)
     with pytest.warns(UserWarning, match="row 1"):
         image, label = s[1]

@@ -33,6 +33,13 @@ SPLITS = ("train", "val", "test")
 class DataError(ValueError):
     """A problem with the data (missing directory, empty class, unreadable image, ...): one line, naming the path."""
 
+    def __init__(self, message: str = "", *args):
+        # Raised in a DataLoader worker, it comes back to the main process rebuilt from the worker's traceback
+        # ("Caught DataError in DataLoader worker process 0.\nOriginal Traceback ..."); its own line is the last.
+        if isinstance(message, str) and message.startswith("Caught DataError") and "\nOriginal Traceback" in message:
+            message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]
+        super().__init__(message, *args)
+
 
 DatasetFn = Callable[..., Dataset | None]
 
