@@ -328,3 +328,19 @@ def test_pack_failure_midway_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         pack(f"imagefolder:{image_folder(tmp_path / 'folder')}", tmp_path / "out", shard_size=2)
     assert not (tmp_path / "out").exists()
+
+
+def test_pack_caption_pairs_for_clip(tmp_path, capsys):
+    root = image_folder(tmp_path / "folder", (("train", 3),))
+    lines = ["image,caption,split"] + [f"train/{c}/{i}.jpg,a {c} number {i},{'val' if i == 2 else 'train'}"
+                                       for c in ("ant", "bee") for i in range(3)]
+    (root / "captions.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "pairs"
+    assert main(["data", "pack", f"captions:{root}", "--out", str(out), "--shard-size", "3"]) == 0
+    assert "train 4 samples in 2 shards, val 2 samples in 1 shards; image-text pairs" in capsys.readouterr().out
+    val = read_split("val", str(out), captions=True)
+    assert sorted(t for _, t in val) == ["a ant number 2", "a bee number 2"]
+    got = {s["txt"].decode(): s["jpg"] for sh in read_index(str(out / "train.json"))[0]
+           for s in wds.WebDataset(sh.url, shardshuffle=False)}
+    assert got == {f"a {c} number {i}": (root / "train" / c / f"{i}.jpg").read_bytes() for c in ("ant", "bee")
+                   for i in range(2)}

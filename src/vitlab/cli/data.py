@@ -1,6 +1,7 @@
 """``vitlab data``: streaming datasets.
 
     vitlab data pack imagefolder:~/pets --out ~/pets-shards --shard-size 1000   WebDataset shards of a dataset
+    vitlab data pack captions:~/pairs --out ~/pair-shards                      image-text shards for --task clip
     vitlab data info wds:~/pets-shards                                         samples and classes per split
 
 ``pack`` writes ``{split}-NNNNNN.tar`` shards (an image folder's files copied as they are, other datasets' images
@@ -14,15 +15,22 @@ import json
 
 
 def cmd_pack(args) -> int:
-    from vitlab.data.wds import pack
+    from vitlab.data.wds import pack, pack_pairs
 
-    r = pack(args.dataset, args.out, shard_size=args.shard_size, seed=args.seed,
-             skip_bad_images=args.skip_bad_images)
+    if args.dataset.startswith("captions:"):  # image-text pairs, for --task clip: the caption as txt
+        from vitlab.clip.data import read_captions
+
+        r = pack_pairs(read_captions(args.dataset.partition(":")[2]), args.out, shard_size=args.shard_size,
+                       seed=args.seed)
+    else:
+        r = pack(args.dataset, args.out, shard_size=args.shard_size, seed=args.seed,
+                 skip_bad_images=args.skip_bad_images)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
     parts = ", ".join(f"{s} {v['samples']} samples in {v['shards']} shards" for s, v in r["splits"].items())
-    print(f"{args.dataset} -> {r['out']}: {parts}; {len(r['classes'])} classes")
+    what = f"{len(r['classes'])} classes" if r["classes"] else "image-text pairs"
+    print(f"{args.dataset} -> {r['out']}: {parts}; {what}")
     return 0
 
 
@@ -62,7 +70,8 @@ def register(sub) -> None:
                           description="Write DATASET's train / val / test splits as WebDataset tar shards in OUT, "
                                       "with a shard index per split and classes.json. Each shard is renamed into "
                                       "place when complete; a failure removes what this command wrote.")
-    pk.add_argument("dataset", help="imagefolder:PATH, digits, mnist:PATH, ... (a registered dataset)")
+    pk.add_argument("dataset", help="imagefolder:PATH, digits, mnist:PATH, ... (a registered dataset), or "
+                                    "captions:PATH (image-text pairs, captions as txt)")
     pk.add_argument("--out", required=True, help="a new or empty folder for the shards")
     pk.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
     pk.add_argument("--seed", type=int, default=0, help="the one shuffle of the training samples before writing")

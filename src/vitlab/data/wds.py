@@ -446,9 +446,10 @@ def _encoded(image) -> tuple[str, bytes]:
 
 
 def write_shards(items, out: Path, split: str, shard_size: int, written: list[Path]) -> list[Shard]:
-    """``items`` (a sequence of (an image file path, PIL image or uint8 tensor, and a label), each read when it
-    is written) as ``split-NNNNNN.tar`` shards of ``shard_size`` samples; each shard is written under a temporary
-    name and renamed into place when complete."""
+    """``items`` (a sequence of (an image file path, PIL image or uint8 tensor; an int label or a str caption),
+    each read when it is written) as ``split-NNNNNN.tar`` shards of ``shard_size`` samples (the label as a ``cls``
+    member, the caption as ``txt``); each shard is written under a temporary name and renamed into place when
+    complete."""
     wds = require("webdataset", WHAT)
     shards = []
     for i in range(0, len(items), shard_size):
@@ -457,9 +458,10 @@ def write_shards(items, out: Path, split: str, shard_size: int, written: list[Pa
         try:
             with os.fdopen(fd, "wb") as f:
                 with wds.TarWriter(f) as sink:
-                    for k, (image, label) in enumerate(items[i:i + shard_size], start=i):
+                    for k, (image, target) in enumerate(items[i:i + shard_size], start=i):
                         ext, data = _encoded(image)
-                        sink.write({"__key__": f"{k:08d}", ext: data, "cls": str(int(label)).encode()})
+                        kind, value = ("txt", target) if isinstance(target, str) else ("cls", str(int(target)))
+                        sink.write({"__key__": f"{k:08d}", ext: data, kind: value.encode()})
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, out / name)
@@ -487,15 +489,7 @@ class _Ordered:
         return self.source[self.order[i]]
 
 
-def pack(dataset: str, out: str | Path, shard_size: int = SHARD_SIZE, seed: int = 0,
-         skip_bad_images: bool = False) -> dict:
-    """Write a dataset's splits as WebDataset shards in ``out``: ``{split}-NNNNNN.tar``, a shard index per split
-    (``{split}.json``, WebDataset's ``wids`` form with the classes) and ``classes.json``. An image folder's files
-    are copied as they are; other registered datasets' images are written as PNG. The training samples are
-    shuffled once (with ``seed``) so that every shard holds every class. A failure leaves ``out`` as it was."""
-    from vitlab.data.core import DataConfig, build
-    from vitlab.data.datasets import ImageFolderSplit
-
+def _check_out(out: str | Path, shard_size: int) -> Path:
     if shard_size < 1:
         raise DataError(f"shard size must be positive, got {shard_size}")
     out = Path(out).expanduser()
@@ -504,32 +498,28 @@ def pack(dataset: str, out: str | Path, shard_size: int = SHARD_SIZE, seed: int 
     if (out.is_dir() and any(out.glob("*.tar"))) or any((out / f"{s}.json").exists() for s in SPLITS):
         raise DataError(f"{out} already holds shards; pass a new or empty folder")
     require("webdataset", WHAT)
-    cfg = DataConfig(dataset=dataset, skip_bad_images=skip_bad_images, seed=seed)
-    bundle = build(cfg, in_chans=3)
+    return out
+
+
+def _write_splits(out: Path, splits: dict, classes: list[str], shard_size: int, seed: int) -> dict:
+    """Each split's items (an indexable of (image, label or caption)) as shards with their index, then
+    ``classes.json``; the training items in one shuffled order. A failure removes what was written."""
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    result = {"out": str(out), "classes": list(bundle.class_names), "splits": {}}
+    result = {"out": str(out), "classes": list(classes), "splits": {}}
     try:
-        for split in SPLITS:
-            wrapped = getattr(bundle, split)
-            if wrapped is None:
-                continue
-            raw = wrapped.dataset
-            if not hasattr(raw, "__getitem__"):
-                raise DataError(f"{dataset} is a stream; pack reads datasets with indexed images")
-            order = list(range(len(raw)))
-            if split == "train":
+        for split, source in splits.items():
+            order = list(range(len(source)))
+            if split == "train":  # so that every shard holds every class
                 random.Random(seed).shuffle(order)
-            # an image folder's files are copied as they are; other images are read one at a time as written
-            items = _Ordered(raw.samples if isinstance(raw, ImageFolderSplit) else raw, order)
+            items = _Ordered(source, order)
             shards = write_shards(items, out, split, shard_size, written)
             index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split,
-                     "shardlist": [{"url": s.url, "nsamples": s.count} for s in shards],
-                     "classes": list(bundle.class_names)}
+                     "shardlist": [{"url": s.url, "nsamples": s.count} for s in shards], "classes": list(classes)}
             written.append(write_json(out / f"{split}.json", index))
             result["splits"][split] = {"samples": len(items), "shards": len(shards)}
-        written.append(write_json(out / "classes.json", list(bundle.class_names)))
+        written.append(write_json(out / "classes.json", list(classes)))
     except BaseException:
         for p in written:
             p.unlink(missing_ok=True)
@@ -539,5 +529,36 @@ def pack(dataset: str, out: str | Path, shard_size: int = SHARD_SIZE, seed: int 
     return result
 
 
-__all__ = ["SHARD_SIZE", "Shard", "ShardStream", "expand", "open_shards", "pack", "read_index", "read_split",
-           "scan", "shard_samples", "write_shards"]
+def pack(dataset: str, out: str | Path, shard_size: int = SHARD_SIZE, seed: int = 0,
+         skip_bad_images: bool = False) -> dict:
+    """Write a dataset's splits as WebDataset shards in ``out``: ``{split}-NNNNNN.tar``, a shard index per split
+    (``{split}.json``, WebDataset's ``wids`` form with the classes) and ``classes.json``. An image folder's files
+    are copied as they are; other registered datasets' images are written as PNG. The training samples are
+    shuffled once (with ``seed``) so that every shard holds every class. A failure leaves ``out`` as it was."""
+    from vitlab.data.core import DataConfig, build
+    from vitlab.data.datasets import ImageFolderSplit
+
+    out = _check_out(out, shard_size)
+    bundle = build(DataConfig(dataset=dataset, skip_bad_images=skip_bad_images, seed=seed), in_chans=3)
+    splits = {}
+    for split in SPLITS:
+        wrapped = getattr(bundle, split)
+        if wrapped is None:
+            continue
+        raw = wrapped.dataset
+        if not hasattr(raw, "__getitem__"):
+            raise DataError(f"{dataset} is a stream; pack reads datasets with indexed images")
+        # an image folder's files are copied as they are; other images are read one at a time as written
+        splits[split] = raw.samples if isinstance(raw, ImageFolderSplit) else raw
+    return _write_splits(out, splits, bundle.class_names, shard_size, seed)
+
+
+def pack_pairs(splits: dict[str, list[tuple[str, str]]], out: str | Path, shard_size: int = SHARD_SIZE,
+               seed: int = 0) -> dict:
+    """Image-text pairs (``{split: [(image file, caption), ...]}``, e.g. a captions folder's) as WebDataset shards
+    in ``out``: each image file's bytes with its caption as the ``txt`` member, as :func:`pack` lays them out."""
+    return _write_splits(_check_out(out, shard_size), splits, [], shard_size, seed)
+
+
+__all__ = ["SHARD_SIZE", "Shard", "ShardStream", "expand", "open_shards", "pack", "pack_pairs", "read_index",
+           "read_split", "scan", "shard_samples", "write_shards"]
