@@ -1,0 +1,129 @@
+"""Generation speed of vitlab's Llama against transformers' ``LlamaForCausalLM.generate``, same weights, one
+process: prefill and decode tokens/s, eager and optimized.
+
+A ~100M-parameter Llama (``llama_100m``: dim 640, 12 layers, vocabulary 32,000) with random weights, fp32 on the
+CPU; transformers' model is built from the same config and ours loads its state dict (Touvron et al., 2023,
+"Llama 2"). For each batch size, every implementation generates greedily from the same random prompts, with
+``max_new_tokens=1`` (the prefill: the prompt's forward and one token) and ``max_new_tokens=N``; the calls of all
+implementations alternate (round robin, order reversed every other run) after warm-up, and the figures are
+medians: prefill tokens/s = batch x prompt / t(1), decode tokens/s = batch x (N - 1) / (t(N) - t(1)). The ratios
+are ours / transformers' per paired run (medians). Both generate the same tokens (checked).
+
+Implementations: ``vitlab`` (eager), ``vitlab_compiled`` (:func:`vitlab.optimize.llama.compile_llama`: the decoding
+step compiled by Inductor with frozen weights), ``hf`` (eager, its dynamic cache), and with ``--hf-static``
+``hf_static`` (transformers' static cache, which it compiles for decoding where it can).
+
+    python benchmarks/llama_generate.py --json llama_generate_cpu.json            # the figure (minutes)
+    python benchmarks/llama_generate.py --model llama_tiny --prompt-len 8 --new-tokens 4 --warmup 0 --runs 1 \\
+        --batch-sizes 1 2 --no-compile                                              # smoke check (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+
+import torch
+
+import vitlab
+from vitlab.models.llama import hf_to_llama_state_dict, llama_to_hf_config
+from vitlab.optimize.cpu import cpu_model, isa
+from vitlab.timing import check_counts, round_robin_times
+
+
+def _hf_model(cfg):
+    import transformers
+
+    hf_cfg = {k: v for k, v in llama_to_hf_config(cfg).items() if k not in ("architectures", "model_type")}
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg)).eval()
+    return hf
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama_100m")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--no-compile", action="store_true", help="eager only (a quick check)")
+    ap.add_argument("--hf-static", action="store_true", help="also transformers with its static cache")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    for b in args.batch_sizes:
+        check_counts(b, args.warmup, args.runs)
+    if args.new_tokens < 2:
+        raise SystemExit("--new-tokens must be at least 2 (decode speed is measured past the first token)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        cfg = vitlab.create_model(args.model).config
+    hf = _hf_model(cfg)
+    ours = vitlab.models.llama.Llama(cfg).eval()
+    ours.load_state_dict(hf_to_llama_state_dict(hf.state_dict(), cfg))
+    params = sum(p.numel() for p in ours.parameters())
+    fast = None
+    if not args.no_compile:
+        from vitlab.optimize.llama import compile_llama
+
+        fast = compile_llama(ours)
+
+    def gen(impl: str, ids: torch.Tensor, n: int):
+        def call():
+            with torch.no_grad():
+                if impl == "vitlab":
+                    return ours.generate(ids, n)
+                if impl == "vitlab_compiled":
+                    return ours.generate(ids, n, forward=fast)
+                extra = {"cache_implementation": "static"} if impl == "hf_static" else {}
+                return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0, attention_mask=torch.ones_like(ids), **extra)[:, ids.shape[1]:]
+        return call
+
+    impls = ["vitlab", "hf"] + ([] if args.no_compile else ["vitlab_compiled"]) + (
+        ["hf_static"] if args.hf_static else [])
+    rows = []
+    for b in args.batch_sizes:
+        ids = torch.randint(3, cfg.vocab_size, (b, args.prompt_len))
+        outs = {impl: gen(impl, ids, args.new_tokens)() for impl in impls}  # also compiles
+        same = {impl: bool(torch.equal(outs[impl], outs["hf"])) for impl in impls}
+        t1 = round_robin_times({i: gen(i, ids, 1) for i in impls}, device, args.warmup, args.runs)
+        tn = round_robin_times({i: gen(i, ids, args.new_tokens) for i in impls}, device, args.warmup, args.runs)
+        for impl in impls:
+            p = statistics.median(t1[impl])
+            d = statistics.median(tn[impl]) - p
+            row = dict(impl=impl, batch_size=b, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                       prefill_s=p, decode_s=d, prefill_tok_s=b * args.prompt_len / p,
+                       decode_tok_s=b * (args.new_tokens - 1) / d, same_tokens_as_hf=same[impl])
+            # paired ratios: transformers' time / ours in the same run (> 1: ours is faster)
+            row["prefill_vs_hf"] = statistics.median(h / o for o, h in zip(t1[impl], t1["hf"]))
+            row["decode_vs_hf"] = statistics.median(
+                (hn - h1) / (on - o1) for o1, on, h1, hn in zip(t1[impl], tn[impl], t1["hf"], tn["hf"]))
+            rows.append(row)
+    result = dict(benchmark="llama_generate", model=args.model, params=params, dtype="float32", device="cpu",
+                  cpu=cpu_model(), isa=isa(), threads=torch.get_num_threads(), torch=torch.__version__,
+                  transformers=__import__("transformers").__version__, python=platform.python_version(),
+                  warmup=args.warmup, runs=args.runs, rows=rows)
+    print(f"{args.model} ({params / 1e6:.1f}M params), fp32, {result['cpu']} ({result['isa']}), "
+          f"{result['threads']} threads; prompt {args.prompt_len}, {args.new_tokens} new tokens, medians of "
+          f"{args.runs} runs")
+    print(f"{'impl':<16}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'prefill x':>11}{'decode x':>10}"
+          f"{'same tokens':>13}")
+    for r in rows:
+        print(f"{r['impl']:<16}{r['batch_size']:>6}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}"
+              f"{r['prefill_vs_hf']:>11.2f}{r['decode_vs_hf']:>10.2f}{str(r['same_tokens_as_hf']):>13}")
+    if args.json:
+        from vitlab._io import write_json
+
+        write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
