@@ -91,6 +91,7 @@ def test_caption_train_eval_predict(caption_run, scene_png, tmp_path, capsys):
                     "answers no question")
 
 
+@pytest.mark.slow
 def test_prompt_refused_by_a_task_without_questions(tmp_path, scene_png, capsys):
     run = tmp_path / "cls"
     assert main(["train", "--model", "vit_pico_patch8_32", "--data.img_size", "16", "--epochs", "1",
@@ -163,3 +164,17 @@ def test_stage_two_starts_from_a_stage_one_run(vqa_run, tmp_path):
                  str(vqa_run), "--quiet"]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["frozen"] == ["vision_tower"]
+
+
+def test_blip_three_objectives_retrieval_and_captions(tmp_path, scene_png, capsys):
+    run = tmp_path / "blip"
+    tiny = ["--model_kwargs.vision_depth", "1", "--model_kwargs.text_depth", "1", *TINY[6:]]
+    assert main(["train", "--task", "blip", "--output_dir", str(run), *tiny, "--quiet"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {"val_itc", "val_itm", "val_lm", "val_loss"} <= set(rows[-1])
+    summary = json.loads((run / "summary.json").read_text())
+    assert {"test_i2t_r1", "test_t2i_r5", "test_i2t_itm_r1", "test_cider"} <= set(summary)
+    capsys.readouterr()
+    assert main(["predict", "--checkpoint", str(run), str(scene_png), "--prompt", "a picture of", "--json"]) == 0
+    row, = json.loads(capsys.readouterr().out)
+    assert row["output"].startswith("a picture of")

@@ -49,6 +49,7 @@ from vitlab.vlm.data import (
     SCENE_SPLITS,
     VLSample,
     make_scenes,
+    objects_phrase,
     read_coco,
     read_llava,
     read_vqa,
@@ -84,15 +85,16 @@ _WORD = re.compile(r"[\w']+|[^\w\s]")
 
 class WordTokenizer:
     """Lower-cased words and punctuation marks over a fixed vocabulary: ids 0 padding, 1 unknown, 2 ``<s>``, 3
-    ``</s>``, 4 the image placeholder, then the words (sorted, so the same texts always give the same ids)."""
+    ``</s>``, 4 the image placeholder, 5 BLIP's [DEC] and 6 its [ENC], then the words (sorted, so the same texts
+    always give the same ids)."""
 
-    SPECIALS = ("<pad>", "<unk>", "<s>", "</s>", IMAGE_TOKEN)
+    SPECIALS = ("<pad>", "<unk>", "<s>", "</s>", IMAGE_TOKEN, "[DEC]", "[ENC]")
 
     def __init__(self, words: list[str]):
         self.words = sorted(set(words) - set(self.SPECIALS))
         self.vocab = [*self.SPECIALS, *self.words]
         self.encoder = {w: i for i, w in enumerate(self.vocab)}
-        self.pad_id, self.unk_id, self.bos_id, self.eos_id, self.image_id = range(5)
+        self.pad_id, self.unk_id, self.bos_id, self.eos_id, self.image_id, self.dec_id, self.enc_id = range(7)
         self.vocab_size = len(self.vocab)
 
     @classmethod
@@ -536,3 +538,277 @@ class VQATask(_VLTask):
         return {"accuracy": r.pop("overall"), **r, "questions": len(samples),
                 "answers": [{"image": str(s.image), "question": s.turns[-1][0], "output": o, "refs": s.refs,
                              "kind": s.kind} for s, o in zip(samples, outs)]}
+
+
+# ---------------------------------------------------------------- BLIP
+
+
+@dataclass
+class BlipArgs:
+    """The blip task's options (``--task_args.NAME``; short flags --blind, --init)."""
+
+    blind: bool = False                # images replaced by zeros: the baseline without sight
+    freeze: list[str] = field(default_factory=list)  # parts kept frozen: vision_tower, text_encoder, text_decoder
+    init: str | None = None            # a CLIP run (image tower), a blip run or a checkpoint (transformers' BLIP)
+    context_length: int | None = None  # caption tokens with [CLS] and [SEP] (None: the longest)
+    max_new_tokens: int = 24           # generation bound of eval and predict
+    rerank: int = 16                   # ITM re-ranks the contrastive top-k texts of each image (BLIP's k)
+    scenes_train: int | None = None    # scenes: training scenes (None: 4000)
+    scenes_eval: int | None = None     # scenes: validation and test scenes (None: 200 and 400)
+
+
+class BlipCaptions(Dataset):
+    """(image, token ids ``[CLS] caption [SEP]`` padded (L,), attention mask (L,), group) per image; training
+    draws a caption among the references each time. ``group``: images whose captions are interchangeable (the
+    scenes' content; each file image its own), positives for ITC and never ITM negatives."""
+
+    def __init__(self, samples: list[VLSample], images, transform, tok: WordTokenizer, length: int, train: bool,
+                 blind: bool, groups: list[int]):
+        self.samples, self.images, self.transform, self.tok = samples, images, transform, tok
+        self.length, self.train, self.blind, self.groups = length, train, blind, groups
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def encode(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = [self.tok.bos_id, *self.tok.encode(text), self.tok.eos_id]
+        if len(ids) > self.length:
+            raise DataError(f"a caption of {len(ids)} tokens exceeds the context of {self.length}; raise "
+                            f"--task_args.context_length")
+        n = self.length - len(ids)
+        return torch.tensor(ids + [self.tok.pad_id] * n), torch.tensor([1] * len(ids) + [0] * n)
+
+    def __getitem__(self, i: int):
+        s = self.samples[i]
+        img = self.images[s.image] if isinstance(s.image, int) else load_image(s.image, 3)
+        x = self.transform(img)
+        caption = s.refs[int(torch.randint(len(s.refs), ()))] if self.train else s.refs[0]
+        ids, mask = self.encode(caption)
+        return torch.zeros_like(x) if self.blind else x, ids, mask, self.groups[i]
+
+
+class BlipObjectives(nn.Module):
+    """What the strategy wraps: ``forward`` is BLIP's three objectives on a batch (:meth:`BLIP.losses`)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, ids, mask, groups) -> dict[str, torch.Tensor]:
+        return self.model.losses(x, ids, mask, image_ids=groups)
+
+
+def _groups(splits: VLSplits, split: str, samples: list[VLSample]) -> list[int]:
+    scenes = splits.scenes.get(split)
+    if scenes is None:
+        return list(range(len(samples)))
+    keys = [objects_phrase(scenes[s.image]) + " on " + scenes[s.image].texture for s in samples]
+    index = {k: i for i, k in enumerate(sorted(set(keys)))}
+    return [index[k] for k in keys]
+
+
+def _recall(sim: torch.Tensor, hit: torch.Tensor, ks=(1, 5)) -> dict[int, float]:
+    """Percent of rows whose top-k columns of ``sim`` hold a ``hit``."""
+    top = sim.topk(min(max(ks), sim.shape[1]), dim=1).indices
+    found = hit.gather(1, top)
+    return {k: 100.0 * found[:, :k].any(1).float().mean().item() for k in ks}
+
+
+@register_task("blip")
+class BlipTask(Task):
+    """BLIP pre-training (Li et al., 2022, Sec. 3.2): image-text contrastive (ITC), image-text matching with hard
+    negatives mined from the contrastive similarities (ITM) and captioning (LM), summed with equal weights, on
+    captions (the scenes or ``coco:PATH``). Scored by retrieval (ITC recall@1/5 both ways and BLIP's ITM
+    re-ranking of the contrastive top-k) and, with a captioning head, BLEU-4 / CIDEr-D of greedy captions."""
+
+    Args = BlipArgs
+    monitor = "loss"
+    monitor_mode = "min"
+    aliases = {"blind": "task_args.blind", "init": "task_args.init"}
+
+    @classmethod
+    def defaults(cls) -> dict:
+        return {"model": "blip_tiny", "data.dataset": "scenes", "data.img_size": 64, "epochs": 20, "batch_size": 64,
+                "lr": 1.6e-2, "warmup_epochs": 1.0, "weight_decay": 0.05, "drop_path": 0.0}
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        a = cfg.task_args
+        bad = [p for p in a.freeze if p not in ("vision_tower", "text_encoder", "text_decoder")]
+        if bad:
+            raise ValueError(f"freeze names parts of vision_tower, text_encoder, text_decoder, got {bad}")
+        for k in ("scenes_train", "scenes_eval", "context_length", "max_new_tokens", "rerank"):
+            v = getattr(a, k)
+            if v is not None and v < 1:
+                raise ValueError(f"{k} must be >= 1, got {v}")
+
+    def build(self, cfg, device: torch.device) -> None:
+        self.cfg, self.device, self.args = cfg, device, cfg.task_args
+        a: BlipArgs = self.args
+        mcfg = get_model_config(cfg.model)
+        img_size = int(cfg.data.img_size or cfg.model_kwargs.get("img_size", mcfg.input_size[-1]))
+        self.splits = sp = read_splits(cfg.data, "caption", a.scenes_train, a.scenes_eval)
+        texts = sp.texts() + (scenes_vocabulary() if cfg.data.name == "scenes" else [])
+        self.tokenizer = tok = WordTokenizer.from_texts(texts)
+        longest = max(len(tok.encode(r)) + 2 for s in sp.train + sp.val for r in s.refs)
+        if cfg.data.name == "scenes":
+            longest = max(longest, *(len(tok.encode(c)) + 2 for c in scene_texts()["caption"]))
+        context = a.context_length or longest
+        mean, std = channel_stats(mcfg.mean, 3), channel_stats(mcfg.std, 3)
+        tf = eval_transform(img_size, crop_pct=1.0, mean=mean, std=std)
+        self.data = _Data(
+            BlipCaptions(sp.train, sp.images["train"], tf, tok, context, True, a.blind, _groups(sp, "train", sp.train)),
+            BlipCaptions(sp.val, sp.images["val"], tf, tok, context, False, a.blind, _groups(sp, "val", sp.val)))
+        kwargs = model_kwargs(cfg)
+        model = self._model(cfg.model, kwargs, tok, img_size, context + a.max_new_tokens)
+        if a.init:
+            init_from(model, a.init)
+        for part in a.freeze:
+            for p in getattr(model, part).parameters():
+                p.requires_grad_(False)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.model = prepare_model(model, cfg, device)
+        self.module = BlipObjectives(self.model)
+        self._record = RunRecord(
+            task=self.name, model=cfg.model, model_kwargs=kwargs, task_args=to_plain(a),
+            data={**cfg.data.to_dict(), "img_size": img_size}, img_size=img_size, in_chans=3, mean=list(mean),
+            std=list(std), crop_pct=1.0, params=self.num_params,
+            extra={"tokenizer": tok.to_dict(), "context_length": context})
+
+    @staticmethod
+    def _model(name: str, kwargs: dict, tok: WordTokenizer, img_size: int, max_len: int) -> nn.Module:
+        text = {"text_vocab_size": tok.vocab_size, "text_max_len": max_len, "text_pad_token_id": tok.pad_id,
+                "text_cls_token_id": tok.bos_id, "text_sep_token_id": tok.eos_id, "text_bos_token_id": tok.dec_id,
+                "text_enc_token_id": tok.enc_id}
+        model = create_model(name, **{"img_size": img_size, **text, **kwargs})
+        if hasattr(model, "lm_head"):
+            # the run's checkpoint (safetensors) stores no tensor twice: the captioning head gets its own copy of
+            # the word embedding it is tied to, trained apart from it
+            model.lm_head.decoder.weight = nn.Parameter(model.lm_head.decoder.weight.detach().clone())
+        return model
+
+    def _batch(self, batch):
+        return tuple(t.to(self.device, non_blocking=True) for t in batch)
+
+    def training_step(self, batch, forward) -> tuple[torch.Tensor, dict]:
+        out = forward(*self._batch(batch))
+        return out["loss"], {k: v.detach() for k, v in out.items() if k != "loss"}
+
+    def validation_step(self, batch, forward) -> dict[str, torch.Tensor]:
+        b = self._batch(batch)
+        out = forward(*b)
+        n = b[0].shape[0]
+        return {**{k: (v.detach() * n).double().cpu() for k, v in out.items()},
+                "n": torch.tensor(float(n), dtype=torch.float64)}
+
+    def validation_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        n = max(sums["n"].item(), 1.0)
+        return {k: v.item() / n for k, v in sums.items() if k != "n"}
+
+    def summary(self) -> dict:
+        return {"model": self.cfg.model, "dataset": self.cfg.data.dataset, "params_m": self.num_params / 1e6,
+                "img_size": self._record.img_size, "train_images": len(self.data.train),
+                "val_images": len(self.data.val), "vocab_size": self.tokenizer.vocab_size,
+                "context_length": self._record.extra["context_length"], "blind": self.args.blind}
+
+    def record(self) -> RunRecord:
+        return self._record
+
+    @torch.no_grad()
+    def test(self, run_dir, batch_size: int, checkpoint: str = "last") -> dict:
+        from vitlab.train.evaluate import load_model
+
+        ckpt = Path(run_dir) / checkpoint
+        if self.splits.test is None or not ckpt.exists():
+            return {}
+        model, record, _ = load_model(ckpt, device=self.device)
+        r = self.score(model, record, self.splits, "test", batch_size, self.device)
+        return {f"test_{k}": v for k, v in r.items() if isinstance(v, float)}
+
+    # ---- the run record ------------------------------------------------------------------------------
+    def load(self, record: RunRecord) -> nn.Module:
+        tok = WordTokenizer(record.extra["tokenizer"]["words"])
+        return self._model(record.model, record.model_kwargs, tok, record.img_size,
+                           record.extra["context_length"] + int(record.task_args.get("max_new_tokens", 24)))
+
+    def score(self, model, record: RunRecord, splits: VLSplits, split: str, batch_size: int, device) -> dict:
+        """Retrieval over the split's images and distinct captions (a caption matches the images of its group);
+        greedy captions scored by BLEU-4 and CIDEr-D when the model has a captioning head."""
+        a = record.task_args
+        tok = WordTokenizer(record.extra["tokenizer"]["words"])
+        samples = getattr(splits, split)
+        groups = _groups(splits, split, samples)
+        tf = eval_transform(record.img_size, crop_pct=1.0, mean=record.mean, std=record.std)
+        ds = BlipCaptions(samples, splits.images[split], tf, tok, record.extra["context_length"], False,
+                          bool(a.get("blind")), groups)
+        images = torch.stack([ds[i][0] for i in range(len(ds))]).to(device)
+        texts = {}
+        for s, g in zip(samples, groups, strict=True):
+            for r in s.refs:
+                texts.setdefault(r, g)
+        enc = [ds.encode(t) for t in texts]
+        ids, mask = torch.stack([e[0] for e in enc]).to(device), torch.stack([e[1] for e in enc]).to(device)
+        text_groups = torch.tensor(list(texts.values()), device=device)
+        img_groups = torch.tensor(groups, device=device)
+        hit = img_groups[:, None] == text_groups[None, :]
+        out: dict = {"images": len(samples), "texts": len(texts)}
+        embeds = torch.cat([model.encode_image(images[i:i + batch_size]) for i in range(0, len(images), batch_size)])
+        if "itc" in model.heads:
+            feats = [model.contrastive_features(embeds[:1], ids[i:i + batch_size], mask[i:i + batch_size])[1]
+                     for i in range(0, len(ids), batch_size)]
+            img = F.normalize(model.vision_proj(embeds[:, 0]), dim=-1)
+            sim = img @ torch.cat(feats).T
+            i2t, t2i = _recall(sim, hit), _recall(sim.T, hit.T)
+            out.update({"i2t_r1": i2t[1], "i2t_r5": i2t[5], "t2i_r1": t2i[1], "t2i_r5": t2i[5]})
+            if "itm" in model.heads:  # BLIP's re-ranking: the contrastive top-k of each image by ITM
+                k = min(int(a.get("rerank", 16)), len(texts))
+                top = sim.topk(k, dim=1).indices
+                enc_ids = ids.clone()
+                enc_ids[:, 0] = tok.enc_id  # ITM reads the text with [ENC] first
+                itm = torch.stack([model.itm_logits(embeds[i:i + 1].expand(k, -1, -1), enc_ids[top[i]],
+                                                    mask[top[i]]).softmax(-1)[:, 1] for i in range(len(samples))])
+                best = top.gather(1, itm.argmax(1, keepdim=True))
+                out["i2t_itm_r1"] = 100.0 * hit.gather(1, best).float().mean().item()
+        if "lm" in model.heads:
+            caps = []
+            for i in range(0, len(images), batch_size):
+                new = model.generate_caption(images[i:i + batch_size], max_new_tokens=int(a.get("max_new_tokens", 24)))
+                caps += [tok.decode(row[1:]) for row in new.tolist()]
+            r = caption_scores(dict(enumerate(caps)), {i: s.refs for i, s in enumerate(samples)})
+            out.update({"bleu4": 100.0 * r["bleu4"], "cider": 100.0 * r["cider"]})
+            out["captions"] = [{"image": str(s.image), "output": c, "refs": s.refs} for s, c in zip(samples, caps)]
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, record: RunRecord, data: str | None, split: str, *, out_dir: Path,
+                 batch_size: int = 256, device: str = "cpu", optimize: bool = True) -> dict:
+        """Retrieval (and captioning) scores on ``data`` (default: the record's) ``split`` ('test' falls back to
+        'val' when the data has none); writes ``eval-<split>.json`` to ``out_dir``."""
+        cfg = DataConfig(**{**record.data, "dataset": data}) if data else DataConfig(**record.data)
+        splits = read_splits(cfg, "caption", 1 if cfg.name == "scenes" else None,
+                             record.task_args.get("scenes_eval"))
+        if split == "test" and splits.test is None:
+            split = "val"
+        result = {"task": self.name, "split": split, **self.score(model, record, splits, split, batch_size, device)}
+        file = Path(out_dir) / f"eval-{split}.json"
+        ck.atomic_write(file, json.dumps(result, indent=2).encode())
+        summary = "  ".join(f"{k} {v:.2f}" for k, v in result.items() if isinstance(v, float))
+        return {**result, "files": [str(file)], "summary": f"{self.name} {split}: {summary}"}
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, record: RunRecord, inputs: list[str], out_dir: Path, *, topk: int = 5,
+                device: str = "cpu", optimize: bool = True, prompt: str | None = None) -> list[dict]:
+        """A greedy caption per image; ``prompt`` starts it (BLIP's "a picture of")."""
+        if "lm" not in model.heads:
+            raise ValueError(f"{record.model} has no captioning head; score it with vitlab eval (retrieval)")
+        tok = WordTokenizer(record.extra["tokenizer"]["words"])
+        tf = eval_transform(record.img_size, crop_pct=1.0, mean=record.mean, std=record.std)
+        x = torch.stack([tf(load_image(f, 3)) for f in inputs]).to(device)
+        if record.task_args.get("blind"):
+            x = torch.zeros_like(x)
+        start = [tok.dec_id, *tok.encode(prompt or "")]
+        ids = torch.tensor([start] * len(inputs), device=device)
+        new = model.generate_caption(x, ids, max_new_tokens=int(record.task_args.get("max_new_tokens", 24)))
+        texts = [tok.decode(row[1:]) for row in new.tolist()]
+        return [{"image": str(f), "prompt": prompt, "output": t, "line": f"{f}: {t}"}
+                for f, t in zip(inputs, texts, strict=True)]
