@@ -19,7 +19,7 @@ import vitlab
 import vitlab.prune as prune
 import vitlab.tome as tome
 from vitlab.analysis.attention import capture_attention
-from vitlab.models import TokenModel, mix_in, mix_out
+from vitlab.models import TokenModel, mix_in, mix_out, mixin_of
 
 REFERENCE = json.loads((Path(__file__).parent / "token_interface_reference.json").read_text())
 CASES = {
@@ -237,6 +237,21 @@ def test_mix_in_and_out():
     with torch.no_grad():
         ref = m.forward_features(x)
         mix_in(m, Twice)
-        assert isinstance(m, base) and type(m).__name__ == "TwiceVisionTransformer"
+        assert isinstance(m, base) and type(m).__name__ == "TwiceVisionTransformer" and mixin_of(m) is Twice
         assert torch.equal(m.forward_features(x), 2 * ref)
-        assert mix_out(m, Twice) and type(m) is base and not mix_out(m, Twice)
+        with pytest.raises(ValueError, match="already carries the Twice patch"):
+            mix_in(m, Twice)
+        assert mix_out(m, Twice) and type(m) is base and not mix_out(m, Twice) and mixin_of(m) is None
+
+
+def test_one_token_reduction_at_a_time():
+    m = model("deit_tiny_patch16_224", img_size=64, depth=2)
+    prune.apply(m, "evit")
+    assert prune.is_applied(m) and not tome.is_applied(m)
+    with pytest.raises(ValueError, match="patched with Pruned"):
+        tome.apply(m, r=2)
+    prune.remove(m)
+    tome.apply(m, r=2)
+    assert tome.info(m).r == [2, 2]
+    with pytest.raises(ValueError, match="already patched"):
+        prune.apply(m, "evit")

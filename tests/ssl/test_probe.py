@@ -11,7 +11,7 @@ from vitlab.ssl.probe import check_blocks, last_blocks_features
 def _restated(model, x, n):
     """DINO's eval_linear: run the blocks by hand, keep the last n outputs, each through the final norm and the
     model's pooling (here: class token for a token-pooled ViT, mean of the patch tokens + fc_norm for a GAP ViT)."""
-    t = model._pos_embed(model.patch_embed(x), model._grid(x))
+    t = model.embed(x)[0]
     outs = []
     for blk in model.blocks:
         t = blk(t)

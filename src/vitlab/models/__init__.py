@@ -16,9 +16,10 @@ from vitlab.models._base import (  # noqa: E402
     mask_patches,
     mix_in,
     mix_out,
+    mixin_of,
 )
 from vitlab.models.halvit import HaLViT  # noqa: E402
 from vitlab.models.vision_transformer import VisionTransformer  # noqa: E402
 
 __all__ = ["HaLViT", "TokenModel", "VisionTransformer", "check_token_model", "keep_patches", "mask_patches", "mix_in",
-           "mix_out"]
+           "mix_out", "mixin_of"]

@@ -118,22 +118,29 @@ def keep_patches(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 @functools.cache
 def _mixed_class(mixin: type, base: type) -> type:
-    return type(f"{mixin.__name__}{base.__name__}", (mixin, base), {})
+    return type(f"{mixin.__name__}{base.__name__}", (mixin, base), {"vitlab_mixin": mixin})
+
+
+def mixin_of(module: nn.Module) -> type | None:
+    """The mixin :func:`mix_in` gave ``module``, or None."""
+    return type(module).__dict__.get("vitlab_mixin")
 
 
 def mix_in(module: nn.Module, mixin: type) -> None:
     """Give ``module`` the class ``(mixin, its class)`` in place: methods of ``mixin`` override the model's, the
     parameters, buffers and state dict stay as they are, ``isinstance`` checks of the model's class still hold.
-    One class per pair."""
+    One class per pair; one mixin at a time (a ValueError names the one the module carries)."""
+    current = mixin_of(module)
+    if current is not None:
+        raise ValueError(f"the model already carries the {current.__name__} patch; remove it first")
     module.__class__ = _mixed_class(mixin, type(module))
 
 
 def mix_out(module: nn.Module, mixin: type) -> bool:
     """Undo :func:`mix_in`; False when ``module`` does not carry ``mixin``."""
-    cls = type(module)
-    if cls.__bases__[0] is not mixin:
+    if mixin_of(module) is not mixin:
         return False
-    module.__class__ = cls.__bases__[1]
+    module.__class__ = type(module).__bases__[1]
     return True
 
 

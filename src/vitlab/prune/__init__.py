@@ -12,8 +12,18 @@ the adaptive threshold; :mod:`~vitlab.prune.warmup` EViT's keep-rate warm-up; :m
 pruning into ``vitlab train --prune evit:0.7 [--prune_shrink_start 10 --prune_shrink_epochs 100]``.
 """
 
-from vitlab.prune.patch import METHODS, ImportancePredictor, PredictorLG, PruneInfo, apply, remove, set_keep_rate
+from vitlab.prune.patch import (
+    METHODS,
+    ImportancePredictor,
+    PredictorLG,
+    PruneInfo,
+    apply,
+    is_applied,
+    pruned_info,
+    remove,
+    set_keep_rate,
+)
 from vitlab.prune.warmup import KeepRateWarmup, keep_rate_at
 
-__all__ = ["METHODS", "ImportancePredictor", "KeepRateWarmup", "PredictorLG", "PruneInfo", "apply", "keep_rate_at",
-           "remove", "set_keep_rate"]
+__all__ = ["METHODS", "ImportancePredictor", "KeepRateWarmup", "PredictorLG", "PruneInfo", "apply", "is_applied",
+           "keep_rate_at", "pruned_info", "remove", "set_keep_rate"]

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.models import check_token_model, mix_in, mix_out
+from vitlab.models import check_token_model, mix_in, mix_out, mixin_of
 
 METHODS = ("evit", "dynamicvit", "topk", "adaptive")
 
@@ -243,8 +243,9 @@ def apply(model: nn.Module, method: str = "evit", keep_rate: float = 0.7, locati
     keep_rate = check_keep_rate(keep_rate)
     if not 0.0 < min_keep <= 1.0:
         raise ValueError(f"min_keep must be in (0, 1], got {min_keep}")
-    if getattr(model, "_tome", None) is not None or getattr(model, "_prune", None) is not None:
-        raise ValueError("the model is already patched (ToMe or pruning); remove that patch first")
+    current = mixin_of(model)
+    if current is not None:
+        raise ValueError(f"the model is already patched ({current.__name__}); remove that patch first")
     check_token_model(model, "token pruning", "return_qk", *(("attn_policy",) if method == "dynamicvit" else ()))
     if not getattr(model, "has_class_token", False):
         raise ValueError("token pruning ranks tokens by the class token's attention or keeps it whole: it needs a "
@@ -264,11 +265,16 @@ def apply(model: nn.Module, method: str = "evit", keep_rate: float = 0.7, locati
     return model
 
 
+def is_applied(model: nn.Module) -> bool:
+    """Whether ``model`` is patched with :func:`apply`."""
+    return mixin_of(model) is Pruned
+
+
 def pruned_info(model: nn.Module) -> PruneInfo:
-    info = getattr(model, "_prune", None)
-    if info is None:
+    """The settings of a pruned ``model`` (and what its last training forward left for the losses)."""
+    if not is_applied(model):
         raise ValueError("the model is not patched with token pruning; vitlab.prune.apply(model, ...) first")
-    return info
+    return model._prune
 
 
 def set_keep_rate(model: nn.Module, keep_rate: float, train_only: bool = False) -> nn.Module:

@@ -14,8 +14,8 @@ interface; :mod:`~vitlab.tome.cost` counts the GMACs of a schedule (the paper's 
 """
 
 from vitlab.tome.merge import bipartite_soft_matching, merge_source, merge_wavg, parse_r, unmerge_tokens
-from vitlab.tome.patch import ToMeInfo, apply, info, remove
+from vitlab.tome.patch import ToMeInfo, apply, info, is_applied, remove
 from vitlab.tome.vis import merge_png, merge_regions
 
-__all__ = ["ToMeInfo", "apply", "bipartite_soft_matching", "info", "merge_png", "merge_regions", "merge_source",
-           "merge_wavg", "parse_r", "remove", "unmerge_tokens"]
+__all__ = ["ToMeInfo", "apply", "bipartite_soft_matching", "info", "is_applied", "merge_png", "merge_regions",
+           "merge_source", "merge_wavg", "parse_r", "remove", "unmerge_tokens"]

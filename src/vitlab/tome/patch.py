@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from vitlab.layers import intermediates_plan
-from vitlab.models import check_token_model, mix_in, mix_out
+from vitlab.models import check_token_model, mix_in, mix_out, mixin_of
 from vitlab.tome.merge import (
     bipartite_soft_matching,
     check_budget,
@@ -138,12 +138,16 @@ class ToMe:
         return self.finish_tokens(x, prop_mask(size, self._tome)), feats
 
 
+def is_applied(model: nn.Module) -> bool:
+    """Whether ``model`` is patched with :func:`apply`."""
+    return mixin_of(model) is ToMe
+
+
 def info(model: nn.Module) -> ToMeInfo:
     """The settings of a merging ``model`` (and what its last forward left: sizes, sources)."""
-    got = getattr(model, "_tome", None)
-    if got is None:
+    if not is_applied(model):
         raise ValueError("the model is not patched with ToMe; vitlab.tome.apply(model, r) first")
-    return got
+    return model._tome
 
 
 def apply(model: nn.Module, r: int | list[int] | tuple[int, float] = 8, prop_attn: bool = True,
@@ -151,14 +155,16 @@ def apply(model: nn.Module, r: int | list[int] | tuple[int, float] = 8, prop_att
     """Patch ``model`` (in place) to merge ``r`` tokens per block: an int, a list (one per block) or
     ``(r, inflect)`` (:func:`~vitlab.tome.merge.parse_r`; ``(r, -1)`` is the paper's decreasing schedule).
     Applying again changes the settings. Returns the model."""
-    if getattr(model, "_prune", None) is not None:
-        raise ValueError("the model is patched for token pruning; vitlab.prune.remove(model) first")
+    current = mixin_of(model)
+    if current is not None and current is not ToMe:
+        raise ValueError(f"the model is patched with {current.__name__} (token pruning); remove that patch first "
+                         f"(vitlab.prune.remove(model))")
     check_token_model(model, "ToMe", "attn_mask", "return_qk")
     protected = model.num_block_prefix_tokens
     rs = parse_r(len(model.blocks), r)
     grid = model.patch_embed.grid_size
     check_budget(rs, grid[0] * grid[1] + protected, protected)
-    if getattr(model, "_tome", None) is None:
+    if current is None:
         mix_in(model, ToMe)
     model._tome = ToMeInfo(r=rs, prop_attn=bool(prop_attn), trace_source=bool(trace_source), protected=protected)
     return model
