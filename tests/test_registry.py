@@ -57,7 +57,7 @@ def test_first_lookup_or_listing_registers_the_capabilities(call):
 
 def test_every_model_has_a_task_and_classifiers_default_to_classify():
     assert vitlab.ModelConfig().task == "classify"
-    assert vitlab.model_tasks() == ["classify", "contrastive", "depth", "segment"]
+    assert vitlab.model_tasks() == ["blip", "caption", "classify", "contrastive", "depth", "generate", "segment"]
     names = vitlab.list_models()
     by_task = {t: vitlab.list_models(task=t) for t in vitlab.model_tasks()}
     assert sorted(n for ns in by_task.values() for n in ns) == names  # each model in exactly one task
@@ -72,8 +72,8 @@ def test_every_model_has_a_task_and_classifiers_default_to_classify():
 
 
 def test_unknown_task_is_one_line_naming_the_known_ones():
-    with pytest.raises(ValueError, match="unknown model task 'detect'; known tasks: classify, contrastive, depth, "
-                                         "segment$"):
+    with pytest.raises(ValueError, match="unknown model task 'detect'; known tasks: blip, caption, classify, "
+                                         "contrastive, depth, generate, segment$"):
         vitlab.list_models(task="detect")
 
 
@@ -103,5 +103,5 @@ def test_vitlab_models_unknown_task_exits_2_with_one_line():
     proc = subprocess.run([sys.executable, "-m", "vitlab", "models", "--task", "detect"], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == ("vitlab: error: unknown model task 'detect'; known tasks: classify, contrastive, "
-                                   "depth, segment")
+    assert proc.stderr.strip() == ("vitlab: error: unknown model task 'detect'; known tasks: blip, caption, "
+                                   "classify, contrastive, depth, generate, segment")
