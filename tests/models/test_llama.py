@@ -232,3 +232,17 @@ def test_profile_and_serving_estimate_without_weights():
     prof = vitlab.profile_model("llama2_7b", activations=False)
     assert round(prof.params_m * 1e6) == 6_738_415_616
     assert prof.input_size == (1, 1, 4096)
+
+
+def test_grad_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**TINY))
+    ids, mask = _padded_batch()
+    grads = []
+    for enable in (False, True):
+        model.zero_grad()
+        model.set_grad_checkpointing(enable)
+        model(ids, attention_mask=mask)[mask.bool()].logsumexp(-1).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

@@ -32,7 +32,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vitlab.convert import CheckpointError, read_hf_config, read_hf_state_dict, unreadable
-from vitlab.layers import RMSNorm, RotaryEmbedding1D, SwiGLU, check_heads, rope_rotate, swiglu_hidden_dim
+from vitlab.layers import (
+    RMSNorm,
+    RotaryEmbedding1D,
+    SwiGLU,
+    check_heads,
+    checkpoint_seq,
+    rope_rotate,
+    swiglu_hidden_dim,
+)
 from vitlab.registry import ModelConfig, create_model, get_model_config, is_model, register_model
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "llama")
@@ -174,6 +182,7 @@ class Llama(nn.Module):
         super().__init__()
         cfg = config if config is not None else LlamaConfig(**kwargs)
         self.config = cfg
+        self.grad_checkpointing = False
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
@@ -199,6 +208,11 @@ class Llama(nn.Module):
 
     def shard_units(self) -> list[nn.Module]:
         return list(self.layers)
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block's activations in the backward pass (less memory, same gradients)."""
+        self.grad_checkpointing = enable
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
         """An empty :class:`KVCache` for ``batch_size`` sequences of up to ``max_len`` tokens (default: the
@@ -258,10 +272,11 @@ class Llama(nn.Module):
         cos = self.rope_cos[position_ids].unsqueeze(1).to(x.dtype)  # (B, 1, N, head_dim)
         sin = self.rope_sin[position_ids].unsqueeze(1).to(x.dtype)
         mask = self._mask(attention_mask, n, past)
-        for i, layer in enumerate(self.layers):
-            kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = layer(x, cos, sin, mask, kv, past)
-        if cache is not None:
+        if cache is None:  # training or a full recomputation: blocks may recompute their activations
+            x = checkpoint_seq(self.layers, x, cos, sin, mask, enabled=self.grad_checkpointing)
+        else:
+            for layer, k, v in zip(self.layers, cache.k, cache.v):
+                x = layer(x, cos, sin, mask, (k, v), past)
             cache.length = past + n
         x = self.norm(x if not logits_to_keep else x[:, -logits_to_keep:])
         return self.lm_head(x)
