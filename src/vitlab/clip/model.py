@@ -4,8 +4,9 @@ temperature ``t`` (Sec. 2.5 and Fig. 3 of the paper: ``logit_scale``, initialise
 
 - :class:`ImageTower`: any registered vitlab model with its classifier removed, pooled features -> linear
   projection. For a ViT, CLIP's extra pre-norm (``ln_pre``: a LayerNorm on the embedded tokens before the first
-  block, Sec. 2.4 of the paper) is swapped in from outside, behind the position-embedding dropout; hierarchical
-  models (Swin, PVT, ...) give their pooled features.
+  block, Sec. 2.4 of the paper; :class:`vitlab.models.PreNorm`) is swapped in from outside, behind the
+  position-embedding dropout, so the trunk's token interface (:class:`vitlab.models.TokenModel`: ``embed``, the
+  blocks, ``finish_tokens``) includes it; hierarchical models (Swin, PVT, ...) give their pooled features.
 - :class:`TextTransformer`: CLIP's causal text transformer (Sec. 2.4: pre-norm blocks, a causal mask, the
   activation of the end-of-text token after the final LayerNorm, linearly projected), or, with ``style='llama'``,
   the Llama-2 tower (Touvron et al., 2023: 1-D RoPE instead of learned positions, RMSNorm, SwiGLU, causal mask), both
@@ -22,7 +23,6 @@ state dict (the model's ``checkpoint_filter_fn``, so ``create_model(..., checkpo
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Literal
 
 import torch
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from vitlab.attention import Block
 from vitlab.clip.openclip import convert_openclip_state_dict, is_openclip_state_dict, openclip_config
 from vitlab.convert import load_state_dict, read_state_dict
-from vitlab.layers import PatchEmbed, RotaryEmbedding1D, check_heads, checkpoint_seq, get_norm_layer
+from vitlab.layers import RotaryEmbedding1D, check_heads, checkpoint_seq, get_norm_layer
+from vitlab.models import PreNorm, clip_vit_kwargs
 from vitlab.registry import create_model, get_model_config
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's image normalisation (open_clip's OPENAI_DATASET_*)
@@ -42,18 +43,6 @@ OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 PICO_TEXT = dict(vocab_size=64, context_length=16, width=64, depth=2, num_heads=4)
 
 TextStyle = Literal["clip", "llama"]
-
-
-class PreNorm(nn.Module):
-    """The position-embedding dropout of a ViT followed by CLIP's ``ln_pre`` (swapped in for ``pos_drop``)."""
-
-    def __init__(self, drop: nn.Module, dim: int, norm_layer="layernorm_eps5"):
-        super().__init__()
-        self.drop = drop
-        self.norm = get_norm_layer(norm_layer)(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.drop(x))
 
 
 class ImageTower(nn.Module):
@@ -223,11 +212,6 @@ def build_clip(embed_dim: int, image_model: str, image_kwargs: dict, text_kwargs
     if dynamic_img_size:
         image_kwargs["dynamic_img_size"] = True
     return CLIP(embed_dim, image_model, image_kwargs, text_kwargs=text_kwargs, **kwargs)
-
-
-def clip_vit_kwargs() -> dict:
-    """A vitlab ViT as CLIP's image tower: no bias in the patch projection, LayerNorm eps 1e-5, [CLS] pooling."""
-    return {"norm_layer": "layernorm_eps5", "embed_layer": partial(PatchEmbed, bias=False), "global_pool": "token"}
 
 
 def checkpoint_filter_fn(state_dict: dict, model: CLIP) -> dict:

@@ -18,8 +18,9 @@ from vitlab.models._base import (  # noqa: E402
     mix_out,
     mixin_of,
 )
+from vitlab.models.clip_vit import PreNorm, clip_vision_transformer, clip_vit_kwargs  # noqa: E402
 from vitlab.models.halvit import HaLViT  # noqa: E402
 from vitlab.models.vision_transformer import VisionTransformer  # noqa: E402
 
-__all__ = ["HaLViT", "TokenModel", "VisionTransformer", "check_token_model", "keep_patches", "mask_patches", "mix_in",
-           "mix_out", "mixin_of"]
+__all__ = ["HaLViT", "PreNorm", "TokenModel", "VisionTransformer", "check_token_model", "clip_vision_transformer",
+           "clip_vit_kwargs", "keep_patches", "mask_patches", "mix_in", "mix_out", "mixin_of"]
