@@ -2,7 +2,13 @@
 offset-bias attention of LeViT / EfficientFormer and the pluggable pre-norm :class:`Block`.
 
 Every mechanism sits behind one interface, ``forward(x, hw)`` with x (B, N, C) tokens of an H x W grid, and is
-built by name with :func:`create` (``Block(dim, heads, attn_layer='hilo')`` does the same inside a block). Each
+built by name with :func:`create` (``Block(dim, heads, attn_layer='hilo')`` does the same inside a block).
+Asked with ``return_attn=True`` a mechanism that forms attention weights returns ``(out, weights)``; its class
+says so (``has_attention_weights = True``) and what they are over (``attention_kind``: ``"global"``,
+``"window"`` (stitched to a dense N x N map), ``"spatial_reduction"``, ``"projected"``, ``"channels"``, ...); one
+that forms none (linear attention, Performer, gnConv, VAN) sets ``has_attention_weights = False`` and refuses the
+keyword with a ValueError. The softmax attention of the plain-ViT family (:class:`QKVAttention`: ``msa``,
+HaLViT's) also takes ``attn_mask``, ``return_qk`` and ``attn_policy`` (token merging and pruning use them). Each
 module of this package holds one mechanism and registers it on import (a new file is picked up without editing
 this one). Building blocks that know no attention (MLP, norms, drop path, embeddings) live in
 :mod:`vitlab.layers`.
