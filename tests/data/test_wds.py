@@ -344,3 +344,15 @@ def test_pack_caption_pairs_for_clip(tmp_path, capsys):
            for s in wds.WebDataset(sh.url, shardshuffle=False)}
     assert got == {f"a {c} number {i}": (root / "train" / c / f"{i}.jpg").read_bytes() for c in ("ant", "bee")
                    for i in range(2)}
+
+
+def test_train_on_shards_through_the_cli(tmp_path):
+    out = tmp_path / "shards"
+    pack(f"imagefolder:{image_folder(tmp_path / 'folder', (('train', 12), ('val', 4)))}", out, shard_size=5)
+    run = tmp_path / "run"
+    assert main(["train", "--data", f"wds:{out}", "--data.img_size", "16", "--data.preset", "tiny",
+                 "--model", "vit_pico_patch8_32", "--model_kwargs.depth", "1", "--model_kwargs.embed_dim", "32",
+                 "--model_kwargs.num_heads", "2", "--epochs", "2", "--batch_size", "8", "--threads", "1",
+                 "--data.num_workers", "2", "--output_dir", str(run), "--quiet"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["finished"] and summary["dataset"] == f"wds:{out}" and summary["epochs_done"] == 2

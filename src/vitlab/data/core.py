@@ -47,10 +47,11 @@ from typing import Literal
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from vitlab.data import datasets as ds
 from vitlab.data.registry import DATASETS, SPLITS, DataError, DatasetSpec, dataset_spec
+from vitlab.data.streaming import StreamImages
 from vitlab.data.transforms import batch_mixup, channel_stats, eval_transform, train_transform
 
 PRESETS: dict[str, dict] = {
@@ -167,8 +168,8 @@ class DataBundle:
         cfg = self.config or DataConfig()
         is_train = split == "train"
         batch_size = batch_size or cfg.batch_size
-        if shuffle is None:
-            shuffle = is_train and sampler is None
+        if shuffle is None:  # a stream shuffles itself
+            shuffle = is_train and sampler is None and not isinstance(dataset, IterableDataset)
         if drop_last is None:
             # Never drop the only (partial) batch of a dataset smaller than one batch.
             n = len(sampler) if sampler is not None and hasattr(sampler, "__len__") else len(dataset)
@@ -262,7 +263,11 @@ def build(cfg: DataConfig, mean: Sequence[float] = (0.5,), std: Sequence[float] 
                               color_jitter=r.color_jitter, reprob=r.reprob, mean=mean, std=std)
     t_eval = eval_transform(size, crop_pct=r.crop_pct, mean=mean, std=std)
     raw = _read(spec, r, in_chans)
-    train, val, test = (None if raw[s] is None else ClassImages(raw[s], in_chans, t_train if s == "train" else t_eval)
+    def wrap(d: Dataset, transform: Callable) -> Dataset:
+        # a stream (an IterableDataset) splits itself by rank and worker: it keeps a stream's wrapper
+        return (StreamImages if isinstance(d, IterableDataset) else ClassImages)(d, in_chans, transform)
+
+    train, val, test = (None if raw[s] is None else wrap(raw[s], t_train if s == "train" else t_eval)
                         for s in SPLITS)
     classes = train.classes
     return DataBundle(train=train, val=val, test=test, num_classes=len(classes), class_names=list(classes),
