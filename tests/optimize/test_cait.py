@@ -76,3 +76,21 @@ def test_direct_form_for_what_only_it_has():
     out = attn(x)
     torch.manual_seed(1)
     assert torch.equal(out, direct(x))  # attention dropout in training: the direct form's own draws
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the fused kernels the fold is for)")
+def test_folded_on_cuda_equals_direct():
+    torch.manual_seed(0)
+    attn = TalkingHeadAttn(192, num_heads=4).cuda()
+    _random_mixing(attn, 1.0)
+    direct = TalkingHeadAttn(192, num_heads=4).cuda()
+    direct.load_state_dict(attn.state_dict())
+    fold_talking_heads(attn)
+    x = torch.randn(2, 196, 192, device="cuda", requires_grad=True)
+    outs = []
+    for m in (attn, direct):
+        out = m(x)
+        (g,) = torch.autograd.grad(out.square().sum(), [x])
+        outs.append((out, g))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-2, atol=1e-2)
