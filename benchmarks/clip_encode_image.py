@@ -49,7 +49,7 @@ def main() -> int:
 
     import vitlab
     from vitlab._io import atomic_write
-    from vitlab.bench.timing import round_robin_times
+    from vitlab.timing import round_robin_times
 
     if args.threads:
         torch.set_num_threads(args.threads)

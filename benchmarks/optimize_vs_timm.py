@@ -45,9 +45,9 @@ def bench_model(name: str, batch_size: int, warmup: int, runs: int, repeat: int,
 
     import vitlab
     from vitlab.bench.models import _timm_twin
-    from vitlab.bench.timing import round_robin_times
     from vitlab.optimize.cpu import inductor_options
     from vitlab.registry import get_model_config
+    from vitlab.timing import round_robin_times
 
     torch.manual_seed(0)
     ours = vitlab.create_model(name).eval()
