@@ -38,7 +38,7 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 
 ROW_KEYS = ("name", "params_m", "mflops", "device", "dtype", "batch_size", "img_per_s", "rel_msa", "backend")
-EAGER_CANDIDATES = ("none", "onednn", "kernels")
+EAGER_CANDIDATES = ("none", "rewrite", "onednn", "kernels")
 
 
 class _OnGrid(nn.Module):
