@@ -9,8 +9,11 @@ the time goes per token: one token through every layer, many small kernels, each
 mode; compiled, a step is a few fused C++ kernels and GEMMs with prepacked weights (on the CPU the graph is
 compiled with the weights frozen and the SIMD width stated, :func:`vitlab.optimize.cpu.inductor_options`). The
 prompt (prefill) stays eager: it is a few large GEMMs, which compiling does not speed up, and its length varies.
-The cache is the model's preallocated :class:`~vitlab.models.llama.KVCache`; the cache position is compiled as a
-symbolic size, so every step after the first two reuses one graph (one more with a padding mask).
+The cache is the model's preallocated :class:`~vitlab.models.llama.KVCache`. Shapes are left to Dynamo's automatic
+dynamic mode: the first step compiles with static sizes, and the sizes that then change (the cache position, the
+cache length, the padding mask's length) become symbolic in the second graph, which serves every later step and
+prompt. The batch size stays static, so Inductor's fp32 GEMMs use MKL's prepacked weights (for a symbolic batch
+size, as ``dynamic=True`` would make it, Inductor switches to oneDNN's linear kernel instead).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def compile_llama(model: nn.Module, options: dict | None = None) -> Callable[...
     if next(model.parameters()).device.type == "cpu":
         cpuinfo.cpp_extension()  # imported quietly before Inductor's C++ build imports it and warns
         options = {**cpuinfo.inductor_options(), **(options or {})}
-    step = torch.compile(model, dynamic=True, options=options)
+    step = torch.compile(model, options=options)
 
     def forward(input_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         one_token = input_ids is not None and input_ids.shape[1] == 1
