@@ -7,12 +7,15 @@
     fit(TrainConfig(resume=summary["run_dir"], epochs=60))   # continue the run (its own model and data)
 
 Modules: ``task`` (the Task spec, its RunRecord, the task and model-transform registries), ``config``
-(TrainConfig, YAML, ``for_task``), ``trainer`` (Trainer, fit), ``common`` (what every task shares: autocast,
-metric sums, model placement, image data), ``strategy`` (SingleDevice, DDP, FSDP2 under torchrun; the loaders),
-``recipe`` (parameter groups, AdamW, warm-up + cosine, losses, EMA), ``checkpoint`` (atomic saves, last/best),
-``evaluate`` (load_model, evaluate, predict from a checkpoint's run record), ``plots``, ``progress``.
+(TrainConfig, YAML, ``for_task``), ``trainer`` (Trainer, fit), ``callbacks`` (the Callback protocol, the tracker
+registry), ``trackers`` (TensorBoard, MLflow, W&B), ``mfu`` (MFU, throughput, peak memory), ``common`` (what
+every task shares: autocast, metric sums, model placement, image data), ``strategy`` (SingleDevice, DDP, FSDP2
+under torchrun; the loaders), ``recipe`` (parameter groups, AdamW, warm-up + cosine, losses, EMA), ``checkpoint``
+(atomic saves, last/best, step checkpoints), ``evaluate`` (load_model, evaluate, predict from a checkpoint's run
+record), ``plots``, ``progress``.
 """
 
+from vitlab.train.callbacks import Callback, Tracker, list_trackers, register_tracker
 from vitlab.train.config import TrainConfig
 from vitlab.train.evaluate import evaluate, load_model, predict
 from vitlab.train.strategy import DDP, FSDP2, SingleDevice, Strategy
@@ -27,6 +30,6 @@ from vitlab.train.task import (
 )
 from vitlab.train.trainer import Trainer, fit
 
-__all__ = ["DDP", "FSDP2", "RunRecord", "SingleDevice", "Strategy", "Task", "TaskError", "TrainConfig", "Trainer",
-           "evaluate", "fit", "list_tasks", "load_model", "predict", "register_model_transform", "register_task",
-           "task_class"]
+__all__ = ["DDP", "FSDP2", "Callback", "RunRecord", "SingleDevice", "Strategy", "Task", "TaskError", "Tracker",
+           "TrainConfig", "Trainer", "evaluate", "fit", "list_tasks", "list_trackers", "load_model", "predict",
+           "register_model_transform", "register_task", "register_tracker", "task_class"]

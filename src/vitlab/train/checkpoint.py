@@ -95,10 +95,13 @@ def _safetensors_bytes(state_dict: dict, meta: dict) -> bytes:
     return save(tensors, metadata={"vitlab": json.dumps(meta)})
 
 
-def _gc(ckpt_root: Path, keep: set[str]) -> None:
-    """Remove checkpoint directories no link points to, and temporary leftovers of killed saves."""
+def _gc(ckpt_root: Path, keep: set[str], keep_last: int = 1) -> None:
+    """Remove checkpoint directories no link points to, but the ``keep_last`` newest, and temporary leftovers of
+    killed saves."""
     if not ckpt_root.is_dir():
         return
+    done = [p for p in ckpt_root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    keep = keep | {p.name for p in sorted(done, key=lambda p: p.stat().st_mtime_ns)[-keep_last:]}
     for p in ckpt_root.iterdir():
         if p.name not in keep:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
@@ -110,9 +113,10 @@ def _link_target(link: Path) -> str | None:
 
 def save_checkpoint(run_dir: str | Path, name: str, model_sd: dict, trainer_state: dict, meta: dict,
                     ema_sd: dict | None = None, links: tuple[str, ...] = ("last",),
-                    extra_dirs: dict[str, Path] | None = None) -> Path:
+                    extra_dirs: dict[str, Path] | None = None, keep_last: int = 1) -> Path:
     """Write checkpoint ``checkpoints/<name>`` atomically and point each of ``links`` ('last', 'best') at it.
-    ``extra_dirs`` (name -> a finished directory on the same filesystem) are moved inside it before the commit."""
+    ``extra_dirs`` (name -> a finished directory on the same filesystem) are moved inside it before the commit.
+    Older checkpoints are removed but the ``keep_last`` newest (this one included) and those a link names."""
     run_dir = Path(run_dir)
     root = run_dir / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -143,7 +147,7 @@ def save_checkpoint(run_dir: str | Path, name: str, model_sd: dict, trainer_stat
         raise
     for ln in links:
         _atomic_symlink(run_dir / ln, f"{CKPT_DIR}/{name}")
-    _gc(root, {t for t in (_link_target(run_dir / ln) for ln in ("last", "best")) if t})
+    _gc(root, {t for t in (_link_target(run_dir / ln) for ln in ("last", "best")) if t}, keep_last)
     return final
 
 

@@ -70,6 +70,11 @@ class TrainConfig:
     resume: str | None = None          # a run directory to continue (its model, data and recipe)
     stop_after: int | None = None      # end this invocation after this epoch (the schedule still spans `epochs`)
     eval_every: int = 1                # validate every N epochs (and after the last)
+    save_every_steps: int | None = None  # also checkpoint every N optimiser steps, mid-epoch (None = epoch ends)
+    save_every_minutes: float | None = None  # also checkpoint when M minutes have passed since the last save
+    keep_last: int = 1                 # checkpoints kept: the newest K (plus the one 'best' names)
+    log: list[str] = field(default_factory=list)  # trackers beside metrics.jsonl: tensorboard, mlflow, wandb
+    mlflow_uri: str | None = None      # MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else RUN/mlruns)
     test_weights: TestWeights = "last"  # scored on the test split: the last epoch's, or the best on validation
     quiet: bool = False                # only the final summary line
 
@@ -77,6 +82,8 @@ class TrainConfig:
         if isinstance(self.data, dict):
             self.data = DataConfig(**self.data)
         self.betas = tuple(float(b) for b in self.betas)
+        if isinstance(self.log, str):  # "tensorboard,mlflow" as a YAML scalar
+            self.log = [t.strip() for t in self.log.split(",") if t.strip()]
         self.task_args = parse_task_args(self.task_args, self.args_class())
         self.validate()
 
@@ -124,6 +131,13 @@ class TrainConfig:
             (0.0 <= self.ema_decay < 1.0, f"ema_decay must be in [0, 1), got {self.ema_decay}"),
             (self.stop_after is None or self.stop_after >= 1, f"stop_after must be >= 1, got {self.stop_after}"),
             (self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}"),
+            (self.save_every_steps is None or self.save_every_steps >= 1,
+             f"save_every_steps must be >= 1, got {self.save_every_steps}"),
+            (self.save_every_minutes is None or self.save_every_minutes > 0,
+             f"save_every_minutes must be > 0, got {self.save_every_minutes}"),
+            (self.keep_last >= 1, f"keep_last must be >= 1, got {self.keep_last}"),
+            (isinstance(self.log, list) and all(isinstance(t, str) and t for t in self.log),
+             f"log must be a list of tracker names, e.g. [tensorboard, mlflow], got {self.log!r}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -139,6 +153,7 @@ class TrainConfig:
         d["task_args"] = to_plain(self.task_args)
         d["betas"] = list(self.betas)
         d["model_kwargs"] = dict(self.model_kwargs)
+        d["log"] = list(self.log)
         return d
 
     @classmethod

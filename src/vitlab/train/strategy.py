@@ -20,6 +20,7 @@ Backend: NCCL on CUDA, gloo on CPU. Multi-node is torchrun's own rendezvous, e.g
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -28,11 +29,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.data import Sampler
 
 from vitlab.train import checkpoint as ck
 
 if TYPE_CHECKING:
-    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data import Dataset
 
 
 def resolve_device(name: str) -> torch.device:
@@ -53,16 +55,98 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
     return list(getattr(module, "blocks", None) or [])
 
 
+class _From(Sampler):
+    """The indices of ``sampler`` from position ``start`` on: the epoch's order, its consumed part skipped (a
+    run resumed mid-epoch continues where the checkpoint was taken, without loading what it skips)."""
+
+    def __init__(self, sampler, start: int):
+        self.sampler, self.start = sampler, start
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.start, None)
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.start, 0)
+
+
+class _SkipBatches:
+    """A stream's loader with its first ``skip`` batches read and dropped: for a resumed stream that cannot
+    restore its own position (no ``state_dict``), the same batches follow when the stream is deterministic."""
+
+    def __init__(self, loader, skip: int):
+        self.loader, self.skip = loader, skip
+
+    def __iter__(self):
+        return itertools.islice(iter(self.loader), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(len(self.loader) - self.skip, 0)
+
+
+def is_stream(dataset) -> bool:
+    """Whether ``dataset`` is an ``IterableDataset`` (a stream that splits itself by rank and worker)."""
+    from torch.utils.data import IterableDataset
+
+    return isinstance(dataset, IterableDataset)
+
+
+def stateful(dataset) -> bool:
+    """Whether a stream can save and restore its position (``state_dict`` / ``load_state_dict``)."""
+    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+
+
 def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = False, sampler=None, drop_last: bool = False,
-                seed: int = 0, epoch: int | None = None, num_workers: int = 0) -> DataLoader:
+                seed: int = 0, epoch: int | None = None, num_workers: int = 0, skip: int = 0,
+                state: dict | None = None):
     """The engine's loader over ``dataset``. ``epoch`` seeds the shuffle with (seed, epoch), so epoch k's order
-    does not depend on how many loaders came before it (exact resume)."""
-    from torch.utils.data import DataLoader
+    does not depend on how many loaders came before it (exact resume); ``skip`` starts the epoch after that many
+    batches (a run resumed mid-epoch).
+
+    A map-style dataset skips at the sampler (nothing is loaded twice). A stream (``IterableDataset``) gets no
+    sampler: it splits itself by rank and worker and shuffles with its own buffer; ``set_epoch(epoch)`` is called
+    when it has one. A stream with ``state_dict`` / ``load_state_dict`` runs under torchdata's
+    ``StatefulDataLoader``, which gathers its position from the workers, and resumes from ``state`` (that
+    loader's ``state_dict()``); any other stream skips by reading and dropping ``skip`` batches."""
+    from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
     g = torch.Generator()
     g.manual_seed(seed if epoch is None else seed * 1_000_003 + epoch)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, drop_last=drop_last,
+    if is_stream(dataset):
+        if epoch is not None and callable(getattr(dataset, "set_epoch", None)):
+            dataset.set_epoch(epoch)
+        if stateful(dataset):
+            try:
+                from torchdata.stateful_dataloader import StatefulDataLoader
+            except ImportError:
+                raise ValueError("resumable streams need torchdata: pip install 'vitlab[stream]'") from None
+            loader = StatefulDataLoader(dataset, batch_size=batch_size, drop_last=drop_last, num_workers=num_workers,
+                                        generator=g)
+            if state is not None:
+                loader.load_state_dict(state)
+                return loader
+        else:
+            loader = DataLoader(dataset, batch_size=batch_size, drop_last=drop_last, num_workers=num_workers,
+                                generator=g)
+        return _SkipBatches(loader, skip) if skip else loader
+    if sampler is None:  # what DataLoader(shuffle=...) builds, so the order is the same with or without a skip
+        sampler = RandomSampler(dataset, generator=g) if shuffle else SequentialSampler(dataset)
+    if skip:
+        sampler = _From(sampler, skip * batch_size)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                       num_workers=num_workers, generator=g, persistent_workers=False)
+
+
+def loader_state(loader) -> dict | None:
+    """The position of a resumable stream's loader (``StatefulDataLoader.state_dict()``), else None (a map-style
+    loader's position is the number of batches done)."""
+    fn = getattr(loader, "state_dict", None)
+    return fn() if callable(fn) else None
+
+
+def _as_float(norm) -> float:
+    """A gradient norm as a float (FSDP2 returns a DTensor: its full value)."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if callable(full) else norm)
 
 
 class Strategy:
@@ -101,17 +185,25 @@ class Strategy:
     def sum_tensors(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return values
 
-    def gather_rng(self, state: dict):
-        return state
+    def gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order (RNG states, loader positions)."""
+        return [obj]
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (a decision taken on one clock, e.g. a time-based checkpoint)."""
+        return flag
 
     def barrier(self) -> None:
         pass
 
     # ---- data
-    def train_loader(self, dataset, batch_size: int, epoch: int, seed: int, num_workers: int):
-        """This process's shuffled training batches of ``epoch`` (the order a function of (seed, epoch))."""
-        return make_loader(dataset, batch_size, shuffle=True, drop_last=len(dataset) >= batch_size, seed=seed,
-                           epoch=epoch, num_workers=num_workers)
+    def train_loader(self, dataset, batch_size: int, epoch: int, seed: int, num_workers: int, skip: int = 0,
+                     state: dict | None = None):
+        """This process's shuffled training batches of ``epoch`` (the order a function of (seed, epoch)), from batch
+        ``skip`` on (or from a resumable stream's ``state``)."""
+        drop = is_stream(dataset) or len(dataset) >= batch_size
+        return make_loader(dataset, batch_size, shuffle=not is_stream(dataset), drop_last=drop, seed=seed,
+                           epoch=epoch, num_workers=num_workers, skip=skip, state=state)
 
     def eval_loader(self, dataset, batch_size: int, num_workers: int):
         """This process's share of ``dataset``, in order."""
@@ -128,8 +220,14 @@ class Strategy:
     def no_sync(self, wrapped: nn.Module, skip: bool):
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, params, max_norm: float):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    def clip_grad_norm(self, params, max_norm: float) -> float:
+        """Clip the gradients of ``params`` to ``max_norm``; their total norm before clipping."""
+        return _as_float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def grad_norm(self, params) -> float:
+        """The total L2 norm of the gradients of ``params`` (over every rank's shard under FSDP)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        return _as_float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
     # ---- checkpoints
     def full_state_dict(self, module: nn.Module) -> dict:
@@ -137,13 +235,14 @@ class Strategy:
         return module.state_dict()
 
     def save(self, run_dir: Path, name: str, module: nn.Module, optimizer, state: dict, meta: dict,
-             split, ema_module: nn.Module | None, links: tuple[str, ...]) -> None:
-        """Checkpoint ``name``: ``split(full state dict) -> (model weights, {extra module: state})``."""
+             split, ema_module: nn.Module | None, links: tuple[str, ...], keep_last: int = 1) -> None:
+        """Checkpoint ``name``: ``split(full state dict) -> (model weights, {extra module: state})``; the
+        ``keep_last`` newest checkpoints (and those ``last`` / ``best`` name) stay."""
         model_sd, extras = split(self.full_state_dict(module))
         ema_sd = self.full_state_dict(ema_module) if ema_module is not None else None
         if self.is_main:
             state = {**state, **extras, "optimizer": optimizer.state_dict()}
-            ck.save_checkpoint(run_dir, name, model_sd, state, meta, ema_sd, links)
+            ck.save_checkpoint(run_dir, name, model_sd, state, meta, ema_sd, links, keep_last=keep_last)
         self.barrier()
 
     def load(self, ckpt_dir: Path, module: nn.Module, optimizer, state: dict, load_split,
@@ -188,27 +287,38 @@ class _Distributed(Strategy):
             out[k] = t.cpu()
         return out
 
-    def gather_rng(self, state: dict):
+    def gather(self, obj) -> list:
         out = [None] * self.world_size
-        dist.all_gather_object(out, state)
+        dist.all_gather_object(out, obj)
         return out
+
+    def agree(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], device=self._coll_device())
+        dist.broadcast(t, src=0)
+        return bool(t.item())
 
     def barrier(self) -> None:
         dist.barrier()
 
-    def train_loader(self, dataset, batch_size: int, epoch: int, seed: int, num_workers: int):
+    def train_loader(self, dataset, batch_size: int, epoch: int, seed: int, num_workers: int, skip: int = 0,
+                     state: dict | None = None):
         from torch.utils.data.distributed import DistributedSampler
 
+        if is_stream(dataset):  # a stream takes its own share of every rank and worker: no sampler
+            return make_loader(dataset, batch_size, drop_last=True, seed=seed, epoch=epoch, num_workers=num_workers,
+                               skip=skip, state=state)
         sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=True,
                                      seed=seed, drop_last=True)
         sampler.set_epoch(epoch)
         return make_loader(dataset, batch_size, sampler=sampler, drop_last=True, seed=seed, epoch=epoch,
-                           num_workers=num_workers)
+                           num_workers=num_workers, skip=skip)
 
     def eval_loader(self, dataset, batch_size: int, num_workers: int):
-        # Each rank takes a strided slice; no padding, so summed counts are exact.
+        # Each rank takes a strided slice; no padding, so summed counts are exact. A stream splits itself.
         from torch.utils.data import Subset
 
+        if is_stream(dataset):
+            return make_loader(dataset, batch_size, num_workers=num_workers)
         idx = list(range(self.rank, len(dataset), self.world_size))
         return make_loader(Subset(dataset, idx), batch_size, num_workers=num_workers)
 
@@ -271,7 +381,7 @@ class FSDP2(_Distributed):
 
         return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def save(self, run_dir, name, module, optimizer, state, meta, split, ema_module, links) -> None:
+    def save(self, run_dir, name, module, optimizer, state, meta, split, ema_module, links, keep_last=1) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -288,7 +398,8 @@ class FSDP2(_Distributed):
         dist.barrier()
         if self.is_main:
             state = {**state, **extras, "world_size_saved": self.world_size}
-            ck.save_checkpoint(run_dir, name, model_sd, state, meta, ema_sd, links, extra_dirs={"dcp": staging})
+            ck.save_checkpoint(run_dir, name, model_sd, state, meta, ema_sd, links, extra_dirs={"dcp": staging},
+                               keep_last=keep_last)
         dist.barrier()
 
     def load(self, ckpt_dir, module, optimizer, state, load_split, ema_module) -> None:
