@@ -246,3 +246,21 @@ def test_grad_checkpointing_gives_the_same_gradients():
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_tied_embeddings_and_a_truncated_meta_file(tmp_path):
+    ref = _hf_model(tmp_path / "tied", tie_word_embeddings=True)
+    ours = Llama.from_pretrained(tmp_path / "tied")
+    assert ours.lm_head.weight is ours.embed_tokens.weight
+    ids = torch.randint(0, 512, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), ref(ids).logits, atol=1e-4, rtol=1e-4)
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    (meta / "params.json").write_text(json.dumps({"dim": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 512}))
+    torch.save({"tok_embeddings.weight": torch.zeros(512, 64)}, meta / "consolidated.00.pth")
+    data = (meta / "consolidated.00.pth").read_bytes()
+    (meta / "consolidated.00.pth").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"consolidated.00.pth: the file is truncated or corrupt") as e:
+        Llama.from_pretrained(meta)
+    assert "\n" not in str(e.value)
