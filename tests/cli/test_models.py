@@ -15,6 +15,6 @@ def test_info_llama2_7b(capsys):
     assert "6,738,415,616" in out
     assert "serving estimate with the paper's 7B parameters: 33.6 GB fp32, 16.8 / 8.4 / 4.2 GB at 16 / 8 / 4 bits" \
         in out
-    assert "family=llama  task=generate" in out
+    assert "family=llama  task=generate" in out and "context 4096 tokens  vocabulary 32000  dim 4096" in out
     grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kb < 2_000_000  # far below the 27 GB of fp32 weights

@@ -64,8 +64,13 @@ def cmd_info(args) -> int:
         model = vitlab.create_model(args.name)
     prof = vitlab.profile_model(args.name, img_size=args.img_size, batch_size=args.batch_size)
     console.print(f"[bold]{cfg.name}[/bold]  family={cfg.family}  task={cfg.task}  paper: {cfg.paper}")
-    console.print(f"input {cfg.input_size}  mean {cfg.mean}  std {cfg.std}  crop_pct {cfg.crop_pct}  "
-                  f"classes {cfg.num_classes}  hub {cfg.hf_hub_id or '-'}")
+    lm = getattr(model, "config", None)
+    if cfg.task == "generate" and lm is not None:  # a language model: tokens, not images
+        console.print(f"context {lm.max_seq_len} tokens  vocabulary {lm.vocab_size}  dim {lm.dim}  "
+                      f"hub {cfg.hf_hub_id or '-'}")
+    else:
+        console.print(f"input {cfg.input_size}  mean {cfg.mean}  std {cfg.std}  crop_pct {cfg.crop_pct}  "
+                      f"classes {cfg.num_classes}  hub {cfg.hf_hub_id or '-'}")
     console.print(_structure(model))
     t = Table(title=f"profile at {prof.input_size}, batch {prof.batch_size}")
     t.add_column("quantity")
