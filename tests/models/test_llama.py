@@ -178,8 +178,10 @@ def test_meta_checkpoint_equals_its_hf_conversion(tmp_path, shards):
                    q + "post_attention_layernorm.weight": meta[p + "ffn_norm.weight"]})
     ref.load_state_dict(hf)
     ids = torch.randint(0, 512, (2, 10))
+    registered = vitlab.create_model("llama_tiny", checkpoint_path=str(tmp_path)).eval()  # llama_tiny's shape
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), ref(ids).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(registered(ids), ours(ids))
 
 
 def test_hf_directory_of_another_architecture_or_mismatch_is_one_line(tmp_path, pair):
