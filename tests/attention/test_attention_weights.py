@@ -14,6 +14,8 @@ N = HW[0] * HW[1]
 # (keys per query) of each kind on this grid; None: the keys are the N tokens
 KEYS = {"global": N, "window": N, "spatial_reduction": 7 * 9, "projected": 256, "channels": DIM // HEADS,
         "deformable": N}
+KINDS = ("global", "window", "spatial_reduction", "projected", "channels", "deformable", "focal", "offset_bias",
+         "hilo", "quadtree", "class_attention", "talking_heads")  # docs/CONTRIBUTING.md, "Attention weights"
 
 
 @pytest.mark.parametrize("name", A.list_attention())
@@ -30,6 +32,7 @@ def test_weights_on_request_or_a_clear_refusal(name):
         out, attn = m(x, HW, return_attn=True)
         torch.testing.assert_close(out, m(x, HW), atol=2e-5, rtol=1e-4)  # the same function
     kind = getattr(m, "attention_kind", None)
+    assert kind in KINDS, f"{name}: forms weights but declares no documented attention_kind ({kind!r})"
     if kind in KEYS:
         rows = N if kind != "channels" else DIM // HEADS
         assert attn.shape == (2, HEADS, rows, KEYS[kind])

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from vitlab.analysis._common import eval_forward, pick
-from vitlab.attention import OffsetBiasAttentionBase, has_attention_weights
+from vitlab.attention import has_attention_weights
 
 KINDS = ("global", "window", "offset_bias", "spatial_reduction", "class_attention", "talking_heads")
 SUPPORTED_FAMILIES = ("vit*, deit*, halvit*, vit_pico*, swin*, levit*, efficientformer*, pvt*, mobilevit*, "
@@ -78,8 +78,6 @@ def layer_kind(m: nn.Module) -> str | None:
     """The kind of attention weights module ``m`` returns on request (one of :data:`KINDS`), or None when it
     forms none this tool reads."""
     kind = getattr(m, "attention_kind", None)
-    if kind is None and isinstance(m, OffsetBiasAttentionBase):
-        kind = "offset_bias"
     return kind if kind in KINDS and has_attention_weights(m) else None
 
 

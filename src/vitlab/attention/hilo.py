@@ -65,6 +65,8 @@ def hilo_flops(N: int, D: int, s: int, alpha: float = 0.5) -> float:
 
 @register_attention("hilo")
 class HiLo(nn.Module):
+    has_attention_weights = True  # return_attn=True: (B, heads, N, N), Hi-Fi heads then Lo-Fi heads
+    attention_kind = "hilo"
     prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
     window_dtype: torch.dtype | None = None  # dtype of the Hi-Fi window attention (None: the input's)
 

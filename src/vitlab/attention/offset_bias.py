@@ -51,6 +51,8 @@ class OffsetBiasAttentionBase(nn.Module):
     (called by the models' ``fuse()``) stores the gathered bias once, as the official LeViT does in eval mode:
     Inductor does not constant-fold the gather, which otherwise runs inside every softmax kernel."""
 
+    has_attention_weights = True  # return_attn=True: (B, heads, Nq, Nk), queries on the (strided) grid
+    attention_kind = "offset_bias"
     attention_bias_idxs: torch.Tensor
     resolution: tuple[int, int]
     stride: int = 1

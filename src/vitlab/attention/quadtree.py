@@ -81,6 +81,8 @@ def _z_to_raster(attn: torch.Tensor, hw_coarse: tuple[int, int], fine: int, crop
 
 @register_attention("quadtree")
 class QuadTreeAttention(nn.Module):
+    has_attention_weights = True  # return_attn=True: one (B, heads, N_l, N_l) map per level, finest first
+    attention_kind = "quadtree"
     prefix_tokens = False  # a grid mechanism: x must hold exactly the H*W grid tokens
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
