@@ -17,21 +17,16 @@ import time
 import torch
 import torch.nn as nn
 
-from vitlab import _io
+from vitlab import _io, prune, tome
 from vitlab._console import clock, console, metric_text, say
 from vitlab.attention import Block
 from vitlab.bench.models import DTYPES, _peak_mem_mb, _step_fn
-from vitlab.models.vision_transformer import VisionTransformer
+from vitlab.models import VisionTransformer
 from vitlab.profile import count_macs
-from vitlab.prune.patch import apply as prune_apply
-from vitlab.prune.patch import remove as prune_remove
-from vitlab.prune.patch import set_keep_rate
 from vitlab.prune.tasks import parse_spec
 from vitlab.registry import create_model, get_model_config
 from vitlab.timing import check_counts, paired_ratio, round_robin_times
 from vitlab.tome.cost import tome_gmacs
-from vitlab.tome.patch import apply as tome_apply
-from vitlab.tome.patch import remove as tome_remove
 
 
 def settings(r_values: list[int], prune: list[str] | None = None) -> list[tuple[str, dict]]:
@@ -50,16 +45,16 @@ def _patched(base: nn.Module, spec: dict) -> nn.Module:
     """A copy of ``base`` with the setting's patch; a model trained with pruning keeps its trained predictors for
     its own method (at the asked keep rate) and sheds them for every other setting."""
     model = copy.deepcopy(base)
-    trained = getattr(model, "_prune", None)
-    if trained is not None and trained.method == spec.get("prune"):
-        set_keep_rate(model, spec["keep_rate"])
+    trained = prune.pruned_info(model).method if prune.is_applied(model) else None
+    if trained is not None and trained == spec.get("prune"):
+        prune.set_keep_rate(model, spec["keep_rate"])
         return model.eval()
     if trained is not None:
-        prune_remove(model)
+        prune.remove(model)
     if "tome_r" in spec:
-        tome_apply(model, r=spec["tome_r"])
+        tome.apply(model, r=spec["tome_r"])
     elif "prune" in spec:
-        prune_apply(model, spec["prune"], spec["keep_rate"])
+        prune.apply(model, spec["prune"], spec["keep_rate"])
     return model.eval()
 
 
@@ -80,8 +75,8 @@ def _load(name: str | None, checkpoint: str | None, data: str | None):
     if name is not None and name != meta["model"]:
         raise ValueError(f"the checkpoint holds {meta['model']}, not {name}")
     model = load_model(checkpoint, weights="auto")[0].train()
-    if getattr(model, "_tome", None) is not None:  # trained with merging: every setting starts from the plain model
-        tome_remove(model)
+    if tome.is_applied(model):  # trained with merging: every setting starts from the plain model
+        tome.remove(model)
     # other data is read at the checkpoint's size and crop (an image folder's default preset would crop 87.5%)
     dc = DataConfig(**meta["data"]) if data is None else DataConfig(dataset=data, img_size=meta["img_size"],
                                                                      crop_pct=meta.get("crop_pct"))
@@ -144,7 +139,7 @@ def bench_tokens(name: str | None, r_values: list[int], prune: list[str] | None 
                    gmacs_closed_form=None, tokens_out=_tokens_out(cpu_model, one),
                    peak_mem_mb=_peak_mem_mb(steps[label], dev), top1=None, **spec)
         if "prune" not in spec and plain:
-            rs = m._tome.r if "tome_r" in spec else [0] * len(m.blocks)
+            rs = tome.info(m).r if "tome_r" in spec else [0] * len(m.blocks)
             row["gmacs_closed_form"] = round(tome_gmacs(base, rs, input_size[1:]), 4)
         if bundle is not None:
             from vitlab.classify import evaluate_model

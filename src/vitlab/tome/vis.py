@@ -10,32 +10,33 @@ import torch.nn as nn
 
 from vitlab._io import png_bytes
 from vitlab.tome.merge import unmerge_tokens
+from vitlab.tome.patch import info, is_applied
 
 
 @torch.no_grad()
 def merge_regions(model: nn.Module, image: torch.Tensor) -> torch.Tensor:
     """(H', W') token index of every patch of ``image`` (C, H, W) after the model's last block. ``model`` is
     patched with ToMe (its own r); source tracking is switched on for this call."""
-    info = getattr(model, "_tome", None)
-    if info is None:
+    if not is_applied(model):
         raise ValueError("merge_regions needs a model patched with vitlab.tome.apply")
+    state = info(model)
     if image.ndim != 3:
         raise ValueError(f"expected one image (C, H, W), got shape {tuple(image.shape)}")
-    was_training, trace = model.training, info.trace_source
-    info.trace_source = True
+    was_training, trace = model.training, state.trace_source
+    state.trace_source = True
     model.eval()
     try:
         model(image[None].to(next(model.parameters()).device))
-        source = info.source
+        source = state.source
     finally:
-        info.trace_source = trace
+        state.trace_source = trace
         model.train(was_training)
     gh, gw = model.patch_embed.dynamic_feat_size(image.shape[-2:])
-    n0 = gh * gw + info.protected
+    n0 = gh * gw + state.protected
     if source is None:  # nothing merged: every patch is its own token
         source = torch.eye(n0)[None]
     ids = torch.arange(source.shape[1], device=source.device, dtype=source.dtype)[None, :, None]
-    token = unmerge_tokens(ids, source)[0, info.protected:, 0].long()  # (N0 - protected,)
+    token = unmerge_tokens(ids, source)[0, state.protected:, 0].long()  # (N0 - protected,)
     return token.view(gh, gw).cpu()
 
 
