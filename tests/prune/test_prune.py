@@ -79,7 +79,7 @@ def test_evit_on_an_avg_pooled_model_fuses_a_mean_counted_by_size():
         got = model.forward_features(x)
         pooled = model.forward_head(got, pre_logits=True)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
-    size = model._prune.size
+    size = prune.pruned_info(model).size
     kept = math.ceil(0.7 * (math.ceil(0.7 * 64) + 1))
     assert size.shape == (2, 1 + kept + 1, 1) and torch.all(size[:, 1:].sum(dim=1) == 64)  # every patch counted once
     torch.testing.assert_close(pooled, model.fc_norm((got[:, 1:] * size[:, 1:]).sum(dim=1) / 64))
@@ -153,8 +153,8 @@ def test_dynamicvit_equals_authors_forward(train):
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     if train:
         assert got.shape[1] == 65  # training masks, it does not drop
-        torch.testing.assert_close(torch.stack(model._prune.aux["stages"]), torch.stack(probs))
-        torch.testing.assert_close(model._prune.aux["mask"], mask)
+        torch.testing.assert_close(torch.stack(prune.pruned_info(model).aux["stages"]), torch.stack(probs))
+        torch.testing.assert_close(prune.pruned_info(model).aux["mask"], mask)
     else:
         assert got.shape[1] == 1 + int(64 * 0.49)
 
@@ -176,7 +176,7 @@ def test_topk_and_adaptive_follow_the_seed():
         assert model.forward_features(x).shape[1] == 2 + 64
     model.train()
     model.forward_features(x)
-    imp, thr = model._prune.aux["stages"][0]
+    imp, thr = prune.pruned_info(model).aux["stages"][0]
     assert imp.shape == (3, 64) and thr is pred.threshold
 
 

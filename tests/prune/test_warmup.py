@@ -106,7 +106,7 @@ class RecordingTask(ClassificationTask):
             lambda m, args, out: (self.train_tokens if m.training else self.eval_tokens).append(out.shape[1]))
 
     def training_step(self, batch, forward):
-        self.rates.append(self.model._prune.rate(training=True))
+        self.rates.append(prune.pruned_info(self.model).rate(training=True))
         return super().training_step(batch, forward)
 
 

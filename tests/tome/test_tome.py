@@ -174,7 +174,7 @@ def test_equals_authors_tome_on_timm(name, r, prop_attn, tmp_path):
     assert f_ours.shape == f_ref.shape and f_ours.shape[1] < 64  # tokens were merged
     torch.testing.assert_close(f_ours, f_ref, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
-    assert torch.equal(ours._tome.source, source)  # the same patches ended in the same tokens
+    assert torch.equal(tome.info(ours).source, source)  # the same patches ended in the same tokens
 
 
 def test_avg_pool_weights_tokens_by_size_as_authors_mae_patch(tmp_path):
@@ -196,7 +196,7 @@ def test_avg_pool_weights_tokens_by_size_as_authors_mae_patch(tmp_path):
         want = ref.head(ref.fc_norm(pooled))
         got, got_pooled = ours(x), ours.forward_head(ours.forward_features(x), pre_logits=True)
         # the same vector as the plain mean over every input patch of its token's features (un-merged)
-        unmerged = (ours._tome.source[:, 1:, 1:].transpose(1, 2) @ ours.forward_features(x)[:, 1:]).mean(dim=1)
+        unmerged = (tome.info(ours).source[:, 1:, 1:].transpose(1, 2) @ ours.forward_features(x)[:, 1:]).mean(dim=1)
     assert feats.shape[1] == 65 - 4 * 8  # tokens were merged
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(got_pooled, ours.fc_norm(unmerged), rtol=1e-9, atol=1e-9)
@@ -234,7 +234,7 @@ def test_families_merge_train_and_unmerge(name):
     model.train()
     model(x).sum().backward()  # trains: gradients flow through the size-weighted merges
     assert all(p.grad is not None for p in model.blocks[-1].parameters() if p.requires_grad)
-    src = model._tome.source  # (B, N', N0): every input token in exactly one output token
+    src = tome.info(model).source  # (B, N', N0): every input token in exactly one output token
     assert torch.equal(src.sum(1), torch.ones_like(src.sum(1)))
     p = getattr(model, "num_prefix_tokens", 0) if name != "cait_xxs24_224" else 0
     assert src.shape[1] == 64 + p - 4 * 6
@@ -245,7 +245,7 @@ def test_families_merge_train_and_unmerge(name):
         tokens = model.forward_intermediates(x, indices=[3], output_fmt="NLC", intermediates_only=True)[0]
     assert [m.shape[-2:] for m in maps] == [(8, 8), (8, 8)] and tokens.shape[1] == 64
     # un-merged: the patches that ended in one token carry that token's vector
-    owner = model._tome.source[0, :, p:].argmax(0)  # the token each patch ended in
+    owner = tome.info(model).source[0, :, p:].argmax(0)  # the token each patch ended in
     same = owner[:, None] == owner[None, :]
     assert int(same.sum()) > 64  # some patches share a token
     grid = tokens[0]
@@ -260,7 +260,7 @@ def test_protected_tokens_stay_first_and_untouched():
     tome.apply(model, r=10, trace_source=True)
     with torch.no_grad():
         model(torch.randn(2, 3, 64, 64))
-    src = model._tome.source
+    src = tome.info(model).source
     p = model.num_prefix_tokens  # 4: class + 3 registers
     assert torch.equal(src[:, :p, :p], torch.eye(p).expand(2, p, p))  # each one alone, in its place
     assert src[:, :p, p:].sum() == 0

@@ -54,7 +54,7 @@ def default_locations(depth: int) -> list[int]:
 
 @dataclass
 class PruneInfo:
-    """The patch's settings (``model._prune``) and, after a training forward, what the losses need."""
+    """The patch's settings (:func:`pruned_info`) and, after a training forward, what the losses need."""
 
     method: str
     keep_rate: float
@@ -167,7 +167,7 @@ def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def run_pruned(model: nn.Module, x: torch.Tensor, hw) -> torch.Tensor:
-    """The blocks with pruning; after a DynamicViT / adaptive training forward ``model._prune.aux`` holds what
+    """The blocks with pruning; after a DynamicViT / adaptive training forward ``pruned_info(model).aux`` holds what
     their losses need (decisions / importances per stage, the final keep mask)."""
     info: PruneInfo = model._prune
     p, B = info.protected, x.shape[0]
@@ -296,6 +296,6 @@ def remove(model: nn.Module) -> nn.Module:
     pruned_info(model)
     mix_out(model, Pruned)
     del model._prune
-    if "prune_predictors" in model._modules:
+    if hasattr(model, "prune_predictors"):
         del model.prune_predictors
     return model

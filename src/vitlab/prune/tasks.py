@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from vitlab.prune.losses import adaptive_loss, dynamicvit_loss
-from vitlab.prune.patch import METHODS, apply, check_keep_rate
+from vitlab.prune.patch import METHODS, apply, check_keep_rate, pruned_info
 from vitlab.prune.warmup import KeepRateWarmup
 from vitlab.train.task import TransformedModule, register_model_transform
 
@@ -44,7 +44,7 @@ class PruneStudent(TransformedModule):
         super().__init__()
         self.model = model
         self._teacher = (teacher,)
-        self.adds_loss = model._prune.method in ("dynamicvit", "adaptive")
+        self.adds_loss = pruned_info(model).method in ("dynamicvit", "adaptive")
         if warmup is not None:
             self.warmup = warmup
 
@@ -60,7 +60,7 @@ class PruneStudent(TransformedModule):
     def forward(self, x: torch.Tensor, with_loss: bool = False):
         if not with_loss:
             return self.model(x)
-        m, info = self.model, self.model._prune
+        m, info = self.model, pruned_info(self.model)
         feats = m.forward_features(x)
         out = m.forward_head(feats)
         if info.method == "adaptive":

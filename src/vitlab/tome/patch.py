@@ -15,7 +15,7 @@ model is again exactly what it was. In each block (Sec. 3, "Token Merging"):
 - the model's average (or attention) pool weights each token by its size, as the authors pool their MAE
   models, so the pooled vector stays the mean over the patches;
 - with ``trace_source`` the (B, N', N0) source map (which input patches each token holds) is kept as
-  ``model._tome.source`` after every forward (the paper's visualisation, :func:`vitlab.tome.merge_png`).
+  ``vitlab.tome.info(model).source`` after every forward (the paper's visualisation, :func:`vitlab.tome.merge_png`).
 
 ``forward_intermediates`` tracks the sources itself and un-merges every returned map back to the input grid
 (each patch takes the value of the token it ended in), so dense heads keep their H x W maps.
