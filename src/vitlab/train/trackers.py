@@ -125,7 +125,12 @@ class MLflow(Tracker):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = self.uri or (Path(trainer.run_dir).resolve() / "mlruns").as_uri()
+        uri = self.uri
+        if uri is None:
+            # the local default: MLflow's file store in the run directory (`mlflow ui --backend-store-uri
+            # RUN/mlruns`); MLflow 3 keeps it in maintenance and asks for this opt-in, a database needs SQLAlchemy
+            uri = (Path(trainer.run_dir).resolve() / "mlruns").as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         self.run_id = self.remembered(trainer).get(self.name, {}).get("run_id")
         if self.run_id is None or trainer.step == 0:
