@@ -9,9 +9,9 @@ implementations alternate (round robin, order reversed every other run) after wa
 medians: prefill tokens/s = batch x prompt / t(1), decode tokens/s = batch x (N - 1) / (t(N) - t(1)). The ratios
 are ours / transformers' per paired run (medians). Both generate the same tokens (checked).
 
-Implementations: ``vitlab`` (eager), ``vitlab_compiled`` (:func:`vitlab.optimize.llama.compile_llama`: the decoding
-step compiled by Inductor with frozen weights), ``hf`` (eager, its dynamic cache), and with ``--hf-static``
-``hf_static`` (transformers' static cache, which it compiles for decoding where it can).
+Implementations: ``vitlab`` (eager), ``vitlab_compiled`` (:func:`vitlab.optimize.llama.compile_llama`: prefill and
+decoding step compiled by Inductor with frozen weights), ``hf`` (eager, its dynamic cache), and with
+``--hf-static`` ``hf_static`` (transformers' static cache, which it compiles for decoding where it can).
 
     python benchmarks/llama_generate.py --json llama_generate_cpu.json            # the figure (minutes)
     python benchmarks/llama_generate.py --model llama_tiny --prompt-len 8 --new-tokens 4 --warmup 0 --runs 1 \\

@@ -21,9 +21,12 @@ def test_compiled_generation_equals_eager():
     mask[1, :3] = 0
     assert torch.equal(model.generate(ids, 10, attention_mask=mask, forward=fast),
                        model.generate(ids, 10, attention_mask=mask))
-    other = torch.randint(3, 512, (2, 13))
-    assert torch.equal(model.generate(other, 12, forward=fast), model.generate(other, 12))
+    for n, new in ((13, 12), (20, 3), (9, 5)):  # other prompt lengths: no new graph after the second
+        other = torch.randint(3, 512, (2, n))
+        assert torch.equal(model.generate(other, new, forward=fast), model.generate(other, new))
     from torch._dynamo.utils import counters
 
-    # per mask variant: the first step static, then one graph with the cache sizes symbolic
-    assert counters["stats"]["unique_graphs"] <= 4
+    # prefill and step, with and without a padding mask: each compiled static, then once with symbolic sizes
+    assert counters["stats"]["unique_graphs"] <= 8 and not counters["graph_break"]
+    steps_only = compile_llama(model, prefill=False)
+    assert torch.equal(model.generate(ids, 4, forward=steps_only), model.generate(ids, 4))

@@ -49,7 +49,7 @@ def cmd_generate(args) -> int:
     if args.optimize:
         from vitlab.optimize.llama import compile_llama
 
-        forward = compile_llama(model)
+        forward = compile_llama(model, prefill=False)  # one prompt: its compile would not pay back
     generator = torch.Generator(args.device).manual_seed(args.seed)
     stream = StreamDecoder(tokenizer)
     times = []

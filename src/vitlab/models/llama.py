@@ -118,7 +118,9 @@ class LlamaAttention(nn.Module):
             v_cache[:, :, start:start + n] = v
             k, v = k_cache[:, :, :start + n], v_cache[:, :, :start + n]
         # no mask: a prompt from position 0 is plain causal; one new token may see every cached one
-        causal = mask is None and n > 1
+        # SDPA's is_causal must be a plain bool: written as a branch, it stays one when torch.compile traces n as a
+        # symbolic size (the branch becomes a guard; the comparison's value would be a symbolic bool)
+        causal = mask is None and (True if n > 1 else False)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              enable_gqa=self.n_kv_heads != self.n_heads)
         return self.proj(out.transpose(1, 2).reshape(b, n, -1))
