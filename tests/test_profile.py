@@ -44,7 +44,7 @@ def test_giants_profile_in_seconds_without_weights():
     assert prof.memory_estimate_gb[32] == pytest.approx(1844.44e6 * 4 * 1.2 / 1e9, rel=1e-3)
 
 
-def test_memory_estimate_formula_of_seed_004():
+def test_memory_estimate_formula_serving_rule():  # P * 4 bytes / (32 / Q) * 1.2
     assert memory_estimate_gb(7e9, 32) == pytest.approx(33.6)  # the article's Llama-2-7B example
     assert memory_estimate_gb(7e9, 16) == pytest.approx(16.8)
 
