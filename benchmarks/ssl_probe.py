@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from vitlab._io import write_json, write_png
 from vitlab.data import DataConfig, build
 from vitlab.optimize import cpu
 from vitlab.ssl.probe import probe
@@ -82,7 +83,6 @@ def plot(jsons: list[Path], png: Path) -> None:
     (the same data; a method in several files: each file's row, labelled with its epochs, model kwargs, the
     task_args that differ from ``RECIPES`` and a non-zero seed), with the first file's random-init and raw-pixel
     levels as lines."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     keys = ("linear_bn", "knn", "linear_bn_last4", "knn_last4")
@@ -96,7 +96,6 @@ def plot(jsons: list[Path], png: Path) -> None:
             kw += f"\nseed {d['seed']}" if d.get("seed") else ""
             rows.append((f"{m}{kw}\n{r.get('epochs_done') or r['epochs']} ep, {r['pretrain_wall_s'] / 60:.0f} min", r))
     fig = Figure(figsize=(1.6 * len(rows) + 2, 4.2))
-    FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     w = 0.8 / len(keys)
     for i, k in enumerate(keys):
@@ -111,7 +110,7 @@ def plot(jsons: list[Path], png: Path) -> None:
                  fontsize=9)
     ax.legend(fontsize=7, ncol=3, loc="upper left")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    write_png(png, fig, dpi=110)
 
 
 def pretrain_within(cfg: TrainConfig, run: Path, budget_s: float | None) -> tuple[float, int]:
@@ -168,7 +167,7 @@ def main() -> None:
               "isa": cpu.isa(), "torch": torch.__version__, "methods": {}}
 
     def save():
-        out.write_text(json.dumps(result, indent=2))
+        write_json(out, result)
 
     if args.reprobe:
         result = json.loads(out.read_text())

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vitlab._io import atomic_write
+from vitlab._io import write_json, write_png
 from vitlab.bench import tokens as bt
 from vitlab.data import DataConfig
 from vitlab.train import TrainConfig, fit
@@ -100,13 +100,9 @@ def subset(args) -> None:
 
 def _plot_accuracy(rows: list[dict], path: Path, title: str) -> None:
     """Top-1 against the share of r = 0's GMACs (the runs' img/s come from different processes and loads)."""
-    import io
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(fig)
     ax = fig.subplots()
     tome = sorted((r for r in rows if r["setting"].startswith(("tome", "r=0")) and "(" not in r["setting"]),
                   key=lambda r: -r["gmacs_share"])
@@ -120,9 +116,7 @@ def _plot_accuracy(rows: list[dict], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    atomic_write(path, buf.getvalue())
+    write_png(path, fig)
 
 
 def report(args) -> None:
@@ -145,7 +139,7 @@ def report(args) -> None:
                          speedup_vs_r0=r["speedup_vs_r0"] if r in base else None))
     out = Path(args.out)
     summary = {"model": ref["model"], "data": args.data, "split": "test", "rows": rows}
-    atomic_write(out / f"{args.tag}_summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    write_json(out / f"{args.tag}_summary.json", summary)
     _plot_accuracy(rows, out / f"{args.tag}_accuracy.png", f"{ref['model']} ({args.data}, test split)")
     for r in rows:
         print(json.dumps(r), flush=True)
@@ -198,7 +192,7 @@ def accuracy(args) -> None:
     tag = "fmnist" if args.fmnist else "digits28"
     bt.write_json(rows, out / f"tokens_{tag}_accuracy.json")
     bt.plot(rows[:-2], out / f"tokens_{tag}_accuracy.png")
-    atomic_write(out / f"tokens_{tag}_summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    write_json(out / f"tokens_{tag}_summary.json", summary)
     for row in rows:
         print(json.dumps({k: row.get(k) for k in ("setting", "checkpoint", "top1", "gmacs", "img_per_s",
                                                   "speedup_vs_r0")}), flush=True)

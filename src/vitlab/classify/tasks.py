@@ -11,7 +11,6 @@ JSON and PNG) and ``vitlab predict`` (top-k labels with probabilities).
 
 from __future__ import annotations
 
-import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import vitlab
+from vitlab._io import write_json
 from vitlab.convert import CheckpointError, load_state_dict
 from vitlab.data import DataConfig, build, check_num_classes
 from vitlab.train import checkpoint as ck
@@ -389,7 +389,7 @@ class ClassificationTask(Task):
                   "num_images": int(conf.sum()), "top1": r["top1"], "top5": r["top5"], "loss": r["loss"],
                   "per_class_top1": dict(zip(bundle.class_names, per_class)), "class_names": bundle.class_names,
                   "confusion_matrix": conf.tolist()}
-        ck.atomic_write(out_dir / f"eval-{split}.json", json.dumps(result, indent=2).encode())
+        write_json(out_dir / f"eval-{split}.json", result)
         ck.atomic_write(out_dir / f"confusion-{split}.png",
                         confusion_png(conf, bundle.class_names, f"{record.model} on {bundle.name} {split}: "
                                                                 f"top-1 {r['top1']:.2f}%"))

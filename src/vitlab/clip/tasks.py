@@ -16,7 +16,6 @@ templates). Options (``--task_args.KEY VALUE``): :class:`ClipArgs`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -24,6 +23,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
+from vitlab._io import write_json
 from vitlab.clip.data import DIGIT_WORDS, HELD_OUT_TEMPLATES, build_clip_data, digit_captions, read_captions
 from vitlab.clip.loss import clip_loss
 from vitlab.clip.model import CLIP, clip_for_task
@@ -43,7 +43,6 @@ from vitlab.clip.zeroshot import (
 )
 from vitlab.data import DataBundle
 from vitlab.registry import create_model, get_model_config
-from vitlab.train import checkpoint as ck
 from vitlab.train.common import model_in_chans, model_kwargs, prepare_model
 from vitlab.train.config import to_plain
 from vitlab.train.task import RunRecord, Task, TaskError, register_task
@@ -212,7 +211,7 @@ class ClipTask(Task):
                                                  device=device))
         result = {"task": self.name, **clip_scores(model, tokenizer, record, bundle, split, batch_size, device)}
         file = out_dir / f"eval-{split}.json"
-        ck.atomic_write(file, json.dumps(result, indent=2).encode())
+        write_json(file, result)
         return {**result, "files": [str(file)], "summary": result_line(result)}
 
     @torch.no_grad()

@@ -12,7 +12,6 @@ smaller than the crop zero-padded (the normalised mean colour); outputs of overl
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision import tv_tensors
 
-from vitlab._io import atomic_write
+from vitlab._io import atomic_write, write_json
 from vitlab.data import DataConfig
 from vitlab.dense import metrics as M
 from vitlab.dense.data import build_dense, joint_transform
@@ -107,7 +106,7 @@ def evaluate(model: nn.Module, record: RunRecord, data: str | None = None, split
         summary = head + "  ".join(f"{k} {result[k]:.4f}" for k in ("abs_rel", "rmse", "log10", "delta1", "delta2",
                                                                     "delta3"))
     path = Path(out_dir) / f"eval-{kind}-{split}.json"
-    atomic_write(path, json.dumps(result, indent=2).encode())
+    write_json(path, result)
     return {**result, "summary": summary, "files": [str(path)]}
 
 

@@ -18,7 +18,6 @@ pre-trained backbone must beat.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import vitlab
-from vitlab._io import atomic_write
+from vitlab._io import write_json
 from vitlab.convert import CheckpointError, load_state_dict
 from vitlab.data import DataConfig, build
 from vitlab.ssl.methods import pooled_features
@@ -224,7 +223,7 @@ def probe(checkpoint: str, data: str | None = None, protocol: str = "knn", outpu
             run = Path(checkpoint)
             output = (run if run.is_dir() else run.parent) / f"probe-{tag}.json"
     result["json_path"] = str(output)
-    atomic_write(output, json.dumps(result, indent=2).encode())
+    write_json(output, result)
     return result
 
 

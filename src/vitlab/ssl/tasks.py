@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import json
 import math
 import typing
 from dataclasses import dataclass, replace
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 
 import vitlab
+from vitlab._io import write_json
 from vitlab.ssl.base import (
     SSLMethod,
     create,
@@ -292,7 +292,7 @@ class PretrainTask(Task):
                   "dataset": bundle.name, "split": split, "num_images": len(yte), "protocol": "knn",
                   "knn_top1": r["top1"], "knn_top5": r["top5"]}
         out_dir.mkdir(parents=True, exist_ok=True)
-        ck.atomic_write(out_dir / f"eval-{split}.json", json.dumps(result, indent=2).encode())
+        write_json(out_dir / f"eval-{split}.json", result)
         result["files"] = [str(out_dir / f"eval-{split}.json")]
         result["summary"] = (f"{record.model} ({result['ssl_method']}) on {bundle.name} ({split}, {len(yte)} images): "
                              f"k-NN top-1 {r['top1']:.2f}%  top-5 {r['top5']:.2f}%")
