@@ -57,6 +57,24 @@ class OffsetBiasAttentionBase(nn.Module):
     resolution: tuple[int, int]
     stride: int = 1
 
+    def _init_heads(self, num_heads: int, key_dim: int, attn_ratio: float) -> None:
+        self.num_heads = num_heads
+        self.key_dim = key_dim
+        self.val_dim = int(attn_ratio * key_dim)
+        self.val_attn_dim = self.val_dim * num_heads
+        self.scale = key_dim ** -0.5
+
+    def _forward_packed(self, x: torch.Tensor, hw, return_attn: bool):
+        """(B, N, C) -> (B, N, C) through ``qkv``, whose per-head channels are packed [q (D), k (D), v (Dv)]
+        (timm / official layout), and ``proj``; with the weights when ``return_attn``."""
+        self._check_grid(x, hw)
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).view(B, N, self.num_heads, -1).transpose(1, 2).split(
+            [self.key_dim, self.key_dim, self.val_dim], dim=3)  # (B, h, N, D), (B, h, N, D), (B, h, N, Dv)
+        o, attn = self._attention(q, k, v, return_attn)
+        x = self.proj(o.transpose(1, 2).reshape(B, N, self.val_attn_dim))  # (B, N, h*Dv) -> (B, N, C)
+        return (x, attn) if return_attn else x
+
     def _init_bias(self, num_heads: int, resolution: tuple[int, int], q_stride: int) -> None:
         H, W = resolution
         self.attention_biases = nn.Parameter(torch.zeros(num_heads, H * W))
@@ -157,11 +175,7 @@ class LevitAttention(OffsetBiasAttentionBase):
     def __init__(self, dim: int, key_dim: int, num_heads: int = 8, attn_ratio: float = 2.0,
                  resolution: tuple[int, int] = (14, 14), act_layer: Callable[[], nn.Module] = nn.Hardswish):
         super().__init__()
-        self.num_heads = num_heads
-        self.key_dim = key_dim
-        self.val_dim = int(attn_ratio * key_dim)
-        self.val_attn_dim = self.val_dim * num_heads
-        self.scale = key_dim ** -0.5
+        self._init_heads(num_heads, key_dim, attn_ratio)
         self.resolution = tuple(resolution)
         self.qkv = LinearNorm(dim, num_heads * (2 * key_dim + self.val_dim))
         self.proj = nn.Sequential(OrderedDict([
@@ -172,14 +186,7 @@ class LevitAttention(OffsetBiasAttentionBase):
         self._init_bias(num_heads, self.resolution, 1)
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False):
-        self._check_grid(x, hw)
-        B, N, _ = x.shape
-        # per head the packed channels are [q (D), k (D), v (Dv)] (timm / official layout)
-        q, k, v = self.qkv(x).view(B, N, self.num_heads, -1).transpose(1, 2).split(
-            [self.key_dim, self.key_dim, self.val_dim], dim=3)  # (B, h, N, D), (B, h, N, D), (B, h, N, Dv)
-        o, attn = self._attention(q, k, v, return_attn)
-        x = self.proj(o.transpose(1, 2).reshape(B, N, self.val_attn_dim))  # (B, N, h*Dv) -> (B, N, C)
-        return (x, attn) if return_attn else x
+        return self._forward_packed(x, hw, return_attn)
 
 
 class LevitAttentionDownsample(OffsetBiasAttentionBase):
@@ -190,11 +197,7 @@ class LevitAttentionDownsample(OffsetBiasAttentionBase):
                  stride: int = 2, resolution: tuple[int, int] = (14, 14),
                  act_layer: Callable[[], nn.Module] = nn.Hardswish):
         super().__init__()
-        self.num_heads = num_heads
-        self.key_dim = key_dim
-        self.val_dim = int(attn_ratio * key_dim)
-        self.val_attn_dim = self.val_dim * num_heads
-        self.scale = key_dim ** -0.5
+        self._init_heads(num_heads, key_dim, attn_ratio)
         self.stride = stride
         self.resolution = tuple(resolution)
         self.kv = LinearNorm(in_dim, num_heads * (key_dim + self.val_dim))
@@ -226,25 +229,14 @@ class EfficientFormerAttention(OffsetBiasAttentionBase):
     def __init__(self, dim: int = 448, key_dim: int = 32, num_heads: int = 8, attn_ratio: float = 4.0,
                  resolution: tuple[int, int] = (7, 7)):
         super().__init__()
-        self.num_heads = num_heads
-        self.key_dim = key_dim
-        self.val_dim = int(attn_ratio * key_dim)
-        self.val_attn_dim = self.val_dim * num_heads
-        self.scale = key_dim ** -0.5
+        self._init_heads(num_heads, key_dim, attn_ratio)
         self.resolution = tuple(resolution)
         self.qkv = nn.Linear(dim, num_heads * (2 * key_dim + self.val_dim))
         self.proj = nn.Linear(self.val_attn_dim, dim)
         self._init_bias(num_heads, self.resolution, 1)
 
     def forward(self, x: torch.Tensor, hw: tuple[int, int] | None = None, return_attn: bool = False):
-        self._check_grid(x, hw)
-        B, N, _ = x.shape
-        # per head the packed channels are [q (D), k (D), v (4D)]
-        q, k, v = self.qkv(x).view(B, N, self.num_heads, -1).transpose(1, 2).split(
-            [self.key_dim, self.key_dim, self.val_dim], dim=3)  # (B, h, N, D), (B, h, N, D), (B, h, N, 4D)
-        o, attn = self._attention(q, k, v, return_attn)
-        x = self.proj(o.transpose(1, 2).reshape(B, N, self.val_attn_dim))  # (B, N, h*4D) -> (B, N, C)
-        return (x, attn) if return_attn else x
+        return self._forward_packed(x, hw, return_attn)
 
 
 def fold_offset_biases(module: nn.Module) -> nn.Module:
