@@ -120,6 +120,15 @@ def stitch_windows(attn: torch.Tensor, pos: torch.Tensor, heads: int, n: int) ->
     return dense
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, drop: float,
+           return_attn: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(output, weights or None): the fused ``scaled_dot_product_attention``, or with ``return_attn`` the same
+    function spelled out (:func:`explicit_attention`) so the weights can be returned."""
+    if return_attn:
+        return explicit_attention(q, k, v, mask, drop)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop), None
+
+
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, drop: float,
                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``scaled_dot_product_attention``'s function with its weights: (output, softmax weights before dropout).

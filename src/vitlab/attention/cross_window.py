@@ -28,8 +28,8 @@ from einops import rearrange
 
 from vitlab.attention._registry import register_attention
 from vitlab.attention._window import (
+    attend,
     expand_heads,
-    explicit_attention,
     grid_size,
     stitch_windows,
     valid_keys,
@@ -80,12 +80,9 @@ class CrossWindowAttention(nn.Module):
         if mask is not None:
             mask = expand_heads(mask, heads)  # (1, nS * heads, 1, L)
         drop = self.attn_drop if self.training else 0.0
-        attn = None
+        o, attn = attend(q, k, v, mask, drop, return_attn)  # (B, nS * heads, L, d)
         if return_attn:
-            o, attn = explicit_attention(q, k, v, mask, drop)
             attn = stitch_windows(attn, window_positions(H, W, (wh, ww), device=qkv.device), heads, H * W)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nS * heads, L, d)
         nS = Hp // wh * (Wp // ww)
         v_img = rearrange(v, "b (n h) (wh ww) d -> (b n) (h d) wh ww", n=nS, wh=wh)  # per stripe, as official
         pe = rearrange(lepe(v_img), "(b n) (h d) wh ww -> b (n h) (wh ww) d", n=nS, h=heads)

@@ -37,7 +37,7 @@ from einops import rearrange
 from torch.nn.init import trunc_normal_
 
 from vitlab.attention._registry import register_attention
-from vitlab.attention._window import explicit_attention, grid_size
+from vitlab.attention._window import attend, grid_size
 from vitlab.layers.helpers import check_heads, to_2tuple
 
 
@@ -134,9 +134,6 @@ class DeformableAttention(nn.Module):
             bias = F.grid_sample(table, disp.flip(-1), mode="bilinear", align_corners=True)  # (BG, hg, N, Ns)
             bias = bias.reshape(B, self.num_heads, N, Ns)
         drop = self.attn_drop if self.training else 0.0
-        if return_attn:
-            o, attn = explicit_attention(q, k, v, bias, drop)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)  # (B, heads, N, d)
+        o, attn = attend(q, k, v, bias, drop, return_attn)  # (B, heads, N, d)
         out = self.proj_drop(self.proj_out(o.transpose(1, 2).reshape(B, N, C)))
         return (out, attn) if return_attn else out

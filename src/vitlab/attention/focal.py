@@ -42,7 +42,7 @@ from torch.nn.init import trunc_normal_
 
 from vitlab.attention._registry import register_attention
 from vitlab.attention._window import (
-    explicit_attention,
+    attend,
     grid_size,
     pad_to_multiple,
     partition,
@@ -189,12 +189,10 @@ class FocalAttention(nn.Module):
         k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)  # (B, nW * h, S, d)
         mask = self._mask(H, W, Hp, Wp, q.dtype, x.device)  # (1, nW * h, L, S)
         drop = self.attn_drop if self.training else 0.0
+        o, attn = attend(q, k, v, mask, drop, return_attn)  # (B, nW * h, L, d)
         if return_attn:
-            o, attn = explicit_attention(q, k, v, mask, drop)
             attn = rearrange(attn, "b (nh nw h) (wh ww) s -> b h (nh wh) (nw ww) s", nh=Hp // ws, h=h, wh=ws)
             attn = attn[:, :, :H, :W].reshape(B, h, N, -1)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nW * h, L, d)
         o = reverse(o, ws, ws, Hp, Wp, h)  # (B, Hp, Wp, C)
         if Hp != H or Wp != W:
             o = o[:, :H, :W]

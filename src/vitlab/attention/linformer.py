@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vitlab.attention._registry import register_attention
-from vitlab.attention._window import explicit_attention
+from vitlab.attention._window import attend
 from vitlab.layers.helpers import check_heads, to_2tuple
 
 
@@ -72,9 +72,6 @@ class LinformerAttention(nn.Module):
         k = self._seq_proj(self.proj_k, hw).to(k.dtype) @ k  # (k, N) @ (B, heads, N, d) -> (B, heads, k, d)
         v = self._seq_proj(self.proj_v, hw).to(v.dtype) @ v
         drop = self.attn_drop if self.training else 0.0
-        if return_attn:
-            x, attn = explicit_attention(q, k, v, None, drop)
-        else:
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, heads, N, d)
+        x, attn = attend(q, k, v, None, drop, return_attn)  # (B, heads, N, d)
         out = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
         return (out, attn) if return_attn else out

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.init import trunc_normal_
 
 from vitlab.attention._registry import register_attention
 from vitlab.attention._window import (
     additive,
+    attend,
     expand_heads,
-    explicit_attention,
     grid_size,
     pad_to_multiple,
     partition,
@@ -146,11 +145,9 @@ class _WindowAttentionBase(nn.Module):
         q, k, v = partition_qkv(qkv, wh, ww, self.num_heads)  # (B, nW * heads, wh*ww, d)
         mask = self._attn_mask(H, W, sh, sw, q.dtype, x.device)
         drop = self.attn_drop if self.training else 0.0
+        o, attn = attend(q, k, v, mask, drop, return_attn)  # (B, nW * heads, L, d)
         if return_attn:
-            o, attn = explicit_attention(q, k, v, mask, drop)
             attn = stitch_windows(attn, window_positions(H, W, (wh, ww), (sh, sw), x.device), self.num_heads, N)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)  # (B, nW * heads, L, d)
         o = reverse(o, wh, ww, Hp, Wp, self.num_heads)  # (B, Hp, Wp, C)
         if sh or sw:
             o = torch.roll(o, shifts=(sh, sw), dims=(1, 2))

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vitlab.attention._registry import register_attention
-from vitlab.attention._window import explicit_attention
+from vitlab.attention._window import attend
 from vitlab.layers.helpers import check_heads
 
 
@@ -70,9 +70,6 @@ class SpatialReductionAttention(nn.Module):
         M = kv_in.shape[1]
         k, v = self.kv(kv_in).reshape(B, M, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         drop = self.attn_drop if self.training else 0.0
-        if return_attn:
-            o, attn = explicit_attention(q, k, v, None, drop)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B, heads, N, d)
+        o, attn = attend(q, k, v, None, drop, return_attn)  # (B, heads, N, d)
         out = self.proj_drop(self.proj(o.transpose(1, 2).reshape(B, N, C)))
         return (out, attn) if return_attn else out
