@@ -144,3 +144,69 @@ def test_fsdp_checkpoint_saved_then_resumed(tmp_path):
     from vitlab.train import evaluate
 
     assert evaluate(run, split="val", output_dir=tmp_path, optimize=False)["num_images"] == 16
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+
+
+@pytest.mark.slow  # four torchrun launches: about 3 min on 2 cores
+def test_fsdp_resumes_with_another_world_size(tmp_path):
+    """A sharded checkpoint of 2 processes resumes in 1 (accumulating twice the micro-batches to keep the global
+    batch), whose checkpoint resumes in 2 again: torch.distributed.checkpoint reshards; the losses follow the
+    straight run's. (A resumed run keeps a field left at its default, so the accumulation is never 1 here.)"""
+    fsdp = ["--strategy", "fsdp", "--batch-size", "16", "--accum_steps", "2"]
+    _launch(2, tmp_path / "straight", *fsdp)
+    run = tmp_path / "run"
+    _launch(2, run, *fsdp, "--stop-after", "1")
+    for nproc, accum, stop in ((1, "4", "2"), (2, "2", "3")):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(nproc), "-m", "vitlab", "train", "--resume", str(run), "--strategy", "fsdp",
+                            "--accum_steps", accum, "--stop_after", stop], capture_output=True, text=True,
+                           env=_env(), timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert ck_state(run)["world_size"] == nproc and ck_state(run)["epoch"] == int(stop)
+    assert _losses(run) == pytest.approx(_losses(tmp_path / "straight"), rel=1e-5, abs=1e-6)
+
+
+def ck_state(run: Path) -> dict:
+    from vitlab.train import checkpoint as ck
+
+    return ck.load_trainer_state(run / "last")
+
+
+@pytest.mark.slow  # three two-process launches: about 2 min on 2 cores
+def test_two_launchers_rendezvous_train_checkpoint_and_resume(tmp_path):
+    """Two torchrun launchers on one machine, as on two nodes (``--nnodes 2``, c10d rendezvous): DDP trains with
+    step checkpoints, stops, and both launchers resume it; the losses follow a single launcher's two processes."""
+    import socket
+
+    ddp = ["--strategy", "ddp", "--batch-size", "16"]
+    _launch(2, tmp_path / "straight", *ddp)
+
+    def two_nodes(*args: str) -> list[subprocess.CompletedProcess]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "vitlab-test",
+               "-m", "vitlab", "train", *args]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                 for _ in range(2)]
+        out = []
+        for p in procs:
+            so, se = p.communicate(timeout=300)
+            out.append(subprocess.CompletedProcess(cmd, p.returncode, so, se))
+        for r in out:
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return out
+
+    run = tmp_path / "run"
+    two_nodes(*COMMON, *ddp, "--output-dir", str(run), "--save_every_steps", "1", "--keep_last", "2",
+              "--stop-after", "2")
+    assert ck_state(run)["world_size"] == 2 and ck_state(run)["epoch"] == 2
+    assert len(list((run / "checkpoints").iterdir())) <= 3  # the two newest and the best
+    two_nodes("--resume", str(run), "--strategy", "ddp", "--quiet")
+    assert _losses(run) == pytest.approx(_losses(tmp_path / "straight"), rel=1e-5, abs=1e-6)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["finished"]
