@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import vitlab
 from vitlab.clip.hf import clip_from_hf, clip_text_kwargs, clip_vision_from_hf, convert_hf_clip_vision_state_dict
 
 transformers = pytest.importorskip("transformers")
@@ -87,3 +88,25 @@ def test_older_prefixed_vision_layout_and_refusals(tmp_path):
     ref.save_pretrained(tmp_path)
     with pytest.raises(ValueError):  # a CLIPVisionModel directory is not a CLIPModel
         clip_from_hf(str(tmp_path))
+
+
+def test_create_model_reads_a_save_pretrained_directory(tmp_path):
+    """``create_model("clip_*", checkpoint_path=DIR)``: a transformers ``CLIPModel`` directory loads into the
+    registered architecture (here ViT-B/32 and the CLIP text tower, shrunk by keyword) with the same embeddings."""
+    vision = dict(image_size=64, patch_size=32, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4)
+    cfg = transformers.CLIPConfig(text_config=TEXT, vision_config=vision, projection_dim=512)  # quick_gelu: OpenAI's
+    ref = _perturbed(transformers.CLIPModel(cfg))
+    ref.save_pretrained(tmp_path)
+    shrunk = dict(quick_gelu=True, img_size=64, image_embed_dim=64, image_depth=2, image_num_heads=4, text_width=48,
+                  text_depth=2, text_num_heads=4, text_vocab_size=100, text_context_length=12)
+    ours = vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path), **shrunk).eval()
+    x, text = torch.randn(2, 3, 64, 64), _texts(12, 100)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.encode_image(x), ref.get_image_features(pixel_values=x).pooler_output,
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours.encode_text(text), ref.get_text_features(input_ids=text).pooler_output,
+                                   rtol=1e-4, atol=1e-4)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path / "empty"), **shrunk)

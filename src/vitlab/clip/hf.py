@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from vitlab.clip.model import CLIP, OPENAI_MEAN, OPENAI_STD, ImageTower, build_clip
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict
-from vitlab.models.clip_vit import (
+from vitlab.models import (
     HF_CLIP_VISION_DEFAULTS,
     clip_vision_transformer,
     convert_hf_clip_state_dict,

@@ -23,6 +23,8 @@ state dict (the model's ``checkpoint_filter_fn``, so ``create_model(..., checkpo
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -31,9 +33,9 @@ import torch.nn.functional as F
 
 from vitlab.attention import Block
 from vitlab.clip.openclip import convert_openclip_state_dict, is_openclip_state_dict, openclip_config
-from vitlab.convert import load_state_dict, read_state_dict
+from vitlab.convert import load_state_dict, read_hf_state_dict, read_state_dict
 from vitlab.layers import RotaryEmbedding1D, check_heads, checkpoint_seq, get_norm_layer
-from vitlab.models import PreNorm, clip_vit_kwargs
+from vitlab.models import PreNorm, clip_vit_kwargs, convert_hf_clip_state_dict, is_hf_clip_state_dict
 from vitlab.registry import create_model, get_model_config
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's image normalisation (open_clip's OPENAI_DATASET_*)
@@ -215,11 +217,21 @@ def build_clip(embed_dim: int, image_model: str, image_kwargs: dict, text_kwargs
 
 
 def checkpoint_filter_fn(state_dict: dict, model: CLIP) -> dict:
-    """An open_clip state dict is renamed to vitlab's modules; vitlab's own passes as it is."""
+    """An open_clip or a transformers ``CLIPModel`` state dict is renamed to vitlab's modules; vitlab's own passes
+    as it is."""
+    if is_hf_clip_state_dict(state_dict):
+        return convert_hf_clip_state_dict(state_dict)
     return convert_openclip_state_dict(state_dict) if is_openclip_state_dict(state_dict) else state_dict
 
 
+def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A checkpoint file, or a transformers ``CLIPModel.save_pretrained`` directory (its tensors by their Hugging
+    Face names, renamed by :func:`checkpoint_filter_fn`)."""
+    return read_hf_state_dict(path) if Path(path).is_dir() else read_state_dict(path)
+
+
 CLIP.checkpoint_filter_fn = staticmethod(checkpoint_filter_fn)
+CLIP.read_checkpoint = staticmethod(read_checkpoint)
 
 
 def clip_from_openclip(checkpoint: str | dict, quick_gelu: bool = False) -> CLIP:

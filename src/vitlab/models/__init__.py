@@ -18,9 +18,23 @@ from vitlab.models._base import (  # noqa: E402
     mix_out,
     mixin_of,
 )
-from vitlab.models.clip_vit import PreNorm, clip_vision_transformer, clip_vit_kwargs  # noqa: E402
+from vitlab.models.clip_vit import (  # noqa: E402
+    HF_CLIP_VISION_DEFAULTS,
+    PreNorm,
+    clip_vision_transformer,
+    clip_vit_kwargs,
+    convert_hf_clip_state_dict,
+    convert_hf_clip_vision_state_dict,
+    hf_act,
+    hf_clip_vision_kwargs,
+    hf_layernorm,
+    hf_mlp_ratio,
+    is_hf_clip_state_dict,
+)
 from vitlab.models.halvit import HaLViT  # noqa: E402
 from vitlab.models.vision_transformer import VisionTransformer  # noqa: E402
 
-__all__ = ["HaLViT", "PreNorm", "TokenModel", "VisionTransformer", "check_token_model", "clip_vision_transformer",
-           "clip_vit_kwargs", "keep_patches", "mask_patches", "mix_in", "mix_out", "mixin_of"]
+__all__ = ["HF_CLIP_VISION_DEFAULTS", "HaLViT", "PreNorm", "TokenModel", "VisionTransformer", "check_token_model",
+           "clip_vision_transformer", "clip_vit_kwargs", "convert_hf_clip_state_dict",
+           "convert_hf_clip_vision_state_dict", "hf_act", "hf_clip_vision_kwargs", "hf_layernorm", "hf_mlp_ratio",
+           "is_hf_clip_state_dict", "keep_patches", "mask_patches", "mix_in", "mix_out", "mixin_of"]
