@@ -72,7 +72,7 @@ def test_vqa_bad_questions(vqa_run, scene_png, capsys):
     _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", "  "],
                     "empty question")
     _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png)], "empty question")
-    long = " ".join(["cat"] * 40)
+    long = " ".join(["cat"] * 100)
     _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", long],
                     "does not fit the context")
 
@@ -152,7 +152,9 @@ def test_blind_runs_see_zeros():
     task = create_task("vqa")
     task.build(cfg, torch.device("cpu"))
     x, ids, labels = task.data.train[0]
-    assert x.abs().sum() == 0 and (labels != IGNORE).sum() >= 2
+    assert x.abs().sum() == 0
+    # a training conversation asks one question of each kind the scene has (position needs a pair): 3 or 4 answers
+    assert (labels == task.tokenizer.eos_id).sum() in (3, 4) and (labels != IGNORE).sum() >= 6
     cfg.task_args.blind = False
     task.build(cfg, torch.device("cpu"))
     assert task.data.train[0][0].abs().sum() > 0

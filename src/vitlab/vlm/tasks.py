@@ -76,6 +76,7 @@ class VLArgs:
     max_new_tokens: int = 24           # generation bound of eval and predict
     scenes_train: int | None = None    # scenes: training scenes (None: 4000)
     scenes_eval: int | None = None     # scenes: validation and test scenes (None: 200 and 400)
+    scenes_turns: int = 4              # scenes (vqa): questions per training conversation, of different kinds
 
 
 # ---------------------------------------------------------------- tokens
@@ -202,9 +203,9 @@ class VLDataset(Dataset):
     references each time (and, on the scenes, a fresh question of a random kind about the scene)."""
 
     def __init__(self, samples: list[VLSample], images: torch.Tensor | None, transform, seqs: Sequences,
-                 train: bool, blind: bool, scenes: list | None = None):
+                 train: bool, blind: bool, scenes: list | None = None, turns: int = 1):
         self.samples, self.images, self.transform, self.seqs = samples, images, transform, seqs
-        self.train, self.blind, self.scenes = train, blind, scenes
+        self.train, self.blind, self.scenes, self.turns = train, blind, scenes, turns
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -220,11 +221,12 @@ class VLDataset(Dataset):
         if self.train:
             # the trainer seeds torch's stream per rank and restores it on resume
             rng = random.Random(int(torch.randint(2 ** 31, ())))
-            if self.scenes is not None and self.seqs.instruct:  # a question of a random kind the scene has
-                qa = None
-                while qa is None:
-                    qa = scene_question(self.scenes[s.image], rng.choice(QUESTION_KINDS), rng)
-                turns = [qa]
+            if self.scenes is not None and self.seqs.instruct:
+                # a conversation about the scene: questions of different kinds in a random order (every image
+                # then teaches several answers; the first question follows the image, as at test time)
+                kinds = rng.sample(QUESTION_KINDS, len(QUESTION_KINDS))
+                turns = [qa for k in kinds if (qa := scene_question(self.scenes[s.image], k, rng)) is not None]
+                turns = turns[:self.turns]
             elif not s.turns:
                 turns = [(None, rng.choice(s.refs))]
         elif not s.turns:
@@ -310,7 +312,7 @@ class _VLTask(Task):
             raise ValueError(f"stage must be 0 (train everything), 1 or 2, got {a.stage}")
         if a.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {a.max_new_tokens}")
-        for k in ("scenes_train", "scenes_eval", "context_length"):
+        for k in ("scenes_train", "scenes_eval", "context_length", "scenes_turns"):
             v = getattr(a, k)
             if v is not None and v < 1:
                 raise ValueError(f"{k} must be >= 1, got {v}")
@@ -329,7 +331,8 @@ class _VLTask(Task):
                       for s in self.splits.train + self.splits.val)
         if cfg.data.name == "scenes":  # every template's longest question or caption, the held-out ones too
             t = scene_texts()
-            longest = max(longest, *(len(probe.encode([(q, "yes")])[0]) for q in t["question"])) if self.instruct \
+            turn = max(len(probe.encode([(q, "yes")])[0]) - 2 for q in t["question"])
+            longest = max(longest, 2 + a.scenes_turns * turn) if self.instruct \
                 else max(longest, *(len(probe.encode([(None, c)])[0]) for c in t["caption"]))
         context = a.context_length or longest
         self.seqs = Sequences(self.tokenizer, context, self.instruct)
@@ -337,7 +340,8 @@ class _VLTask(Task):
         tf = eval_transform(img_size, crop_pct=1.0, mean=mean, std=std)
         sp = self.splits
         scenes = sp.scenes.get("train") if self.instruct else None
-        self.data = _Data(VLDataset(sp.train, sp.images["train"], tf, self.seqs, True, a.blind, scenes),
+        self.data = _Data(VLDataset(sp.train, sp.images["train"], tf, self.seqs, True, a.blind, scenes,
+                                    a.scenes_turns),
                           VLDataset(sp.val, sp.images["val"], tf, self.seqs, False, a.blind))
         kwargs = model_kwargs(cfg)
         model = build_vl_model(cfg.model, kwargs, self.tokenizer.vocab_size, self.seqs.image_id, img_size,
