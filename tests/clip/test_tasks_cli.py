@@ -220,7 +220,8 @@ def test_retrieval_on_the_digits_demo(digits_run, capsys):
     assert main(["retrieval", "--checkpoint", str(digits_run), "--split", "val"]) == 0
     assert "digits (val, 270 images, 100 captions): i2t R@1 " in capsys.readouterr().out
     err = _error(capsys, ["retrieval", "--checkpoint", str(digits_run), "--data", "fake"])
-    assert "retrieval needs image-text pairs (captions:PATH or digits), not 'fake'" in err
+    assert "retrieval needs image-text pairs (captions:PATH, digits, or wds: / hf: data with captions), not 'fake'" \
+        in err
 
 
 @pytest.mark.usefixtures("world_of_one")

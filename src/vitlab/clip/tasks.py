@@ -24,7 +24,14 @@ import torch
 import torch.nn as nn
 
 from vitlab._io import write_json
-from vitlab.clip.data import DIGIT_WORDS, HELD_OUT_TEMPLATES, build_clip_data, digit_captions, read_captions
+from vitlab.clip.data import (
+    DIGIT_WORDS,
+    HELD_OUT_TEMPLATES,
+    build_clip_data,
+    digit_captions,
+    read_captions,
+    training_texts,
+)
 from vitlab.clip.loss import clip_loss
 from vitlab.clip.model import CLIP, clip_for_task
 from vitlab.clip.tokenizer import ClipTokenizer, WordTokenizer
@@ -62,6 +69,8 @@ class ClipArgs:
 def _training_texts(data_cfg) -> list[str]:
     if data_cfg.name == "digits":
         return digit_captions()
+    if data_cfg.name in ("wds", "hf"):
+        return training_texts(data_cfg)
     return [c for _, c in read_captions(data_cfg.path)["train"]]
 
 

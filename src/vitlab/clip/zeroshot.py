@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from vitlab.clip.data import HELD_OUT_TEMPLATES, build_clip_data
+from vitlab.clip.data import HELD_OUT_TEMPLATES, CaptionStream, build_clip_data
 from vitlab.clip.model import CLIP, OPENAI_MEAN, OPENAI_STD, clip_for_task, clip_from_openclip
 from vitlab.clip.tokenizer import ClipTokenizer, tokenizer_from_dict
 from vitlab.convert import load_state_dict
@@ -86,8 +86,18 @@ def retrieval_metrics(image_emb: torch.Tensor, text_emb: torch.Tensor, text_grou
 
 @torch.no_grad()
 def retrieval_evaluate(model: CLIP, pairs, batch_size: int = 256, device="cpu") -> dict:
-    """Recall@1/5/10 of an image-text split (:class:`vitlab.clip.data.CaptionPairs` or ``DigitCaptions``): each
-    distinct image and each distinct caption encoded once."""
+    """Recall@1/5/10 of an image-text split (:class:`vitlab.clip.data.CaptionPairs`, ``DigitCaptions``, a
+    Hugging Face split): each distinct image and each distinct caption encoded once. A stream of pairs
+    (:class:`vitlab.clip.data.CaptionStream`: ``wds:`` shards, one caption per image) is read once, each image
+    matched by its own caption."""
+    if isinstance(pairs, CaptionStream):
+        images, texts = [], []
+        for x, tokens, _ in DataLoader(pairs, batch_size=batch_size):
+            images.append(model.encode_image(x.to(device), normalize=True).cpu())
+            texts.append(model.encode_text(tokens.to(device), normalize=True).cpu())
+        images, texts = torch.cat(images), torch.cat(texts)
+        return {**retrieval_metrics(images, texts, torch.arange(len(texts))), "num_images": len(images),
+                "num_texts": len(texts)}
     images, image_group = [], []
     for x, g in DataLoader(pairs.distinct_images(), batch_size=batch_size):
         images.append(model.encode_image(x.to(device), normalize=True).cpu())
@@ -143,14 +153,15 @@ def record_tokenizer(record: RunRecord, bpe_path: str | None = None):
 
 def clip_data(record: RunRecord, data: str | None, tokenizer) -> DataBundle:
     """The data a CLIP model of ``record`` is scored on, with the record's preprocessing: ``data`` (default: the
-    run's own); ``digits`` and ``captions:PATH`` as image-text pairs, any other dataset as labelled images."""
+    run's own); ``digits``, ``captions:PATH`` and the run's own ``wds:`` / ``hf:`` data as image-text pairs, any other
+    dataset as labelled images."""
     trained = record.data or {}
     if data is None:
         if not trained:
             raise ValueError("the checkpoint does not say which data it was trained on; pass --data")
         data = trained["dataset"]
     cfg = DataConfig(**trained) if trained.get("dataset") == data else DataConfig(dataset=data)
-    if cfg.name in ("digits", "captions"):
+    if cfg.name in ("digits", "captions") or (cfg.name in ("wds", "hf") and trained.get("dataset") == data):
         return build_clip_data(cfg, tokenizer, record.mean, record.std, record.in_chans, record.img_size)
     return build(replace(cfg, img_size=record.img_size), mean=record.mean, std=record.std, in_chans=record.in_chans)
 
@@ -191,9 +202,11 @@ def zeroshot_split(model: CLIP, tokenizer, bundle: DataBundle, split: str, class
 
 
 def retrieval_split(model: CLIP, bundle: DataBundle, split: str, batch_size: int = 256, device="cpu") -> dict:
-    """Recall@1/5/10 both ways on ``bundle``'s ``split`` of image-text pairs (``captions:PATH`` or ``digits``)."""
-    if not hasattr(bundle.val, "distinct_images"):
-        raise ValueError(f"retrieval needs image-text pairs (captions:PATH or digits), not {bundle.name!r}")
+    """Recall@1/5/10 both ways on ``bundle``'s ``split`` of image-text pairs (``captions:PATH``, ``digits``, or
+    ``wds:`` / ``hf:`` data with captions)."""
+    if not (hasattr(bundle.val, "distinct_images") or isinstance(bundle.val, CaptionStream)):
+        raise ValueError(f"retrieval needs image-text pairs (captions:PATH, digits, or wds: / hf: data with "
+                         f"captions), not {bundle.name!r}")
     return {**retrieval_evaluate(model, _split_of(bundle, split), batch_size, device), "dataset": bundle.name,
             "split": split}
 
