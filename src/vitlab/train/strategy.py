@@ -13,8 +13,14 @@ checkpoint I/O), chosen by ``TrainConfig.strategy``:
   (``dcp/`` in the checkpoint directory, loadable under another world size) plus rank 0's gathered
   ``model.safetensors`` (and ``ema.safetensors``) for evaluation.
 
+Loaders (:func:`make_loader`): a map-style dataset is shuffled per (seed, epoch) -- under DDP / FSDP by a
+``DistributedSampler`` -- and a run resumed mid-epoch skips the batches already done at the sampler; a stream
+(``IterableDataset``) gets no sampler (it splits itself by rank and worker) and resumes from its own
+``state_dict`` through torchdata's ``StatefulDataLoader``, or by reading and dropping the batches done.
+
 Backend: NCCL on CUDA, gloo on CPU. Multi-node is torchrun's own rendezvous, e.g.
-``torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m vitlab train ...``.
+``torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m vitlab train ...``
+(see ``docs/scale.md``).
 """
 
 from __future__ import annotations
