@@ -124,3 +124,46 @@ def test_mae_bad_input():
             "swin_tiny_patch4_window7_224").smoke_kwargs))
     with pytest.raises(ValueError, match=r"mask_ratio must be in \(0, 1\)"):
         MAE(vitlab.create_model("vit_pico_patch8_32"), mask_ratio=1.0)
+
+
+def _hand_written_encode(mae: MAE, imgs, noise):
+    """MAE's encoder spelled out on the backbone's parameters (the official ``forward_encoder``): patches plus
+    their positions, masked, the prefix tokens (plus theirs) in front, the blocks, the final norm."""
+    m = mae.model
+    x = m.patch_embed(imgs)
+    P = m.num_prefix_tokens
+    patch_pos, prefix_pos = (m.pos_embed, None) if m.no_embed_class else (m.pos_embed[:, P:], m.pos_embed[:, :P])
+    x, mask, ids_restore = random_masking(x + patch_pos, mae.mask_ratio, noise)
+    prefix = [t for t in (m.cls_token, m.dist_token, m.reg_token) if t is not None]
+    if prefix:
+        tok = torch.cat(prefix, dim=1)
+        tok = tok if prefix_pos is None else tok + prefix_pos
+        x = torch.cat([tok.expand(x.shape[0], -1, -1), x], dim=1)
+    for blk in m.blocks:
+        x = blk(x)
+    return (m.fc_norm if isinstance(m.norm, torch.nn.Identity) else m.norm)(x), mask, ids_restore
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),                                                           # class token
+    dict(dist_token=True, reg_tokens=2),                              # class, distillation and register tokens
+    dict(class_token=False, global_pool="avg"),                       # no prefix: the norm is fc_norm
+    dict(reg_tokens=1, no_embed_class=True),                          # prefix tokens without positions
+])
+def test_encode_through_the_token_interface_equals_the_hand_written_encoder(kwargs):
+    torch.manual_seed(0)
+    backbone = vitlab.create_model("vit_pico_patch8_32", num_classes=0, depth=2, **kwargs)
+    with torch.no_grad():
+        for p in backbone.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # class / register tokens and positions off their init
+    mae = MAE(backbone, decoder_dim=32, decoder_depth=1, decoder_heads=4).eval()
+    imgs, noise = torch.randn(3, 1, 32, 32), torch.rand(3, 16)
+    with torch.no_grad():
+        got, want = mae.encode(imgs, noise), _hand_written_encode(mae, imgs, noise)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        drawn = mae.encode(imgs)[1]
+    torch.manual_seed(5)
+    assert torch.equal(drawn, mae.encode(imgs, torch.rand(3, 16))[1])  # no noise: drawn from the global generator

@@ -4,16 +4,16 @@ Learners", section 3).
 - Masking (section 3, "Masking"; the official ``random_masking``): per image, uniform noise is argsorted; the
   first ``(1 - ratio) * N`` patches of that order are kept. ``noise`` can be passed in, so a test fixes it.
 - Encoder (section 3, "MAE encoder"): the backbone's own patch embedding, position embedding, prefix tokens,
-  blocks and final norm, run on the visible patches only.
+  blocks and final norm, run on the visible patches only (its token interface, ``embed(imgs, keep=...)``).
 - Decoder (section 3, "MAE decoder"): linear to the decoder width, a shared learned mask token for every masked
   patch, tokens unshuffled to image order, fixed 2-D sin-cos positions, ``decoder_depth`` pre-norm blocks
   (default 8 blocks of width 512 with 16 heads, the paper's), norm, linear to ``patch^2 * C`` pixels.
 - Loss (section 3, "Reconstruction target"): mean squared error over masked patches only, against the patch's
   pixels normalised by their own mean and (unbiased) variance (``norm_pix_loss``, the paper's better target).
 
-The encoder is any plain ViT of vitlab (ViT, DeiT, HaLViT: a :class:`~vitlab.models.vision_transformer.
-VisionTransformer`); a hierarchical backbone has no token sequence to drop patches from and is refused. MAE trains
-on one view, a random resized crop and a flip (appendix A.1), and is registered as the method ``mae``.
+The encoder is any plain ViT of vitlab (ViT, DeiT, HaLViT: a :class:`~vitlab.models.VisionTransformer`); a
+hierarchical backbone has no token sequence to drop patches from and is refused. MAE trains on one view, a random
+resized crop and a flip (appendix A.1), and is registered as the method ``mae``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import Tensor
 from vitlab._io import png_bytes
 from vitlab.attention import Block
 from vitlab.layers import init_linears_trunc_normal_, sincos_2d_pos_embed
-from vitlab.models.vision_transformer import VisionTransformer
+from vitlab.models import VisionTransformer, keep_patches
 from vitlab.ssl.base import SSLMethod, ViewSpec, images_of, register_method
 
 
@@ -39,19 +39,26 @@ def check_plain_vit(backbone: nn.Module, method: str) -> VisionTransformer:
     return backbone
 
 
-def random_masking(x: Tensor, mask_ratio: float, noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """MAE's per-sample masking of tokens ``x`` (B, N, D): returns the kept tokens (B, N_keep, D), the binary mask
-    (B, N; 1 = masked) and ``ids_restore`` (B, N), the permutation that puts shuffled tokens back in order."""
-    B, N, D = x.shape
-    keep = int(N * (1 - mask_ratio))
+def masking_ids(batch: int, num_patches: int, mask_ratio: float, noise: Tensor | None = None,
+                device=None) -> tuple[Tensor, Tensor, Tensor]:
+    """MAE's per-sample masking as indices: ``ids_keep`` (B, N_keep), the patches kept in the order they are fed
+    (the ``(1 - ratio) * N`` of smallest noise), the binary mask (B, N; 1 = masked) and ``ids_restore`` (B, N),
+    the permutation that puts shuffled tokens back in order."""
+    keep = int(num_patches * (1 - mask_ratio))
     if noise is None:
-        noise = torch.rand(B, N, device=x.device)
+        noise = torch.rand(batch, num_patches, device=device)
     ids_shuffle = torch.argsort(noise, dim=1)  # ascending: small noise is kept
     ids_restore = torch.argsort(ids_shuffle, dim=1)
-    x_kept = torch.gather(x, 1, ids_shuffle[:, :keep, None].expand(-1, -1, D))
-    mask = torch.ones(B, N, device=x.device)
+    mask = torch.ones(batch, num_patches, device=noise.device)
     mask[:, :keep] = 0
-    return x_kept, torch.gather(mask, 1, ids_restore), ids_restore
+    return ids_shuffle[:, :keep], torch.gather(mask, 1, ids_restore), ids_restore
+
+
+def random_masking(x: Tensor, mask_ratio: float, noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """MAE's per-sample masking of tokens ``x`` (B, N, D) (the official ``random_masking``): returns the kept tokens
+    (B, N_keep, D), the binary mask (B, N; 1 = masked) and ``ids_restore`` (B, N) of :func:`masking_ids`."""
+    ids_keep, mask, ids_restore = masking_ids(x.shape[0], x.shape[1], mask_ratio, noise, x.device)
+    return keep_patches(x, ids_keep), mask, ids_restore
 
 
 def patchify(imgs: Tensor, patch: int) -> Tensor:
@@ -99,31 +106,14 @@ class MAE(SSLMethod):
     def shard_units(self) -> list[nn.Module]:
         return list(self.model.blocks) + list(self.decoder.blocks)
 
-    def encoder_norm(self) -> nn.Module:
-        """The backbone's final norm; an average-pooling backbone keeps it as ``fc_norm`` (per token all the same)."""
-        m = self.model
-        return m.fc_norm if isinstance(m.norm, nn.Identity) else m.norm
-
     def encode(self, imgs: Tensor, noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """(latent (B, prefix + N_keep, D), mask, ids_restore): the backbone on the visible patches."""
+        """(latent (B, prefix + N_keep, D), mask, ids_restore): the backbone on the visible patches, through its
+        token interface (the patches kept after their position embedding, the prefix tokens first)."""
         m = self.model
-        x = m.patch_embed(imgs)
-        B, P = x.shape[0], m.num_prefix_tokens
-        pos = m.pos_embed
-        patch_pos, prefix_pos = (pos, None) if pos is None or m.no_embed_class else (pos[:, P:], pos[:, :P])
-        if patch_pos is not None:
-            x = x + patch_pos
-        x, mask, ids_restore = random_masking(x, self.mask_ratio, noise)
-        prefix = [t for t in (m.cls_token, m.dist_token, m.reg_token) if t is not None]
-        if prefix:
-            tok = torch.cat(prefix, dim=1)
-            if prefix_pos is not None:
-                tok = tok + prefix_pos
-            x = torch.cat([tok.expand(B, -1, -1), x], dim=1)
-        x = m.pos_drop(x)
-        for blk in m.blocks:
-            x = blk(x)
-        return self.encoder_norm()(x), mask, ids_restore
+        ids_keep, mask, ids_restore = masking_ids(imgs.shape[0], self.grid[0] * self.grid[1], self.mask_ratio,
+                                                  noise, imgs.device)
+        x, hw = m.embed(imgs, keep=ids_keep)
+        return m.final_norm(m.forward_blocks(x, hw)), mask, ids_restore
 
     def target(self, imgs: Tensor) -> Tensor:
         t = patchify(imgs, self.patch)
