@@ -255,3 +255,25 @@ def test_one_token_reduction_at_a_time():
     assert tome.info(m).r == [2, 2]
     with pytest.raises(ValueError, match="already patched"):
         prune.apply(m, "evit")
+
+
+@pytest.mark.parametrize("name", ["deit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"])
+def test_forward_runs_timms_operators(name):
+    """The same ATen operators with the same shapes as timm's eager forward (the embedding included: prefix tokens
+    in front, then one add of the whole position table), so plain eager does timm's work and no more."""
+    timm = pytest.importorskip("timm")
+    from torch.profiler import ProfilerActivity, profile
+
+    def ops(model, x):
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            model(x)
+        return sorted((e.name, str(e.input_shapes)) for e in prof.events() if e.name.startswith("aten::"))
+
+    kw = dict(img_size=32, patch_size=8, depth=1, num_classes=4)
+    ref = timm.create_model(name, **kw).eval()
+    ours = vitlab.create_model(name, **kw).eval()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(ours(x), ref(x))
+    assert ops(ours, x) == ops(ref, x)

@@ -208,13 +208,18 @@ class VisionTransformer(TimmApiMixin, TokenModel, nn.Module):
             else:
                 pos = resample_abs_pos_embed(pos, hw, self.patch_embed.grid_size,
                                              num_prefix_tokens=0 if self.no_embed_class else P)
+        prefix = [t for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
+        if pos is not None and keep is None and not self.no_embed_class:
+            # timm's order of operations: the prefix tokens in front, then one add of the whole position table
+            if prefix:
+                x = torch.cat([t.expand(B, -1, -1) for t in prefix] + [x], dim=1)
+            return self.pos_drop(x + pos), hw
         prefix_pos = None
         if pos is not None:
             if not self.no_embed_class:
                 pos, prefix_pos = pos[:, P:], pos[:, :P]
             x = x + pos
         x = keep_patches(x, keep)
-        prefix = [t for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
         if prefix:
             tok = torch.cat(prefix, dim=1) if len(prefix) > 1 else prefix[0]  # (1, P, C)
             if prefix_pos is not None:
