@@ -1,7 +1,8 @@
 """Model families, one a file; importing this package imports every family module, which registers its
 models (a new ``models/<family>.py`` is picked up without editing this file). The token interface of the
-plain-ViT family (:class:`TokenModel`) and the mixin swap of patches applied from outside (:func:`mix_in`,
-:func:`mix_out`) are public here."""
+plain-ViT family (:class:`TokenModel`), the mixin swap of patches applied from outside (:func:`mix_in`,
+:func:`mix_out`) and the classes and checkpoint maps the capabilities build on are public here: a package above the
+models imports from ``vitlab.models``, never from a family's module."""
 
 import importlib
 import pkgutil
@@ -32,9 +33,12 @@ from vitlab.models.clip_vit import (  # noqa: E402
     is_hf_clip_state_dict,
 )
 from vitlab.models.halvit import HaLViT  # noqa: E402
+from vitlab.models.levit import LevitBlock  # noqa: E402
+from vitlab.models.llama import Llama, llama_config_from_hf, sample_next_token  # noqa: E402
 from vitlab.models.vision_transformer import VisionTransformer  # noqa: E402
 
-__all__ = ["HF_CLIP_VISION_DEFAULTS", "HaLViT", "PreNorm", "TokenModel", "VisionTransformer", "check_token_model",
-           "clip_vision_transformer", "clip_vit_kwargs", "convert_hf_clip_state_dict",
+__all__ = ["HF_CLIP_VISION_DEFAULTS", "HaLViT", "LevitBlock", "Llama", "PreNorm", "TokenModel", "VisionTransformer",
+           "check_token_model", "clip_vision_transformer", "clip_vit_kwargs", "convert_hf_clip_state_dict",
            "convert_hf_clip_vision_state_dict", "hf_act", "hf_clip_vision_kwargs", "hf_layernorm", "hf_mlp_ratio",
-           "is_hf_clip_state_dict", "keep_patches", "mask_patches", "mix_in", "mix_out", "mixin_of"]
+           "is_hf_clip_state_dict", "keep_patches", "llama_config_from_hf", "mask_patches", "mix_in", "mix_out",
+           "mixin_of", "sample_next_token"]
