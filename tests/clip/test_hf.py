@@ -35,6 +35,15 @@ def _texts(context_length: int, vocab_size: int) -> torch.Tensor:
     return text
 
 
+@torch.no_grad()
+def assert_same_embeddings(ours, ref, x, text):
+    """vitlab's image and text embeddings equal transformers' ``get_image_features`` / ``get_text_features``."""
+    torch.testing.assert_close(ours.encode_image(x), ref.get_image_features(pixel_values=x).pooler_output,
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours.encode_text(text), ref.get_text_features(input_ids=text).pooler_output,
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("act", ["quick_gelu", "gelu"])
 def test_clip_model_embeddings_equal(tmp_path, act):
     cfg = transformers.CLIPConfig(text_config={**TEXT, "hidden_act": act}, vision_config={**VISION, "hidden_act": act},
@@ -43,11 +52,8 @@ def test_clip_model_embeddings_equal(tmp_path, act):
     ref.save_pretrained(tmp_path)
     ours = clip_from_hf(str(tmp_path)).eval()
     x, text = torch.randn(2, 3, 32, 32), _texts(12, 100)
+    assert_same_embeddings(ours, ref, x, text)
     with torch.no_grad():
-        torch.testing.assert_close(ours.encode_image(x), ref.get_image_features(pixel_values=x).pooler_output,
-                                   rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(ours.encode_text(text), ref.get_text_features(input_ids=text).pooler_output,
-                                   rtol=1e-4, atol=1e-4)
         out = ref(input_ids=text, pixel_values=x)
         img, txt, scale = ours(x, text)
         torch.testing.assert_close(scale * img @ txt.T, out.logits_per_image, rtol=1e-4, atol=1e-4)
@@ -102,11 +108,7 @@ def test_create_model_reads_a_save_pretrained_directory(tmp_path):
                   text_depth=2, text_num_heads=4, text_vocab_size=100, text_context_length=12)
     ours = vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path), **shrunk).eval()
     x, text = torch.randn(2, 3, 64, 64), _texts(12, 100)
-    with torch.no_grad():
-        torch.testing.assert_close(ours.encode_image(x), ref.get_image_features(pixel_values=x).pooler_output,
-                                   rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(ours.encode_text(text), ref.get_text_features(input_ids=text).pooler_output,
-                                   rtol=1e-4, atol=1e-4)
+    assert_same_embeddings(ours, ref, x, text)
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path / "empty"), **shrunk)

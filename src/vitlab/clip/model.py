@@ -35,7 +35,13 @@ from vitlab.attention import Block
 from vitlab.clip.openclip import convert_openclip_state_dict, is_openclip_state_dict, openclip_config
 from vitlab.convert import load_state_dict, read_hf_state_dict, read_state_dict
 from vitlab.layers import RotaryEmbedding1D, check_heads, checkpoint_seq, get_norm_layer
-from vitlab.models import PreNorm, clip_vit_kwargs, convert_hf_clip_state_dict, is_hf_clip_state_dict
+from vitlab.models import (
+    PreNorm,
+    clip_vit_kwargs,
+    convert_hf_clip_state_dict,
+    is_hf_clip_state_dict,
+    set_grad_checkpointing,
+)
 from vitlab.registry import create_model, get_model_config
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's image normalisation (open_clip's OPENAI_DATASET_*)
@@ -177,9 +183,7 @@ class CLIP(nn.Module):
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        for m in self.modules():
-            if hasattr(m, "grad_checkpointing"):
-                m.grad_checkpointing = enable
+        set_grad_checkpointing(self, enable)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:

@@ -18,6 +18,7 @@ from vitlab.models._base import (  # noqa: E402
     mix_in,
     mix_out,
     mixin_of,
+    set_grad_checkpointing,
 )
 from vitlab.models.clip_vit import (  # noqa: E402
     HF_CLIP_VISION_DEFAULTS,
@@ -41,4 +42,4 @@ __all__ = ["HF_CLIP_VISION_DEFAULTS", "HaLViT", "LevitBlock", "Llama", "PreNorm"
            "check_token_model", "clip_vision_transformer", "clip_vit_kwargs", "convert_hf_clip_state_dict",
            "convert_hf_clip_vision_state_dict", "hf_act", "hf_clip_vision_kwargs", "hf_layernorm", "hf_mlp_ratio",
            "is_hf_clip_state_dict", "keep_patches", "llama_config_from_hf", "mask_patches", "mix_in", "mix_out",
-           "mixin_of", "sample_next_token"]
+           "mixin_of", "sample_next_token", "set_grad_checkpointing"]

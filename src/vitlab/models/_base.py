@@ -21,6 +21,14 @@ from vitlab.attention import accepts_keywords
 from vitlab.layers import check_pool, create_classifier
 
 
+def set_grad_checkpointing(module: nn.Module, enable: bool = True) -> None:
+    """Switch gradient checkpointing on or off in every submodule of ``module`` that has it (its
+    ``grad_checkpointing`` flag): a model built of others (CLIP's towers, a vision-language model) sets them all."""
+    for m in module.modules():
+        if hasattr(m, "grad_checkpointing"):
+            m.grad_checkpointing = enable
+
+
 class TimmApiMixin:
     pool_types: tuple[str, ...] = ()  # the global_pool values reset_classifier accepts
 
@@ -31,9 +39,7 @@ class TimmApiMixin:
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute activations in the backward pass: the model and every stage that checkpoints its blocks."""
         self.grad_checkpointing = enable
-        for m in self.modules():
-            if hasattr(m, "grad_checkpointing"):
-                m.grad_checkpointing = enable
+        set_grad_checkpointing(self, enable)
 
     def shard_units(self) -> list[nn.Module]:
         """The submodules an FSDP strategy wraps one by one, in forward order, before it wraps the root (which
