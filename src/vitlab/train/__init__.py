@@ -15,7 +15,7 @@ under torchrun; the loaders), ``recipe`` (parameter groups, AdamW, warm-up + cos
 record), ``plots``, ``progress``.
 """
 
-from vitlab.train.callbacks import Callback, Tracker, list_trackers, register_tracker
+from vitlab.train.callbacks import Callback, Tracker, register_tracker
 from vitlab.train.config import TrainConfig
 from vitlab.train.evaluate import evaluate, load_model, predict
 from vitlab.train.strategy import DDP, FSDP2, SingleDevice, Strategy
@@ -28,6 +28,7 @@ from vitlab.train.task import (
     register_task,
     task_class,
 )
+from vitlab.train.trackers import list_trackers
 from vitlab.train.trainer import Trainer, fit
 
 __all__ = ["DDP", "FSDP2", "Callback", "RunRecord", "SingleDevice", "Strategy", "Task", "TaskError", "Tracker",

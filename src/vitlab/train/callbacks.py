@@ -15,13 +15,12 @@ A callback passed to the Trainer runs on every process (``trainer.strategy.is_ma
 tracker -- a :class:`Tracker` registered with :func:`register_tracker` -- is what ``--log NAME`` (``TrainConfig.log``)
 turns on: built only on rank 0; its packages are checked before the run starts (one line naming the extra to
 install); a failure while the run goes on is reported once and the tracker is dropped, training continues.
-:mod:`vitlab.train.trackers` registers ``tensorboard``, ``mlflow`` and ``wandb``; a plugin registers its own the
-same way (entry-point group ``vitlab.plugins`` or ``--import MODULE``).
+:mod:`vitlab.train.trackers` registers ``tensorboard``, ``mlflow`` and ``wandb`` and builds the trackers of a run;
+a plugin registers its own the same way (entry-point group ``vitlab.plugins`` or ``--import MODULE``).
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,29 +142,6 @@ def register_tracker(name: str):
     return deco
 
 
-def list_trackers() -> list[str]:
-    import vitlab.train.trackers  # noqa: F401  (registers the built-in trackers)
-    from vitlab.plugins import load_plugins
-
-    load_plugins()
-    return sorted(TRACKERS)
-
-
-def create_trackers(names: list[str], cfg) -> list[Tracker]:
-    """The trackers ``names`` of a run of ``cfg``, checked (a missing package, an unreachable server, an unknown
-    name: one-line ValueError)."""
-    out = []
-    for name in dict.fromkeys(names):  # in order, each once
-        if name not in TRACKERS:
-            known = list_trackers()
-            if name not in TRACKERS:
-                close = difflib.get_close_matches(name, known, n=2)
-                hint = f"; did you mean {' or '.join(close)}?" if close else ""
-                raise ValueError(f"unknown tracker {name!r} in --log{hint} (known: {', '.join(known)})")
-        out.append(TRACKERS[name](cfg))
-    return out
-
-
 class Callbacks:
     """The run's callbacks, called in order. A :class:`Tracker` that raises is reported once and dropped (a
     tracker never stops training); another callback's error propagates."""
@@ -187,5 +163,4 @@ class Callbacks:
                     f"{first[:200]}); training continues without it")
 
 
-__all__ = ["TRACKERS", "Callback", "Callbacks", "Tracker", "create_trackers", "hyperparameters", "list_trackers",
-           "register_tracker", "run_files"]
+__all__ = ["TRACKERS", "Callback", "Callbacks", "Tracker", "hyperparameters", "register_tracker", "run_files"]

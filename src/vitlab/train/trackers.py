@@ -16,13 +16,14 @@ ids are kept in ``RUN/trackers.json``).
 
 from __future__ import annotations
 
+import difflib
 import os
 import socket
 import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from vitlab.train.callbacks import Tracker, hyperparameters, register_tracker, run_files
+from vitlab.train.callbacks import TRACKERS, Tracker, hyperparameters, register_tracker, run_files
 
 
 def _numbers(values: dict) -> dict[str, float]:
@@ -226,3 +227,26 @@ class WandB(Tracker):
                 art.add_file(str(f), name=f.name)
             self.run.log_artifact(art)
         self.run.finish(exit_code=0 if summary is not None else 1)
+
+
+def list_trackers() -> list[str]:
+    """The registered trackers' names: the built-in ones and the installed plugins'."""
+    from vitlab.plugins import load_plugins
+
+    load_plugins()
+    return sorted(TRACKERS)
+
+
+def create_trackers(names: list[str], cfg) -> list[Tracker]:
+    """The trackers ``names`` of a run of ``cfg``, checked (a missing package, an unreachable server, an unknown
+    name: one-line ValueError)."""
+    out = []
+    for name in dict.fromkeys(names):  # in order, each once
+        if name not in TRACKERS:
+            known = list_trackers()
+            if name not in TRACKERS:
+                close = difflib.get_close_matches(name, known, n=2)
+                hint = f"; did you mean {' or '.join(close)}?" if close else ""
+                raise ValueError(f"unknown tracker {name!r} in --log{hint} (known: {', '.join(known)})")
+        out.append(TRACKERS[name](cfg))
+    return out

@@ -42,7 +42,7 @@ from vitlab._console import metric_text
 from vitlab.convert import CheckpointError
 from vitlab.data import DataConfig
 from vitlab.train import checkpoint as ck
-from vitlab.train.callbacks import Callback, Callbacks, create_trackers
+from vitlab.train.callbacks import Callback, Callbacks
 from vitlab.train.common import add_sums, autocast
 from vitlab.train.config import TrainConfig
 from vitlab.train.mfu import Meter, model_flops, peak_tflops
@@ -51,6 +51,7 @@ from vitlab.train.progress import Progress, say
 from vitlab.train.recipe import ModelEma, build_optimizer, scaled_lr
 from vitlab.train.strategy import Strategy, create_strategy, loader_state
 from vitlab.train.task import Task, create_task
+from vitlab.train.trackers import create_trackers
 
 # metrics that differ between identical runs (timing, throughput, memory)
 TIME_KEYS = ("epoch_time_s", "img_per_s", "wall_time_s", "tokens_per_s", "step_time_s", "data_wait", "mfu",
