@@ -256,3 +256,29 @@ def test_model_flops_match_the_counter():
     flops, tokens = model_flops(model, 1, 32, torch.device("cpu"))  # grey-scale 32px
     assert flops == pytest.approx(2e9 * profile_model(model, activations=False).gmacs, rel=1e-9)
     assert tokens == 17  # 4 x 4 patches and the class token
+
+
+def test_a_resumed_run_continues_its_tracker_runs(tmp_path):
+    """Stopped after step 5 with a checkpoint at step 4, then resumed: the MLflow run is the same one, finished;
+    TensorBoard drops the step logged after the checkpoint, so each step is there once, with the resumed value."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.train.test_step_checkpoints import StopAt
+
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        fit(tiny_config(tmp_path, epochs=2, save_every_steps=2, log=["tensorboard", "mlflow"]), callbacks=[StopAt(5)])
+    first = json.loads((run / "trackers.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=first["tracking_uri"])
+    assert client.get_run(first["run_id"]).info.status == "KILLED"
+    fit(tiny_config(tmp_path, epochs=2, resume=str(run)))
+    assert json.loads((run / "trackers.json").read_text())["mlflow"] == first
+    assert client.get_run(first["run_id"]).info.status == "FINISHED"
+    rows = _rows(run / "steps.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    events = acc.Scalars("train/loss")
+    assert [e.step for e in events] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in events] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
