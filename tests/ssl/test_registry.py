@@ -20,7 +20,10 @@ def simsiam(monkeypatch):
     """SimSiam (Chen & He, 2021, "Exploring Simple Siamese Representation Learning", Algorithm 1) registered as
     ``simsiam_test`` for one test: encoder f = backbone + 3-layer projector (BN, output BN without affine),
     predictor h (2-layer bottleneck MLP), symmetric negative cosine with stop-gradient on the targets."""
+    from vitlab.train.task import TASKS
+
     monkeypatch.setattr(base, "_METHODS", dict(base._METHODS))  # the registration ends with the test
+    monkeypatch.setattr("vitlab.train.task.TASKS", dict(TASKS))  # and its pre-training task, where one was made
 
     @S.register_method("simsiam_test")
     class SimSiam(SSLMethod):
