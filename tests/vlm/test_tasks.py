@@ -180,3 +180,18 @@ def test_blip_three_objectives_retrieval_and_captions(tmp_path, scene_png, capsy
     assert main(["predict", "--checkpoint", str(run), str(scene_png), "--prompt", "a picture of", "--json"]) == 0
     row, = json.loads(capsys.readouterr().out)
     assert row["output"].startswith("a picture of")
+
+
+def test_language_model_learning_rate_is_scaled():
+    cfg = TrainConfig.for_task("caption", task_args={"scenes_train": 4, "scenes_eval": 2, "language_lr_scale": 0.1},
+                               model_kwargs={"vision_depth": 1, "text_n_layers": 1})
+    from vitlab.train.task import create_task
+
+    task = create_task("caption")
+    task.build(cfg, torch.device("cpu"))
+    groups = task.param_groups(0.05)
+    lm = {id(p) for p in task.model.language_model.parameters()}
+    for g in groups:
+        inside = {id(p) in lm for p in g["params"]}
+        assert len(inside) == 1 and g.get("lr_scale", 1.0) == (0.1 if inside == {True} else 1.0)
+    assert sum(len(g["params"]) for g in groups) == len(list(task.model.parameters()))

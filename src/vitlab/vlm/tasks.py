@@ -77,6 +77,7 @@ class VLArgs:
     scenes_train: int | None = None    # scenes: training scenes (None: 4000)
     scenes_eval: int | None = None     # scenes: validation and test scenes (None: 200 and 400)
     scenes_turns: int = 4              # scenes (vqa): questions per training conversation, of different kinds
+    language_lr_scale: float = 0.1     # the language model's learning rate relative to the image side's
 
 
 # ---------------------------------------------------------------- tokens
@@ -312,6 +313,8 @@ class _VLTask(Task):
             raise ValueError(f"stage must be 0 (train everything), 1 or 2, got {a.stage}")
         if a.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {a.max_new_tokens}")
+        if a.language_lr_scale <= 0:
+            raise ValueError(f"language_lr_scale must be > 0, got {a.language_lr_scale}")
         for k in ("scenes_train", "scenes_eval", "context_length", "scenes_turns"):
             v = getattr(a, k)
             if v is not None and v < 1:
@@ -355,6 +358,21 @@ class _VLTask(Task):
             task=self.name, model=cfg.model, model_kwargs=kwargs, task_args=to_plain(a), data=data,
             img_size=img_size, in_chans=3, mean=list(mean), std=list(std), crop_pct=1.0, params=self.num_params,
             extra={"tokenizer": self.tokenizer.to_dict(), "context_length": context})
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW's groups, the language model's learning rate scaled by ``language_lr_scale``: trained from
+        scratch at the image side's rate, the decoder settles on the answers' text-only prior within a few
+        hundred steps and stops drawing on the image tokens (their gradient vanishes); slower, it keeps them."""
+        groups = super().param_groups(weight_decay)
+        scale = self.args.language_lr_scale
+        if scale == 1.0:
+            return groups
+        lm = {id(p) for p in self.model.language_model.parameters()}
+        out = []
+        for g in groups:
+            out += [{**g, "params": [p for p in g["params"] if id(p) not in lm]},
+                    {**g, "params": [p for p in g["params"] if id(p) in lm], "lr_scale": scale}]
+        return [g for g in out if g["params"]]
 
     def _batch(self, batch):
         x, ids, labels = (t.to(self.device, non_blocking=True) for t in batch)
