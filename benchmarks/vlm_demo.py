@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 from statistics import mean
 
-# the demo's model: llava_scenes with a 16-pixel patch (16 image tokens), 3 tower blocks and 3 decoder layers
-MODEL_KWARGS = {"vision_patch_size": 16, "vision_depth": 3, "text_n_layers": 3}
+# the demo's model: llava_scenes reading 32-pixel patches (4 image tokens, one per cell of the scenes' 2 x 2 grid),
+# 3 tower blocks and 3 decoder layers
+MODEL_KWARGS = {"vision_patch_size": 32, "vision_depth": 3, "text_n_layers": 3}
 SMOKE = {"epochs": 1, "batch_size": 8, "task_args.scenes_train": 16, "task_args.scenes_eval": 6,
          "model_kwargs": {"vision_depth": 1, "text_n_layers": 1, "vision_patch_size": 16}}
 KINDS = ("count", "presence", "position", "class")
