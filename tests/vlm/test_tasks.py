@@ -105,6 +105,8 @@ def test_wrong_data_for_the_task(tmp_path, capsys):
     _one_line_error(capsys, ["train", "--task", "caption", "--data", f"vqa:{tmp_path / 'q.jsonl'}", *TINY],
                     "holds questions")
     _one_line_error(capsys, ["train", "--task", "vqa", "--data", "digits", *TINY], "reads scenes")
+    _one_line_error(capsys, ["train", "--task", "vqa", "--stage", "1", "--task_args.freeze", "projector", *TINY],
+                    "leaves nothing to train")
 
 
 def test_corrupt_coco_image_is_one_line(tmp_path, capsys):

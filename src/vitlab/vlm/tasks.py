@@ -60,6 +60,7 @@ from vitlab.vlm.data import (
 from vitlab.vlm.metrics import caption_scores, vqa_accuracy
 
 PARTS = ("vision_tower", "projector", "language_model")
+STAGE_FROZEN = {1: {"vision_tower", "language_model"}, 2: {"vision_tower"}}  # LLaVA's two stages (Sec. 4.2)
 PROMPT_WORDS = ("user", ":", "assistant")
 IGNORE = -100
 
@@ -259,7 +260,7 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor, image_pos: int = 1) 
 
 def apply_freezing(model: nn.Module, args: VLArgs) -> list[str]:
     """Freeze the parts ``args`` name (LLaVA's stage 1: all but the projector; stage 2: the image tower)."""
-    frozen = set(args.freeze) | {1: {"vision_tower", "language_model"}, 2: {"vision_tower"}}.get(args.stage, set())
+    frozen = set(args.freeze) | STAGE_FROZEN.get(args.stage, set())
     for part in frozen:
         for p in getattr(model, part).parameters():
             p.requires_grad_(False)
@@ -311,6 +312,8 @@ class _VLTask(Task):
             raise ValueError(f"freeze names parts of {', '.join(PARTS)}, got {bad}")
         if a.stage not in (0, 1, 2):
             raise ValueError(f"stage must be 0 (train everything), 1 or 2, got {a.stage}")
+        if set(PARTS) <= set(a.freeze) | STAGE_FROZEN.get(a.stage, set()):
+            raise ValueError(f"stage {a.stage} with freeze {a.freeze} leaves nothing to train")
         if a.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {a.max_new_tokens}")
         if a.language_lr_scale <= 0:
