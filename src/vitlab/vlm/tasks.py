@@ -301,7 +301,7 @@ class _VLTask(Task):
 
     @classmethod
     def defaults(cls) -> dict:
-        return {"model": "llava_scenes", "data.dataset": "scenes", "epochs": 40, "batch_size": 64, "lr": 1.6e-2,
+        return {"model": "llava_scenes", "data.dataset": "scenes", "epochs": 40, "batch_size": 64, "lr": 8e-3,
                 "warmup_epochs": 1.0, "weight_decay": 0.05, "drop_path": 0.0}
 
     @classmethod
