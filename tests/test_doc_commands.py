@@ -85,7 +85,11 @@ SKIPS: tuple[Skip, ...] = (
     Skip(r"runs/base/", "needs a trained DeiT-S run (runs/base): hours on the CPU"),
     # benchmark scripts: minutes of timing (kernels built, models compiled, many rounds)
     Skip(r"^python benchmarks/(optimize_vs_timm|hilo_cpu|clip_encode_image|tokens|export_speed|dpt_vs_transformers"
-         r"|dense_demo)\.py", "a benchmark script: minutes of compiling and timing on the CPU"),
+         r"|dense_demo|llama_generate|vlm_demo|vlm_train_throughput|loader_throughput|train_mfu|eager_vs_timm|cait_folded)\.py",
+         "a benchmark script: minutes of compiling, training or timing on the CPU"),
+    Skip(r"--checkpoint ~/llama-2", "needs Llama 2 weights (a download)"),
+    Skip(r"--tokenizer tokenizer.model", "needs a SentencePiece tokenizer.model (Llama's is a download)"),
+    Skip(r"--data hf:", "needs a Hugging Face dataset (a save_to_disk folder, a parquet file or the Hub, online)"),
     Skip(r"^vitlab analyze window-study --epochs", "trains six LITv2-S on digits at 128 px: 90 s each on 2 cores"),
 )
 
@@ -294,12 +298,19 @@ FIXTURE_RUNS: dict[str, list[str]] = {
             "--data.fake_img_size", "32", "--batch_size", "16", "--task_args.decoder_dim", "16",
             "--task_args.decoder_depth", "1", "--task_args.decoder_heads", "2", "--epochs", "1", "--quiet"],
 }
+_VL_TINY = ["--model_kwargs.vision_depth", "1", "--task_args.scenes_train", "16", "--task_args.scenes_eval", "6",
+            "--batch_size", "8", "--epochs", "1", "--task_args.max_new_tokens", "4", "--quiet"]
+FIXTURE_RUNS["vqa"] = ["train", "--task", "vqa", "--model_kwargs.text_n_layers", "1", *_VL_TINY]
+FIXTURE_RUNS["caption"] = ["train", "--task", "caption", "--model_kwargs.text_n_layers", "1", *_VL_TINY]
+FIXTURE_RUNS["blip"] = ["train", "--task", "blip", "--model_kwargs.text_depth", "1", *_VL_TINY]
 SSL_METHODS = {"mae", "simclr", "mocov3", "dino", "dinov2"}
 # the run a placeholder stands for, by the line (first match); other lines: their block's (see run_kind)
 RUN_FOR: tuple[tuple[str, str], ...] = (
+    (r"--stage 2 --init ", "vqa"),
     (r"^vitlab (zeroshot|retrieval) ", "clip"),
     (r"^vitlab (probe|pretrain) |--init ", "mae"),
     (r"^vitlab bench tokens ", "tokens"),
+    (r'^vitlab predict .*--prompt "a picture of"', "blip"), (r"^vitlab predict .*--prompt ", "vqa"),
 )
 # run placeholders: runs/<run>, runs/<teacher-run>/best, runs/RUN, RUN/best/model.safetensors
 PLACEHOLDER = re.compile(r"^(?:runs/<[\w-]+>|runs/RUN|RUN)(?=/|$)")
@@ -318,6 +329,8 @@ STANDINS: dict[str, str] = {
 SHRINK: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"^vitlab train --model (deit_\w+(?!.*--data[ .=])|levit_128s --data digits )",
      ("--data", "fake", "--data.fake_num_samples", "8", "--data.fake_num_classes", "10")),
+    (r"^vitlab train --task (vqa|caption|blip)\b",
+     ("--task_args.scenes_train", "16", "--task_args.scenes_eval", "6", "--batch_size", "8")),
 )
 # flags whose value is written, not read: relative there means the working folder, never the repository
 OUTPUT_FLAGS = {"--out", "--json", "--plot", "--output", "--output-dir", "--output_dir"}
