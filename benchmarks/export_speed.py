@@ -26,8 +26,8 @@ import vitlab
 import vitlab.export as ex
 from vitlab._io import atomic_write
 from vitlab.bench.attention import machine
-from vitlab.timing import paired_ratio, round_robin_times
 from vitlab.optimize import optimize
+from vitlab.timing import paired_ratio, round_robin_times
 
 MODELS = ["deit_tiny_patch16_224", "vit_base_patch16_224", "swin_tiny_patch4_window7_224", "levit_256"]
 
