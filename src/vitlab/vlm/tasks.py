@@ -294,7 +294,25 @@ def build_vl_model(name: str, kwargs: dict, vocab_size: int, image_token_id: int
 # ---------------------------------------------------------------- the tasks
 
 
-class _VLTask(Task):
+class _ScoredTask(Task):
+    """A vision-language task that keeps its run record and scores a checkpoint's test split with ``score``."""
+
+    def record(self) -> RunRecord:
+        return self._record
+
+    @torch.no_grad()
+    def test(self, run_dir, batch_size: int, checkpoint: str = "last") -> dict:
+        from vitlab.train.evaluate import load_model
+
+        ckpt = Path(run_dir) / checkpoint
+        if self.splits.test is None or not ckpt.exists():
+            return {}
+        model, record, _ = load_model(ckpt, device=self.device)
+        r = self.score(model, record, self.splits, "test", batch_size, self.device)
+        return {f"test_{k}": v for k, v in r.items() if isinstance(v, float)}
+
+
+class _VLTask(_ScoredTask):
     Args = VLArgs
     instruct = False
     aliases = {"blind": "task_args.blind", "stage": "task_args.stage", "init": "task_args.init"}
@@ -403,20 +421,6 @@ class _VLTask(Task):
                 "img_size": self._record.img_size, "train_images": len(self.data.train),
                 "val_images": len(self.data.val), "vocab_size": self.tokenizer.vocab_size,
                 "context_length": self.seqs.length, "frozen": self.frozen, "blind": self.args.blind}
-
-    def record(self) -> RunRecord:
-        return self._record
-
-    @torch.no_grad()
-    def test(self, run_dir, batch_size: int, checkpoint: str = "last") -> dict:
-        from vitlab.train.evaluate import load_model
-
-        ckpt = Path(run_dir) / checkpoint
-        if self.splits.test is None or not ckpt.exists():
-            return {}
-        model, record, _ = load_model(ckpt, device=self.device)
-        r = self.score(model, record, self.splits, "test", batch_size, self.device)
-        return {f"test_{k}": v for k, v in r.items() if isinstance(v, float)}
 
     # ---- the run record ------------------------------------------------------------------------------
     def load(self, record: RunRecord) -> nn.Module:
@@ -640,7 +644,7 @@ def _recall(sim: torch.Tensor, hit: torch.Tensor, ks=(1, 5)) -> dict[int, float]
 
 
 @register_task("blip")
-class BlipTask(Task):
+class BlipTask(_ScoredTask):
     """BLIP pre-training (Li et al., 2022, Sec. 3.2): image-text contrastive (ITC), image-text matching with hard
     negatives mined from the contrastive similarities (ITM) and captioning (LM), summed with equal weights, on
     captions (the scenes or ``coco:PATH``). Scored by retrieval (ITC recall@1/5 both ways and BLIP's ITM
@@ -735,20 +739,6 @@ class BlipTask(Task):
                 "img_size": self._record.img_size, "train_images": len(self.data.train),
                 "val_images": len(self.data.val), "vocab_size": self.tokenizer.vocab_size,
                 "context_length": self._record.extra["context_length"], "blind": self.args.blind}
-
-    def record(self) -> RunRecord:
-        return self._record
-
-    @torch.no_grad()
-    def test(self, run_dir, batch_size: int, checkpoint: str = "last") -> dict:
-        from vitlab.train.evaluate import load_model
-
-        ckpt = Path(run_dir) / checkpoint
-        if self.splits.test is None or not ckpt.exists():
-            return {}
-        model, record, _ = load_model(ckpt, device=self.device)
-        r = self.score(model, record, self.splits, "test", batch_size, self.device)
-        return {f"test_{k}": v for k, v in r.items() if isinstance(v, float)}
 
     # ---- the run record ------------------------------------------------------------------------------
     def load(self, record: RunRecord) -> nn.Module:
