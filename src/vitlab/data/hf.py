@@ -37,7 +37,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from vitlab.data.registry import DataError, register_dataset
-from vitlab.data.streaming import Stream, UnreadableSample, require, share, worker_share
+from vitlab.data.streaming import Stream, UnreadableSample, require, worker_share
 
 WHAT = "hf: Hugging Face datasets"
 VAL_NAMES = ("validation", "val", "valid", "dev")
@@ -261,15 +261,10 @@ class HFStream(Stream):
     def __init__(self, d, cols: _Columns, classes: list[str], *, length: int, train: bool, seed: int = 0,
                  shuffle: int = SHUFFLE, split: str = "train", skip_bad: bool = False):
         super().__init__(f"hf:{cols.source}", skip_bad)
-        self.data, self.cols, self.classes, self.length = cols.prepare(d), cols, classes, length
+        self.data, self.cols, self.classes = cols.prepare(d), cols, classes
+        self.total = self.epoch_length = length
         self.train, self.seed, self.shuffle, self.split = train, seed, shuffle, split
         self._index = {c: i for i, c in enumerate(classes)}
-
-    def _count(self, world: int, rank: int) -> int:
-        if self.train:
-            return self.length // world
-        a, b = share(self.length, world, rank)
-        return b - a
 
     def _samples(self, epoch, rank, world, worker, workers) -> Iterator:
         from datasets.distributed import split_dataset_by_node

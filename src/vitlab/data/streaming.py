@@ -73,8 +73,9 @@ def worker_share(n: int, workers: int, worker: int, batch_size: int | None) -> t
 class Stream(IterableDataset):
     """The base of vitlab's streams: placement, epoch and position bookkeeping.
 
-    Subclasses implement ``_samples`` (this worker's raw samples of an epoch, in order), ``_decode`` (one raw
-    sample as an item) and ``_count`` (how many items a rank reads per epoch). An unreadable sample stops the
+    Subclasses set ``train``, ``total`` (the samples of one pass) and ``epoch_length`` (the samples of a training
+    epoch) and implement ``_samples`` (this worker's raw samples of an epoch, in order) and ``_decode`` (one raw
+    sample as an item). An unreadable sample stops the
     stream with a one-line DataError, or, with ``skip_bad``, is replaced by the previous readable one (so every
     rank still takes the same number of steps) and counted in one warning at the end of the worker's epoch."""
 
@@ -174,8 +175,13 @@ class Stream(IterableDataset):
         raise NotImplementedError
 
     def _count(self, world: int, rank: int) -> int:
-        """The items rank ``rank`` of ``world`` reads per epoch."""
-        raise NotImplementedError
+        """The items rank ``rank`` of ``world`` reads per epoch: in training an equal share of ``epoch_length``
+        (every rank takes the same number of steps); in evaluation its contiguous share of all ``total`` samples,
+        each read once."""
+        if self.train:
+            return self.epoch_length // world
+        a, b = share(self.total, world, rank)
+        return b - a
 
 
 class UnreadableSample(Exception):

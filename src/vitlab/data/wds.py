@@ -306,12 +306,6 @@ class ShardStream(Stream):
         self.shuffle, self.captions = int(shuffle) if train else 0, captions
         self._index = {c: i for i, c in enumerate(classes)}
 
-    def _count(self, world: int, rank: int) -> int:
-        if self.train:
-            return self.epoch_length // world
-        a, b = share(self.total, world, rank)
-        return b - a
-
     def _range(self, epoch: int, rank: int, world: int, worker: int, workers: int) -> tuple[int, int]:
         """The positions (in the endless sequence of passes) this worker reads."""
         n = self._count(world, rank)
