@@ -448,10 +448,9 @@ class BlockShape:
 
 def block_shape(model: nn.Module, training: bool = False) -> BlockShape:
     """Read :class:`BlockShape` from a vitlab ViT / DeiT; ValueError naming what is not covered otherwise."""
-    from vitlab.attention.block import Block
-    from vitlab.attention.msa import MultiHeadSelfAttention
-    from vitlab.layers.mlp import Mlp
-    from vitlab.models.vision_transformer import VisionTransformer
+    from vitlab.attention import Block, MultiHeadSelfAttention
+    from vitlab.layers import Mlp
+    from vitlab.models import VisionTransformer
 
     name = type(model).__name__
     if not isinstance(model, VisionTransformer):

@@ -63,7 +63,7 @@ def _hilo_recording(m: nn.Module, out: dict):
     outputs as (B, C, H, W) maps."""
     def hifi(qkv, H, W):
         o = type(m).hifi(m, qkv, H, W)
-        out["hifi"] = type(m)._place_hifi(None, o, H, W).permute(0, 3, 1, 2).detach()
+        out["hifi"] = m.place_hifi(None, o, H, W).permute(0, 3, 1, 2).detach()
         return o
 
     def lofi(x, q=None):

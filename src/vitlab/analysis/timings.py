@@ -126,12 +126,12 @@ def component_timings(blk: nn.Module, x: torch.Tensor, warmup: int = 10, runs: i
                       threads: int | None = 1) -> dict:
     """Table 1's rows (microseconds, median / p10 / p90) and the whole block for a ViT ``Block`` (msa) or a
     fused ``LevitBlock``, on input ``x`` (B, N, C). ``threads``: torch intra-op threads while timing."""
-    from vitlab.attention import Block
-    from vitlab.models.levit import LevitBlock
+    from vitlab.attention import Block, MultiHeadSelfAttention
+    from vitlab.models import LevitBlock
 
     blk = blk.eval()
     with torch.inference_mode(), _threads(threads):
-        if isinstance(blk, Block) and type(blk.attn).__name__ == "MultiHeadSelfAttention":
+        if isinstance(blk, Block) and type(blk.attn) is MultiHeadSelfAttention:
             fns = _vit_components(blk, x)
         elif isinstance(blk, LevitBlock):
             _check_levit_fused(blk)

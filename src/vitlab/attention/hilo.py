@@ -217,7 +217,7 @@ class HiLo(nn.Module):
         B, N, C = x.shape
         x = x.reshape(B, H, W, C)
         if self.l_heads == 0:
-            return self.proj_drop(self._place_hifi(None, self.hifi(self.h_qkv(x), H, W), H, W).reshape(B, N, C))
+            return self.proj_drop(self.place_hifi(None, self.hifi(self.h_qkv(x), H, W), H, W).reshape(B, N, C))
         if self.h_heads == 0:
             return self.proj_drop(self.lofi(x).reshape(B, N, C))
         if self.pooled_queries:
@@ -234,13 +234,14 @@ class HiLo(nn.Module):
         # several times slower than a strided copy on the CPU (and the Hi-Fi slice takes its window reverse).
         out = lo.new_empty(B, H, W, C)
         out[..., self.h_dim:] = lo
-        self._place_hifi(out[..., :self.h_dim], hi, H, W)
+        self.place_hifi(out[..., :self.h_dim], hi, H, W)
         return self.proj_drop(out.reshape(B, N, C))
 
     @staticmethod
-    def _place_hifi(dst: torch.Tensor | None, hi: torch.Tensor, H: int, W: int) -> torch.Tensor:
-        """Copy Hi-Fi's output, windowed (B, nh, s, nw, s, h_dim) or raster (B, H, W, h_dim), into ``dst``
-        (B, H, W, h_dim), cropping any padding; a new tensor when ``dst`` is None."""
+    def place_hifi(dst: torch.Tensor | None, hi: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        """Copy :meth:`hifi`'s output, windowed (B, nh, s, nw, s, h_dim) or raster (B, H, W, h_dim), into ``dst``
+        (B, H, W, h_dim), cropping any padding; a new tensor when ``dst`` is None. The Hi-Fi branch's output as a
+        map, for a caller that records it (the Hi-Fi spectra of the LITv2 supplementary, Pan et al., 2022, Fig. II)."""
         if hi.dim() == 4:  # raster order (an optimized Hi-Fi core, vitlab.optimize)
             return hi if dst is None else dst.copy_(hi)
         B, nh, s, nw, _, c = hi.shape

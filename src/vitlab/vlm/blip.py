@@ -44,8 +44,7 @@ import torch.nn.functional as F
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict, read_state_dict
 from vitlab.layers import Mlp, check_heads, checkpoint_seq, get_act_layer
 from vitlab.layers import attention_mask as sdpa_mask
-from vitlab.models.clip_vit import hf_act, hf_layernorm, hf_mlp_ratio
-from vitlab.models.llama import sample_next_token
+from vitlab.models import hf_act, hf_layernorm, hf_mlp_ratio, sample_next_token, set_grad_checkpointing
 from vitlab.registry import create_model
 
 HEADS = ("itc", "itm", "lm")
@@ -427,9 +426,7 @@ class BLIP(nn.Module):
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute the activations of the image encoder's blocks and the text layers in the backward pass."""
-        for m in self.modules():
-            if hasattr(m, "grad_checkpointing"):
-                m.grad_checkpointing = enable
+        set_grad_checkpointing(self, enable)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:

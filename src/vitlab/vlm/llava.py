@@ -35,8 +35,14 @@ import torch.nn.functional as F
 
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict, read_state_dict
 from vitlab.layers import get_act_layer
-from vitlab.models.clip_vit import clip_vision_transformer, convert_hf_clip_vision_state_dict, hf_act
-from vitlab.models.llama import Llama, llama_config_from_hf
+from vitlab.models import (
+    Llama,
+    clip_vision_transformer,
+    convert_hf_clip_vision_state_dict,
+    hf_act,
+    llama_config_from_hf,
+    set_grad_checkpointing,
+)
 from vitlab.registry import create_model, get_model_config
 
 HF_ARCHITECTURES = ("LlavaForConditionalGeneration", "llava")
@@ -221,9 +227,7 @@ class LLaVA(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute activations in the backward pass in every part that checkpoints its blocks (the image
         tower's; the language model's where it has the switch)."""
-        for m in self.modules():
-            if hasattr(m, "grad_checkpointing"):
-                m.grad_checkpointing = enable
+        set_grad_checkpointing(self, enable)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
