@@ -1,18 +1,30 @@
-"""Checkpoints that survive crashes.
+"""Checkpoints that survive crashes, copies and tied weights.
 
-A checkpoint is a directory ``RUN/checkpoints/epoch-NNNN/`` holding
+A checkpoint is a directory ``RUN/checkpoints/<name>/`` (``epoch-NNNN``, ``step-NNNNNNNN``) holding
 
 - ``model.safetensors``: the raw weights, with the model's description in the safetensors metadata (model name,
   kwargs, classes, input size, normalisation), so the file alone is enough for ``vitlab eval`` / ``predict``;
 - ``ema.safetensors``: the EMA weights (when EMA is on);
 - ``trainer.pt``: optimiser, scheduler, GradScaler, epoch, step, best metric and every RNG state (read back with
   ``torch.load(weights_only=True)``);
-- ``meta.json``: the same description plus the epoch's metrics and which weights (raw or EMA) are preferred.
+- ``meta.json``: the same description plus the epoch's metrics, the step, and which weights (raw or EMA) are
+  preferred.
 
-``RUN/last`` and ``RUN/best`` are relative symbolic links to such directories. A save writes everything into a
-temporary directory (each file fsynced), renames it into place, then swaps the link with ``os.replace`` (atomic on
-POSIX). A process killed at any moment leaves ``last`` pointing to a complete checkpoint: the previous one, or the
-new one once the link has been swapped. Orphaned temporary directories are removed by the next save.
+The run's own record of its checkpoints is ``RUN/checkpoints.json`` (``{"last": name, "best": name}``);
+``RUN/last`` and ``RUN/best`` are relative symbolic links to the same directories, for people and tools. A save
+writes everything into a temporary directory (each file fsynced), renames it into place, rewrites the record
+atomically (the commit), then swaps the links with ``os.replace`` and removes the checkpoints no longer kept. A
+process killed at any moment leaves the record naming a complete checkpoint: the previous one, or the new one once
+the record is written. Resuming reads the record, not the links, so a run directory copied with its links turned
+into directories (``shutil.copytree``, ``cp -rL``, a sync tool) resumes; without a record (a copy that lost it) the
+newest complete checkpoint by step is taken. Orphaned temporary directories are removed by the next save.
+
+Tied weights (an output head sharing the token embedding's matrix, as in BERT's and BLIP's text decoders, Li et
+al., 2022, Sec. 3.1, and Llama variants with ``tie_word_embeddings``) appear in ``state_dict()`` under two names
+for one tensor; safetensors stores no memory twice, so each tensor is written once under its first name and the
+other names are recorded in the file's metadata (``"tied": {alias: name}``). :func:`load_weights` puts them back;
+``safetensors.torch.load_model`` reads such a file too. Loading copies into the model's parameters, so a model
+built with the tie keeps it.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vitlab._io import _fsync_dir, atomic_write, make_temp_dir  # noqa: F401  (atomic_write: re-exported)
+from vitlab._io import _fsync_dir, atomic_write, make_temp_dir
 from vitlab.convert import CheckpointError, read_state_dict, unreadable
 
 WEIGHTS = "model.safetensors"
@@ -35,6 +47,8 @@ EMA_WEIGHTS = "ema.safetensors"
 TRAINER = "trainer.pt"
 META = "meta.json"
 CKPT_DIR = "checkpoints"
+RECORD = "checkpoints.json"
+LINKS = ("last", "best")
 
 
 # ---------------------------------------------------------------- atomic files
@@ -48,13 +62,28 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _atomic_symlink(link: Path, target: str) -> None:
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _point(link: Path, target: str) -> None:
+    """Make ``link`` a relative symbolic link to ``target`` with one ``os.replace`` (atomic on POSIX). A directory
+    in its place (a run copied with its links turned into directories) is moved aside first, removed after."""
+    for leftover in link.parent.glob(f".{link.name}.*.tmp"):  # of a process killed here before
+        _remove(leftover)
     tmp = link.parent / f".{link.name}.{os.getpid()}.tmp"
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
     os.symlink(target, tmp)
+    aside = None
+    if link.is_dir() and not link.is_symlink():
+        aside = make_temp_dir(link.parent, prefix=f".{link.name}.", suffix=".tmp")
+        os.replace(link, aside / link.name)
     os.replace(tmp, link)
     _fsync_dir(link.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- RNG states
@@ -85,42 +114,149 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ---------------------------------------------------------------- save
+# ---------------------------------------------------------------- tied tensors
 
 
-def _safetensors_bytes(state_dict: dict, meta: dict) -> bytes:
-    from safetensors.torch import save
+def untie(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(the tensors to write, each memory once; {alias: the name it is written under}). Names that hold the very
+    same view of one storage (tied parameters) become aliases of the first such name; a tensor that shares a
+    storage with another in another view (part of it) gets its own copy."""
+    first: dict[tuple, str] = {}
+    storages: set[tuple] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    for k, v in state_dict.items():
+        v = v.detach()
+        if v.numel() == 0 or v.device.type == "meta":
+            tensors[k] = v
+            continue
+        storage = (v.device, v.untyped_storage().data_ptr())
+        view = (*storage, v.storage_offset(), v.dtype, tuple(v.shape), v.stride())
+        if view in first:
+            tied[k] = first[view]
+            continue
+        first[view] = k
+        tensors[k] = v.clone() if storage in storages else v
+        storages.add(storage)
+    return tensors, tied
 
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    return save(tensors, metadata={"vitlab": json.dumps(meta)})
+
+def retie(state_dict: dict[str, torch.Tensor], tied: dict[str, str], source: str | Path = "checkpoint") -> dict:
+    """``state_dict`` with each alias of :func:`untie` back, holding the tensor of the name it aliases."""
+    lost = sorted(name for name in tied.values() if name not in state_dict)
+    if lost:
+        raise CheckpointError(f"{source} records tied weights of {lost[:4]}, which it does not hold")
+    return {**state_dict, **{alias: state_dict[name] for alias, name in tied.items()}}
 
 
-def _gc(ckpt_root: Path, keep: set[str], keep_last: int = 1) -> None:
-    """Remove checkpoint directories no link points to, but the ``keep_last`` newest, and temporary leftovers of
-    killed saves."""
-    if not ckpt_root.is_dir():
-        return
-    done = [p for p in ckpt_root.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    keep = keep | {p.name for p in sorted(done, key=lambda p: p.stat().st_mtime_ns)[-keep_last:]}
-    for p in ckpt_root.iterdir():
-        if p.name not in keep:
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+# ---------------------------------------------------------------- the record of a run's checkpoints
 
 
 def _link_target(link: Path) -> str | None:
     return Path(os.readlink(link)).name if link.is_symlink() else None
 
 
+def _record(run_dir: Path) -> dict[str, str]:
+    """{'last': name, 'best': name} of ``RUN/checkpoints.json``; a run saved before the record existed: the names
+    its links point to."""
+    try:
+        rec = json.loads((run_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        rec = None
+    if not isinstance(rec, dict):
+        rec = {ln: _link_target(run_dir / ln) for ln in LINKS}
+    return {k: v for k, v in rec.items() if k in LINKS and isinstance(v, str) and v and Path(v).name == v}
+
+
+def _complete(d: Path) -> bool:
+    return all((d / f).is_file() for f in (WEIGHTS, TRAINER, META))
+
+
+def _position(d: Path) -> tuple[int, int, int] | None:
+    """(step, epochs done, mtime) of complete checkpoint directory ``d``, from its meta.json; None otherwise."""
+    if not _complete(d):
+        return None
+    try:
+        meta = json.loads((d / META).read_text())
+        return int(meta.get("step", 0)), int(meta.get("epoch", 0)), (d / META).stat().st_mtime_ns
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoint directories under ``root``, oldest first (by step, then epoch)."""
+    if not root.is_dir():
+        return []
+    found = [(pos, p) for p in root.iterdir() if not p.name.startswith(".") and p.is_dir()
+             and (pos := _position(p)) is not None]
+    return [p for _, p in sorted(found)]
+
+
+def find_checkpoint(run_dir: str | Path, which: str = "last") -> Path | None:
+    """Run directory ``run_dir``'s ``which`` ('last' or 'best') checkpoint directory, or None: the one its record
+    names; else, for 'last', the newest complete one under ``checkpoints/``; else the ``which`` link or directory
+    of the run itself (a copy holding only that)."""
+    run_dir = Path(run_dir)
+    name = _record(run_dir).get(which)
+    if name and _complete(run_dir / CKPT_DIR / name):
+        return run_dir / CKPT_DIR / name
+    if which == "last":
+        done = _checkpoints(run_dir / CKPT_DIR)
+        if done:
+            return done[-1]
+    own = run_dir / which
+    return own.resolve() if _complete(own) else None
+
+
+def resume_checkpoint(run_dir: str | Path) -> Path:
+    """The checkpoint directory a resumed run continues from; one CheckpointError line when there is none."""
+    run_dir = Path(run_dir)
+    d = find_checkpoint(run_dir, "last")
+    if d is not None:
+        return d
+    root = run_dir / CKPT_DIR
+    partial = sorted(p for p in root.iterdir() if not p.name.startswith(".")) if root.is_dir() else []
+    if partial:
+        lacks = [f for f in (WEIGHTS, TRAINER, META) if not (partial[-1] / f).is_file()]
+        why = (f"{partial[-1]} lacks {', '.join(lacks)}" if lacks else f"{partial[-1] / META} is unreadable")
+    else:
+        why = f"{root} holds none" if root.is_dir() else f"no {CKPT_DIR}/ directory"
+    raise CheckpointError(f"{run_dir} has no complete checkpoint to resume from ({why})")
+
+
+# ---------------------------------------------------------------- save
+
+
+def _safetensors_bytes(state_dict: dict, meta: dict) -> bytes:
+    from safetensors.torch import save
+
+    tensors, tied = untie(state_dict)
+    metadata = {"vitlab": json.dumps(meta)}
+    if tied:
+        metadata["tied"] = json.dumps(tied)
+    return save({k: v.to("cpu").contiguous() for k, v in tensors.items()}, metadata=metadata)
+
+
+def _gc(root: Path, keep: set[str], keep_last: int = 1) -> None:
+    """Remove the checkpoint directories the record does not name, but the ``keep_last`` newest, and temporary
+    leftovers of killed saves."""
+    keep = keep | {p.name for p in _checkpoints(root)[-keep_last:]}
+    for p in root.iterdir():
+        if p.name not in keep:
+            _remove(p)
+
+
 def save_checkpoint(run_dir: str | Path, name: str, model_sd: dict, trainer_state: dict, meta: dict,
                     ema_sd: dict | None = None, links: tuple[str, ...] = ("last",),
                     extra_dirs: dict[str, Path] | None = None, keep_last: int = 1) -> Path:
-    """Write checkpoint ``checkpoints/<name>`` atomically and point each of ``links`` ('last', 'best') at it.
-    ``extra_dirs`` (name -> a finished directory on the same filesystem) are moved inside it before the commit.
-    Older checkpoints are removed but the ``keep_last`` newest (this one included) and those a link names."""
+    """Write checkpoint ``checkpoints/<name>`` atomically, record it as each of ``links`` ('last', 'best') and
+    point those links at it. ``extra_dirs`` (name -> a finished directory on the same filesystem) are moved inside
+    it before the commit. Older checkpoints are removed but the ``keep_last`` newest (this one included) and those
+    the record names. A directory ``name`` the record names is never replaced: the new one goes beside it."""
     run_dir = Path(run_dir)
     root = run_dir / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
-    final = root / name
+    record = _record(run_dir)
     tmp = make_temp_dir(root, prefix=f".{name}.", suffix=".tmp")
     try:
         _write_file(tmp / WEIGHTS, _safetensors_bytes(model_sd, meta))
@@ -133,21 +269,23 @@ def save_checkpoint(run_dir: str | Path, name: str, model_sd: dict, trainer_stat
         for sub, src in (extra_dirs or {}).items():
             os.replace(src, tmp / sub)
         _fsync_dir(tmp)
-        if final.exists():  # a directory of that name that no link names (a save killed before its link swap)
-            in_use = {_link_target(run_dir / ln) for ln in ("last", "best")}
-            if name in in_use:
-                old = root / f".{name}.old.{os.getpid()}"
-                os.replace(final, old)
-            else:
-                shutil.rmtree(final)
+        final, n = root / name, 1
+        while final.exists() and final.name in record.values():
+            n += 1
+            final = root / f"{name}.{n}"
+        if final.exists():  # a directory the record does not name: a save killed before its commit
+            _remove(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for ln in links:
-        _atomic_symlink(run_dir / ln, f"{CKPT_DIR}/{name}")
-    _gc(root, {t for t in (_link_target(run_dir / ln) for ln in ("last", "best")) if t}, keep_last)
+    record.update({ln: final.name for ln in links})
+    atomic_write(run_dir / RECORD, json.dumps(record, indent=2).encode())  # the commit
+    for ln in record:
+        if _link_target(run_dir / ln) != record[ln]:
+            _point(run_dir / ln, f"{CKPT_DIR}/{record[ln]}")
+    _gc(root, set(record.values()), keep_last)
     return final
 
 
@@ -161,25 +299,44 @@ def resolve_checkpoint_dir(path: str | Path, prefer: str = "best") -> Path:
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.is_file():
         return path.parent
-    for ln in (prefer, "last" if prefer == "best" else "best"):
-        if (path / ln).exists():
-            return (path / ln).resolve()
+    for which in (prefer, "last" if prefer == "best" else "best"):
+        d = find_checkpoint(path, which)
+        if d is not None:
+            return d
     if (path / WEIGHTS).is_file():
         return path
     raise CheckpointError(f"{path} holds no checkpoint (expected {WEIGHTS}, or a run directory with 'best' or "
                           f"'last')")
 
 
-def read_meta(weights_path: str | Path) -> dict:
-    """The model description stored in a ``model.safetensors`` written by vitlab (empty for foreign files)."""
+def _metadata(weights_path: str | Path) -> dict[str, str]:
     from safetensors import safe_open
 
     try:
         with safe_open(str(weights_path), framework="pt") as f:
-            meta = f.metadata() or {}
+            return f.metadata() or {}
     except Exception as e:  # the safetensors reader's own error types
         raise unreadable(weights_path, e) from None
-    return json.loads(meta["vitlab"]) if "vitlab" in meta else {}
+
+
+def _json(path: Path, text: str, what: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise CheckpointError(f"cannot read {what} of {path}: it is not valid JSON (truncated or corrupt)") from None
+
+
+def read_meta(weights_path: str | Path) -> dict:
+    """The model description stored in a ``model.safetensors`` written by vitlab (empty for foreign files)."""
+    meta = _metadata(weights_path)
+    return _json(Path(weights_path), meta["vitlab"], "the description") if "vitlab" in meta else {}
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict of a ``.safetensors`` file, tied names included (see :func:`untie`)."""
+    sd = read_state_dict(path)
+    tied = _metadata(path).get("tied")
+    return retie(sd, _json(Path(path), tied, "the tied weights"), path) if tied else sd
 
 
 def load_weights(path: str | Path, weights: str = "auto") -> tuple[dict, dict]:
@@ -193,7 +350,7 @@ def load_weights(path: str | Path, weights: str = "auto") -> tuple[dict, dict]:
                               f"or a .safetensors file written by vitlab train)")
     else:
         d = resolve_checkpoint_dir(path)
-        meta = json.loads((d / META).read_text()) if (d / META).is_file() else {}
+        meta = _json(d / META, (d / META).read_text(), "the description") if (d / META).is_file() else {}
         choice = meta.get("preferred_weights", "raw") if weights == "auto" else weights
         file = d / (EMA_WEIGHTS if choice == "ema" else WEIGHTS)
         if not file.is_file():
@@ -201,7 +358,7 @@ def load_weights(path: str | Path, weights: str = "auto") -> tuple[dict, dict]:
     meta = read_meta(file)
     if not meta.get("model"):
         raise CheckpointError(f"{file} was not written by vitlab train (no model description in its metadata)")
-    return read_state_dict(file), meta
+    return read_weights(file), meta
 
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict:

@@ -39,7 +39,6 @@ import torch
 import torch.nn as nn
 
 from vitlab._console import metric_text
-from vitlab.convert import CheckpointError
 from vitlab.data import DataConfig
 from vitlab.train import checkpoint as ck
 from vitlab.train.callbacks import Callback, Callbacks
@@ -152,8 +151,7 @@ class Trainer:
             run_dir = Path(cfg.resume)
             if not run_dir.is_dir():
                 raise FileNotFoundError(f"run directory to resume not found: {run_dir}")
-            if not (run_dir / "last").exists():
-                raise CheckpointError(f"{run_dir} has no 'last' checkpoint to resume from")
+            ck.resume_checkpoint(run_dir)  # one line when it holds no checkpoint to resume from
         else:
             run_dir = Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg)
             if (run_dir / "last").exists():
@@ -247,7 +245,7 @@ class Trainer:
     def resume(self) -> dict | None:
         """Restore everything from the run's ``last`` checkpoint; returns this rank's RNG state to restore."""
         cfg, st = self.cfg, self.strategy
-        last = ck.resolve_checkpoint_dir(self.run_dir, prefer="last")
+        last = ck.resume_checkpoint(self.run_dir)
         state = ck.load_trainer_state(last)
         st.load(last, self.task.module, self.optimizer, state, self._load_split,
                 self.ema.module if self.ema is not None else None)
@@ -545,10 +543,11 @@ class Trainer:
                 is_best = True
                 self.best = {"monitor": value, "epoch": epoch + 1, "weights": which}
         self.metrics.append(row)
+        if st.is_main:  # before the checkpoint: a run killed between the two resumes before this row, drops it
+            self._write_metrics()
         self.save(epoch + 1, row, is_best)
         self.epoch_steps = 0
         if st.is_main:
-            self._write_metrics()
             if f"val_{mon}" in row:
                 curves = ck.atomic_write(run_dir / "curves.png",
                                          curves_png([m for m in self.metrics if f"val_{mon}" in m], mon))
