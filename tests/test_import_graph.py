@@ -6,6 +6,7 @@ The graph is read with ``ast`` from the source, then every module is imported fo
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -22,6 +23,11 @@ def _module_name(path: Path) -> str:
 
 def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+@functools.cache
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -41,7 +47,7 @@ def _dotted(node: ast.expr) -> str | None:
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The vitlab modules ``name`` imports (anywhere in the file but under ``if TYPE_CHECKING:``)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parse(path)
     is_pkg = path.name == "__init__.py"
     out: set[str] = set()
 
@@ -226,7 +232,7 @@ def _private(dotted: str) -> bool:
 def private_uses(name: str, path: Path) -> set[str]:
     """``name -> vitlab.x.y._z`` for every private module or member of another vitlab package that ``name``
     imports or reaches as an attribute of an imported name (``HiLo._place_hifi``, ``vitlab.models._base.X``)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parse(path)
     own = _package(name)
     is_pkg = path.name == "__init__.py"
     bound: dict[str, str] = {}  # local name -> the vitlab name it was imported as
