@@ -231,7 +231,7 @@ def _private(dotted: str) -> bool:
 
 def private_uses(name: str, path: Path) -> set[str]:
     """``name -> vitlab.x.y._z`` for every private module or member of another vitlab package that ``name``
-    imports or reaches as an attribute of an imported name (``HiLo._place_hifi``, ``vitlab.models._base.X``)."""
+    imports or reaches as an attribute of an imported name (``HiLo._forward``, ``vitlab.models._base.X``)."""
     tree = _parse(path)
     own = _package(name)
     is_pkg = path.name == "__init__.py"
@@ -281,9 +281,9 @@ def test_private_names_stay_in_their_package(tmp_path):
     src.write_text("import vitlab\nfrom vitlab import _io\nfrom vitlab._io import atomic_write, _fsync_dir\n"
                    "from vitlab.attention.hilo import HiLo\nfrom vitlab.models._base import TokenModel\n"
                    "from vitlab.analysis._common import pick\nfrom . import _common\n"
-                   "HiLo._place_hifi, HiLo.hifi, HiLo.__name__, vitlab.optimize._core.x, _io.atomic_write\n")
+                   "HiLo._forward, HiLo.hifi, HiLo.__name__, vitlab.optimize._core.x, _io.atomic_write\n")
     assert private_uses("vitlab.analysis.m", src) == {f"vitlab.analysis.m -> {u}" for u in (
-        "vitlab._io._fsync_dir", "vitlab.attention.hilo.HiLo._place_hifi", "vitlab.models._base.TokenModel",
+        "vitlab._io._fsync_dir", "vitlab.attention.hilo.HiLo._forward", "vitlab.models._base.TokenModel",
         "vitlab.optimize._core.x")}
     found = set().union(*(private_uses(n, p) for n, p in _modules().items()))
     assert not found - PRIVATE_USES_TO_MOVE, "use (or make) a public name of the other package:\n" + "\n".join(
