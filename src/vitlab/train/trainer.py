@@ -154,7 +154,7 @@ class Trainer:
             ck.resume_checkpoint(run_dir)  # one line when it holds no checkpoint to resume from
         else:
             run_dir = Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg)
-            if (run_dir / "last").exists():
+            if ck.find_checkpoint(run_dir) is not None:
                 raise ValueError(f"{run_dir} already holds a run; pass --resume {run_dir} to continue it, or choose "
                                  f"another --output-dir")
         return self.strategy.broadcast_path(run_dir)
@@ -443,7 +443,7 @@ class Trainer:
         try:
             return self._train(rng_to_restore)
         except BaseException:
-            if made and not (run_dir / "last").exists():
+            if made and ck.find_checkpoint(run_dir) is None:
                 shutil.rmtree(made[0], ignore_errors=True)
                 for parent in made[1:]:  # e.g. runs/, unless another run has appeared in it meanwhile
                     try:
