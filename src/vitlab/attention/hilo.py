@@ -208,12 +208,14 @@ class HiLo(nn.Module):
         """x (B, N, C) tokens of the hw = (H, W) grid -> (B, N, C); with ``return_attn=True`` also the attention
         weights (B, heads, N, N) of :meth:`attention_weights`."""
         H, W = grid_size(x, hw, "hilo")
-        out = self._forward(x, H, W)
+        out = self.forward_grid(x, H, W)
         if not return_attn:
             return out
         return out, self.attention_weights(x.reshape(x.shape[0], H, W, -1), H, W)
 
-    def _forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+    def forward_grid(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        """x (B, N, C) tokens of an H x W grid -> (B, N, C): :meth:`forward` without the attention weights, the
+        method a faster implementation of the same arithmetic overrides (:mod:`vitlab.optimize.hilo`)."""
         B, N, C = x.shape
         x = x.reshape(B, H, W, C)
         if self.l_heads == 0:

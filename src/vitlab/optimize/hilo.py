@@ -59,7 +59,7 @@ class KernelHiLo(Fp32WindowHiLo):
 
     def hifi(self, qkv: torch.Tensor, H: int, W: int) -> torch.Tensor:
         if kernels.window_supported(self.head_dim, self.ws) and not self._dropout() and _plain_fp32_cpu(qkv):
-            # raster (B, H, W, h_dim), which HiLo._place_hifi copies as it is
+            # raster (B, H, W, h_dim), which HiLo.place_hifi copies as it is
             o = torch.ops.vitlab_hilo.window_attention(qkv, self.ws, self.h_heads, self.head_dim**-0.5,
                                                        kernels.isa_code())
             return self.h_proj(o)
@@ -97,13 +97,13 @@ class KernelHiLo(Fp32WindowHiLo):
         o = self._lofi_attention(x, self.l_q(x) if q is None else q)
         return self.l_proj(o).reshape(B, H, W, self.l_dim)
 
-    def _forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+    def forward_grid(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
         # Both branches in fp32 inference: as HiLo.forward, with each output projection written by one addmm
         # straight into its channel slice of the output (no projected temporaries, no slice copies).
         if (self.training or self.pooled_queries or not self.l_heads or not self.h_heads or self.h_proj.bias is None
                 or torch.compiler.is_compiling() or not kernels.window_supported(self.head_dim, self.ws)
                 or not self._fast(x)):
-            return super()._forward(x, H, W)
+            return super().forward_grid(x, H, W)
         B, N, C = x.shape
         x = x.reshape(B, H, W, C)
         w = torch.cat((self.h_qkv.weight, self.l_q.weight))  # one projection for Hi-Fi q, k, v and Lo-Fi q
