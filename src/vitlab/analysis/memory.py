@@ -50,7 +50,7 @@
 
   What it leaves out: logits and loss (B x classes), the attention kernels' per-thread scratch, LayerNorm
   statistics at inference (each under 1% at the sizes in docs/analysis.md), and the code pages and kernel
-  state a first forward maps (a constant 15-20 MB on the CPU there). :func:`measure_memory` reports the
+  state a first forward maps (a constant of a few tens of MB on the CPU). :func:`measure_memory` reports the
   allocator-independent peak of live tensor storage as well (``tensor_peak_gb``, tracked op by op), so a
   difference from the resident-set peak splits into formula error and allocator / library overhead.
 * Every other family (Swin, CaiT, PVT, LITv2, LeViT, MobileViT, EfficientFormer, HaLViT, ...) mixes

@@ -71,7 +71,7 @@ def expand_heads(mask: torch.Tensor, heads: int) -> torch.Tensor:
     """(nW, ..., L, S) per-window mask -> (1, nW * heads, L, S) matching the ``(B, nW * heads, L, d)`` layout.
 
     4-D with a batch dimension of 1 on purpose: ``scaled_dot_product_attention``'s fused CPU kernel takes a mask
-    that broadcasts over the batch only in 4-D (a 3-D mask sends it to the unfused math path, ~4x slower)."""
+    that broadcasts over the batch only in 4-D (a 3-D mask sends it to the unfused math path)."""
     nW = mask.shape[0]
     mask = mask.reshape(nW, -1, *mask.shape[-2:])  # (nW, 1 or heads, L or 1, S)
     return mask.expand(nW, heads, *mask.shape[-2:]).reshape(1, nW * heads, *mask.shape[-2:])

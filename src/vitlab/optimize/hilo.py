@@ -45,7 +45,7 @@ def _plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
 
 
 # Whether the Lo-Fi kernel beats SDPA, by ISA path (benchmarks/hilo_cpu.py, docs/benchmarks.md): with AVX-512
-# it takes ~0.8x SDPA's time; on the AVX2 path ATen's SDPA (MKL GEMMs) is faster, so Lo-Fi keeps SDPA there.
+# it is faster; on the AVX2 path ATen's SDPA (MKL GEMMs) is, so Lo-Fi keeps SDPA there.
 _LOFI = {512: True, 2: False, 0: False}
 
 
