@@ -122,18 +122,28 @@ def test_corrupt_coco_image_is_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_loss_only_on_answers_equals_the_models_labelled_loss():
-    tok = WordTokenizer.from_texts(["user : how many cats are there assistant : 2"])
-    seqs = Sequences(tok, 16, instruct=True)
-    ids, labels = seqs.padded([("how many cats are there", "2")])
+@pytest.mark.parametrize("after", [False, True])
+def test_loss_only_on_answers_equals_the_models_labelled_loss(after):
+    tok = WordTokenizer.from_texts(["user : how many cats are there assistant : 2 is there a cat yes"])
+    seqs = Sequences(tok, 24, instruct=True, image_after_question=after)
+    turns = [("how many cats are there", "2"), ("is there a cat", "yes")]
+    ids, labels = seqs.padded(turns)
     scored = [int(i) for i, lab in zip(ids, labels, strict=True) if lab != IGNORE]
-    assert tok.decode(scored) == "2" and scored[-1] == tok.eos_id
+    assert [tok.decode(scored[:2]), tok.decode(scored[2:])] == ["2", "yes"] and scored[-1] == tok.eos_id
+    # one placeholder, after the first question or right after <s>; a prompt is the start of its conversation
+    pos = ids.tolist().index(tok.image_id)
+    assert (pos > 2) == after and (ids == tok.image_id).sum() == 1
+    assert seqs.prompt(turns[0][0]) == seqs.encode(turns[:1])[0][:-2]
+    assert seqs.prompt(turns[1][0], turns[:1]) == seqs.encode(turns)[0][:-2]
     model = vitlab.create_model("llava_scenes", vocab_size=tok.vocab_size, image_token_id=tok.image_id,
-                                max_seq_len=16, vision_depth=1, text_n_layers=1)
-    x = torch.randn(1, 3, 64, 64)
-    out = model(ids[None], x, labels=labels[None])
-    loss, stats = answer_loss(out.logits, labels[None])
-    assert torch.allclose(loss, out.loss) and stats["tokens"] == 2
+                                max_seq_len=24, vision_depth=1, text_n_layers=1)
+    x = torch.randn(2, 3, 64, 64)
+    # rows with the placeholder in different places: the loss aligns each row's labels past its image
+    other, other_labels = Sequences(tok, 24, instruct=True, image_after_question=not after).padded(turns)
+    ids2, labels2 = torch.stack([ids, other]), torch.stack([labels, other_labels])
+    out = model(ids2, x, labels=labels2)
+    loss, stats = answer_loss(out.logits, labels2, (ids2 == tok.image_id).int().argmax(1))
+    assert torch.allclose(loss, out.loss) and stats["tokens"] == 8
 
 
 @pytest.mark.parametrize("stage, trained", [(0, {"vision_tower", "projector", "language_model"}),

@@ -245,13 +245,18 @@ SCENE_SIZE = 64
 SCENE_SPLITS = {"train": 4000, "val": 200, "test": 400}
 QUESTION_KINDS = ("count", "presence", "position", "class")
 
-# {obj}: a class, {plural}: a plural ("horses", "objects"), {a}/{b}: classes, {cell}: a corner
+# {obj}: a class, {plural}: a plural ("horses", "objects"), {a}/{b}: classes, {cell}: a corner. Several phrasings
+# of each kind, of different lengths, so a model learns what a question asks rather than where its words stand
 QUESTION_TEMPLATES = {
-    "count": ("how many {plural} are there", "how many {plural} can you see",
-              "how many {plural} are in the picture"),
-    "presence": ("is there a {obj}", "is there a {obj} in the picture", "can you see a {obj}"),
-    "position": ("where is the {a} relative to the {b}", "where is the {a} compared to the {b}"),
-    "class": ("what is in the {cell}", "what object is in the {cell}", "which object is in the {cell}"),
+    "count": ("how many {plural} are there", "how many {plural} can you see", "how many {plural} are in the picture",
+              "how many {plural} does the picture show", "what is the number of {plural}", "count the {plural}"),
+    "presence": ("is there a {obj}", "is there a {obj} in the picture", "can you see a {obj}",
+                 "does the picture show a {obj}", "is a {obj} present", "is any {obj} visible"),
+    "position": ("where is the {a} relative to the {b}", "where is the {a} compared to the {b}",
+                 "where is the {a} in relation to the {b}", "where does the {a} lie relative to the {b}",
+                 "where is the {a} placed relative to the {b}", "where is the {a} as seen from the {b}"),
+    "class": ("what is in the {cell}", "what object is in the {cell}", "which object is in the {cell}",
+              "what is shown in the {cell}", "what lies in the {cell}", "name the object in the {cell}"),
 }
 HELD_OUT_QUESTIONS = {
     "count": ("how many {plural} do you see",),

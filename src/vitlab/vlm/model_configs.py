@@ -104,7 +104,7 @@ def llava15_7b(**kwargs) -> LLaVA:
     """LLaVA-1.5-7B: CLIP ViT-L/14-336 (block -2, no [CLS]: 576 image tokens) -> MLP 1024 -> 4096 -> 4096 ->
     Llama-2-7B (vocabulary 32064: Llama's 32000, ``<image>`` 32000 and padding 32001, as llava-hf's release)."""
     return build_llava(_CLIP_L14_336, "llama2_7b", language_kwargs={"vocab_size": 32064, "pad_token_id": 32001},
-                       image_token_id=32000, **kwargs)
+                       **{"image_token_id": 32000, **kwargs})
 
 
 # the tiny LLaVA of the tests: a 3-block CLIP ViT of width 48 (32 x 32, 8 x 8 patches: 16 image tokens) and a
@@ -117,7 +117,7 @@ _TINY_LLAMA = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, 
 @register_model(config=_llava_cfg(input_size=(3, 32, 32)))
 def llava_tiny(**kwargs) -> LLaVA:
     """A tiny LLaVA for tests."""
-    return build_llava(_TINY_CLIP, "llama_tiny", language_kwargs=_TINY_LLAMA, image_token_id=110, **kwargs)
+    return build_llava(_TINY_CLIP, "llama_tiny", language_kwargs=_TINY_LLAMA, **{"image_token_id": 110, **kwargs})
 
 
 # the scenes demo, trained from scratch on 64 x 64 images: a 4-block CLIP-style ViT of width 128 (8 x 8 patches: 64

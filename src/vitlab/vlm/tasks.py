@@ -79,6 +79,7 @@ class VLArgs:
     scenes_eval: int | None = None     # scenes: validation and test scenes (None: 200 and 400)
     scenes_turns: int = 4              # scenes (vqa): questions per training conversation, of different kinds
     language_lr_scale: float = 0.1     # the language model's learning rate relative to the image side's
+    image_after_question: bool = True  # vqa: the first question before the image (user : Q <image> assistant :)
 
 
 # ---------------------------------------------------------------- tokens
@@ -123,26 +124,41 @@ class WordTokenizer:
 
 class Sequences:
     """Token ids of the instruction format: ``<s> <image> [user : Q assistant :] A </s>`` with labels on the
-    answers (and their end tokens) only; ``<image>`` is one token the model replaces by the image's."""
+    answers (and their end tokens) only; ``<image>`` is one token the model replaces by the image's. With
+    ``image_after_question`` the first question comes before the image, ``<s> user : Q <image> assistant : A
+    </s>``: under causal attention the image's tokens then read the question (which objects it names) in every
+    decoder layer, and the answer sits a fixed distance after them, so rotary positions tell it which image token
+    is which cell -- LLaVA's instruction data places the image before or after the instruction alike (Liu et al.,
+    2023, Sec. 3)."""
 
-    def __init__(self, tokenizer: WordTokenizer, context_length: int, instruct: bool):
+    def __init__(self, tokenizer: WordTokenizer, context_length: int, instruct: bool,
+                 image_after_question: bool = False):
         self.tok, self.length, self.instruct = tokenizer, context_length, instruct
+        self.image_last = instruct and image_after_question
         self.bos, self.eos, self.image_id = tokenizer.bos_id, tokenizer.eos_id, tokenizer.image_id
 
-    def prompt(self, question: str | None = None) -> list[int]:
-        ids = [self.bos, self.image_id]
-        if self.instruct:
-            ids += self.tok.encode(f"user : {question} assistant :")
-        return ids
+    def _question(self, q: str | None, first: bool) -> list[int]:
+        if not self.instruct:
+            return []
+        if first and self.image_last:
+            return [*self.tok.encode(f"user : {q}"), self.image_id, *self.tok.encode("assistant :")]
+        return self.tok.encode(f"user : {q} assistant :")
+
+    def _start(self) -> list[int]:
+        return [self.bos] if self.image_last else [self.bos, self.image_id]
+
+    def prompt(self, question: str | None = None, history: list[tuple[str, str]] = ()) -> list[int]:
+        """The ids that ask ``question`` after the answered turns ``history``."""
+        ids = self.encode(history)[0] if history else self._start()
+        return ids + self._question(question, not history)
 
     def encode(self, turns: list[tuple[str | None, str]]) -> tuple[list[int], list[int]]:
-        ids, labels = [self.bos, self.image_id], [IGNORE, IGNORE]
-        for q, a in turns:
-            if self.instruct:
-                p = self.tok.encode(f"user : {q} assistant :")
-                ids, labels = ids + p, labels + [IGNORE] * len(p)
+        ids = self._start()
+        labels = [IGNORE] * len(ids)
+        for j, (q, a) in enumerate(turns):
+            p = self._question(q, j == 0)
             t = self.tok.encode(a) + [self.eos]
-            ids, labels = ids + t, labels + t
+            ids, labels = ids + p + t, labels + [IGNORE] * len(p) + t
         return ids, labels
 
     def padded(self, turns) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,13 +260,18 @@ def _logits(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def answer_loss(logits: torch.Tensor, labels: torch.Tensor, image_pos: int = 1) -> tuple[torch.Tensor, dict]:
+def answer_loss(logits: torch.Tensor, labels: torch.Tensor,
+                image_pos: int | torch.Tensor = 1) -> tuple[torch.Tensor, dict]:
     """Cross-entropy of next-token ``logits`` on the labelled tokens. A model that widens the placeholder into
-    the image's tokens returns more positions than ``labels`` has: they are aligned by skipping the image's."""
+    the image's tokens returns more positions than ``labels`` has: they are aligned by skipping the image's
+    (``image_pos``: the placeholder's index, one for all rows or one per row)."""
     extra = logits.shape[1] - labels.shape[1]
     if extra:
-        pad = labels.new_full((labels.shape[0], extra), IGNORE)
-        labels = torch.cat([labels[:, :image_pos], pad, labels[:, image_pos:]], dim=1)
+        b, n = labels.shape
+        pos = torch.as_tensor(image_pos, device=labels.device).expand(b)
+        idx = torch.arange(n, device=labels.device).expand(b, n)
+        idx = idx + extra * (idx > pos[:, None])  # tokens after the placeholder move past the image's
+        labels = labels.new_full((b, n + extra), IGNORE).scatter(1, idx, labels)
     logits, target = logits[:, :-1], labels[:, 1:]
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=IGNORE)
     mask = target != IGNORE
@@ -350,7 +371,7 @@ class _VLTask(_ScoredTask):
         self.splits = read_splits(cfg.data, kind, a.scenes_train, a.scenes_eval)
         texts = self.splits.texts() + (scenes_vocabulary() if cfg.data.name == "scenes" else [])
         self.tokenizer = build_tokenizer(texts)
-        probe = Sequences(self.tokenizer, 10 ** 6, self.instruct)
+        probe = Sequences(self.tokenizer, 10 ** 6, self.instruct, a.image_after_question)
         longest = max(len(probe.encode(s.turns or [(None, r) for r in s.refs])[0])
                       for s in self.splits.train + self.splits.val)
         if cfg.data.name == "scenes":  # every template's longest question or caption, the held-out ones too
@@ -359,7 +380,7 @@ class _VLTask(_ScoredTask):
             longest = max(longest, 2 + a.scenes_turns * turn) if self.instruct \
                 else max(longest, *(len(probe.encode([(None, c)])[0]) for c in t["caption"]))
         context = a.context_length or longest
-        self.seqs = Sequences(self.tokenizer, context, self.instruct)
+        self.seqs = Sequences(self.tokenizer, context, self.instruct, a.image_after_question)
         mean, std = channel_stats(mcfg.mean, 3), channel_stats(mcfg.std, 3)
         tf = eval_transform(img_size, crop_pct=1.0, mean=mean, std=std)
         sp = self.splits
@@ -402,12 +423,15 @@ class _VLTask(_ScoredTask):
     def training_step(self, batch, forward) -> tuple[torch.Tensor, dict]:
         x, ids, labels = self._batch(batch)
         # right padding under causal attention: no real token attends to a pad, so no mask is needed
-        loss, _ = answer_loss(_logits(forward(ids, x)), labels)
+        loss, _ = answer_loss(_logits(forward(ids, x)), labels, self._image_pos(ids))
         return loss, {}
+
+    def _image_pos(self, ids: torch.Tensor) -> torch.Tensor:
+        return (ids == self.seqs.image_id).int().argmax(1)
 
     def validation_step(self, batch, forward) -> dict[str, torch.Tensor]:
         x, ids, labels = self._batch(batch)
-        loss, s = answer_loss(_logits(forward(ids, x)), labels)
+        loss, s = answer_loss(_logits(forward(ids, x)), labels, self._image_pos(ids))
         return {"loss": (loss.detach() * s["tokens"]).double().cpu(), **{k: v.double().cpu() for k, v in s.items()},
                 "n": torch.tensor(float(ids.shape[0]), dtype=torch.float64)}
 
@@ -430,7 +454,9 @@ class _VLTask(_ScoredTask):
 
     def _record_seqs(self, record: RunRecord) -> Sequences:
         tok = WordTokenizer(record.extra["tokenizer"]["words"])
-        return Sequences(tok, record.extra["context_length"], self.instruct)
+        # a record written before the image could follow the question keeps it first
+        return Sequences(tok, record.extra["context_length"], self.instruct,
+                         bool(record.task_args.get("image_after_question", False)))
 
     def _transform(self, record: RunRecord):
         return eval_transform(record.img_size, crop_pct=1.0, mean=record.mean, std=record.std)
@@ -558,10 +584,7 @@ class VQATask(_VLTask):
         seqs = self._record_seqs(record)
         x = self._images(record, splits, split, samples)
         # a conversation is scored on its last answer, its earlier turns given
-        prompts = []
-        for s in samples:
-            ids, _ = seqs.encode(s.turns[:-1]) if len(s.turns) > 1 else ([seqs.bos, seqs.image_id], None)
-            prompts.append(ids + seqs.prompt(s.turns[-1][0])[2:])
+        prompts = [seqs.prompt(s.turns[-1][0], s.turns[:-1]) for s in samples]
         outs = self.generate(model, record, x, prompts, batch_size, device)
         r = vqa_accuracy(outs, [s.refs for s in samples], [s.kind or "all" for s in samples])
         return {"accuracy": r.pop("overall"), **r, "questions": len(samples),
