@@ -215,7 +215,7 @@ def resume_checkpoint(run_dir: str | Path) -> Path:
     if d is not None:
         return d
     root = run_dir / CKPT_DIR
-    partial = sorted(p for p in root.iterdir() if not p.name.startswith(".")) if root.is_dir() else []
+    partial = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
     if partial:
         lacks = [f for f in (WEIGHTS, TRAINER, META) if not (partial[-1] / f).is_file()]
         why = (f"{partial[-1]} lacks {', '.join(lacks)}" if lacks else f"{partial[-1] / META} is unreadable")
