@@ -44,15 +44,31 @@ def unreadable(path: str | os.PathLike, e: Exception, what: str = "checkpoint") 
                            f"({type(e).__name__}{': ' + first if first else ''})")
 
 
+def retie(state_dict: dict[str, torch.Tensor], tied: dict[str, str], source: str | os.PathLike = "checkpoint"
+          ) -> dict[str, torch.Tensor]:
+    """``state_dict`` with each alias of a tied tensor back (``{alias: name}``, as vitlab's checkpoints record the
+    names they write once in the file's ``"tied"`` metadata), holding the tensor of the name it aliases."""
+    lost = sorted(name for name in tied.values() if name not in state_dict)
+    if lost:
+        raise CheckpointError(f"{source} records tied weights of {lost[:4]}, which it does not hold")
+    return {**state_dict, **{alias: state_dict[name] for alias, name in tied.items()}}
+
+
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file (tied names put back) or of a ``weights_only`` torch file (the
+    state dict inside a container such as ``{"model": ...}``, a ``module.`` / ``_orig_mod.`` prefix removed)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    tied = {}
     try:
         if path.suffix == ".safetensors":
+            from safetensors import safe_open
             from safetensors.torch import load_file
 
             sd = load_file(str(path))
+            with safe_open(str(path), framework="pt") as f:
+                tied = json.loads((f.metadata() or {}).get("tied", "{}"))
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a corrupt or foreign file: say which, not a deep traceback
@@ -66,7 +82,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     for prefix in _STRIP_PREFIXES:
         if sd and all(k.startswith(prefix) for k in sd):
             sd = {k[len(prefix):]: v for k, v in sd.items()}
-    return sd
+    return retie(sd, tied, path) if tied else sd
 
 
 def _drop_mismatched_head(sd: dict, model: nn.Module) -> dict:

@@ -74,6 +74,17 @@ def test_ema_update_with_and_without_warmup():
     assert not any(p.requires_grad for p in ema.module.parameters())
 
 
+def test_ema_moves_a_tied_tensor_once():
+    model = torch.nn.Sequential(torch.nn.Embedding(3, 2), torch.nn.Linear(2, 3, bias=False))
+    model[1].weight = model[0].weight  # an output head tied to the embedding: one tensor, two state-dict names
+    torch.nn.init.zeros_(model[0].weight)
+    ema = ModelEma(model, decay=0.5, warmup=False)
+    assert ema.module[1].weight is ema.module[0].weight
+    model[0].weight.data.fill_(1.0)
+    ema.update(model)
+    assert ema.module[0].weight[0, 0].item() == pytest.approx(0.5)  # not 0.75 (two steps of 0.5)
+
+
 def test_label_smoothing_and_mixup_soft_targets():
     y = torch.tensor([0, 2])
     t = smooth_targets(y, 4, 0.1)

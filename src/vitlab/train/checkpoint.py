@@ -22,7 +22,8 @@ newest complete checkpoint by step is taken. Orphaned temporary directories are 
 Tied weights (an output head sharing the token embedding's matrix, as in BERT's and BLIP's text decoders, Li et
 al., 2022, Sec. 3.1, and Llama variants with ``tie_word_embeddings``) appear in ``state_dict()`` under two names
 for one tensor; safetensors stores no memory twice, so each tensor is written once under its first name and the
-other names are recorded in the file's metadata (``"tied": {alias: name}``). :func:`load_weights` puts them back;
+other names are recorded in the file's metadata (``"tied": {alias: name}``). Reading puts them back
+(:func:`vitlab.convert.read_state_dict`, behind :func:`load_weights` and ``create_model(checkpoint_path=)``);
 ``safetensors.torch.load_model`` reads such a file too. Loading copies into the model's parameters, so a model
 built with the tie keeps it.
 """
@@ -39,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vitlab._io import _fsync_dir, atomic_write, make_temp_dir
+from vitlab._io import atomic_write, fsync_dir, make_temp_dir
 from vitlab.convert import CheckpointError, read_state_dict, unreadable
 
 WEIGHTS = "model.safetensors"
@@ -81,7 +82,7 @@ def _point(link: Path, target: str) -> None:
         aside = make_temp_dir(link.parent, prefix=f".{link.name}.", suffix=".tmp")
         os.replace(link, aside / link.name)
     os.replace(tmp, link)
-    _fsync_dir(link.parent)
+    fsync_dir(link.parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -140,13 +141,6 @@ def untie(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
         storages.add(storage)
     return tensors, tied
 
-
-def retie(state_dict: dict[str, torch.Tensor], tied: dict[str, str], source: str | Path = "checkpoint") -> dict:
-    """``state_dict`` with each alias of :func:`untie` back, holding the tensor of the name it aliases."""
-    lost = sorted(name for name in tied.values() if name not in state_dict)
-    if lost:
-        raise CheckpointError(f"{source} records tied weights of {lost[:4]}, which it does not hold")
-    return {**state_dict, **{alias: state_dict[name] for alias, name in tied.items()}}
 
 
 # ---------------------------------------------------------------- the record of a run's checkpoints
@@ -268,7 +262,7 @@ def save_checkpoint(run_dir: str | Path, name: str, model_sd: dict, trainer_stat
         _write_file(tmp / META, json.dumps(meta, indent=2).encode())
         for sub, src in (extra_dirs or {}).items():
             os.replace(src, tmp / sub)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final, n = root / name, 1
         while final.exists() and final.name in record.values():
             n += 1
@@ -276,7 +270,7 @@ def save_checkpoint(run_dir: str | Path, name: str, model_sd: dict, trainer_stat
         if final.exists():  # a directory the record does not name: a save killed before its commit
             _remove(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -332,13 +326,6 @@ def read_meta(weights_path: str | Path) -> dict:
     return _json(Path(weights_path), meta["vitlab"], "the description") if "vitlab" in meta else {}
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The state dict of a ``.safetensors`` file, tied names included (see :func:`untie`)."""
-    sd = read_state_dict(path)
-    tied = _metadata(path).get("tied")
-    return retie(sd, _json(Path(path), tied, "the tied weights"), path) if tied else sd
-
-
 def load_weights(path: str | Path, weights: str = "auto") -> tuple[dict, dict]:
     """(state dict, meta) of a checkpoint: a run dir, a checkpoint dir or a ``.safetensors`` file. ``weights``:
     'raw', 'ema' or 'auto' (what the checkpoint's meta prefers: the EMA when it validated better)."""
@@ -358,7 +345,7 @@ def load_weights(path: str | Path, weights: str = "auto") -> tuple[dict, dict]:
     meta = read_meta(file)
     if not meta.get("model"):
         raise CheckpointError(f"{file} was not written by vitlab train (no model description in its metadata)")
-    return read_weights(file), meta
+    return read_state_dict(file), meta
 
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict:

@@ -207,7 +207,11 @@ class ModelEma(nn.Module):
     def update(self, model: nn.Module) -> None:
         d = self.current_decay()
         ema_sd, sd = self.module.state_dict(), model.state_dict()
+        seen: set[int] = set()
         for k, e in ema_sd.items():
+            if e.numel() and e.data_ptr() in seen:  # a tied tensor (one memory, several names) moves once
+                continue
+            seen.add(e.data_ptr())
             w = sd[k].detach()
             if e.dtype.is_floating_point:
                 e.lerp_(w.to(e.dtype), 1.0 - d)
