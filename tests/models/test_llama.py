@@ -10,8 +10,8 @@ import torch
 
 import vitlab
 from vitlab.convert import CheckpointError
-from vitlab.layers import swiglu_hidden_dim
-from vitlab.models.llama import Llama, LlamaConfig, sample_next_token
+from vitlab.layers import RotaryEmbedding1D, rope_rotate, swiglu_hidden_dim
+from vitlab.models.llama import Llama, LlamaConfig, rotate, sample_next_token
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,11 +117,28 @@ def test_cached_decoding_equals_full_recomputation():
         stepped = torch.cat(parts, dim=1)
         real = full_mask.bool()
         torch.testing.assert_close(stepped[real], full[real], atol=1e-5, rtol=1e-5)
-        # without padding: no mask at all
+        # without padding: no mask at all; positions past the cache's length are never read (garbage there is fine)
         cache = model.new_cache(3, 14)
+        for t in cache.k + cache.v:
+            t.fill_(float("nan"))
         out = torch.cat([model(seq[:, :10], cache=cache)] + [model(seq[:, t:t + 1], cache=cache)
                                                                for t in range(10, 14)], dim=1)
         torch.testing.assert_close(out, model(seq), atol=1e-5, rtol=1e-5)
+
+
+def test_complex_rope_of_the_blocks_equals_the_real_form_per_sequence():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**TINY))
+    x = torch.randn(3, 9, 4, 16)  # (B, N, heads, head_dim)
+    pos = torch.stack([torch.arange(9), torch.arange(9).clamp(min=4) - 4, torch.arange(20, 29)])  # per sequence
+    freqs = torch.view_as_complex(model.rope_freqs[pos])
+    cos, sin = RotaryEmbedding1D(16)(256)
+    want = rope_rotate(x.transpose(1, 2), cos[pos][:, None], sin[pos][:, None]).transpose(1, 2)
+    torch.testing.assert_close(rotate(x, freqs), want, atol=1e-5, rtol=1e-5)
+    # a cast to bf16 keeps both parts of the table (a complex buffer would lose its imaginary part)
+    half = model.to(torch.bfloat16).rope_freqs
+    assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), model.rope_freqs.float(), atol=1e-2)
+    assert half[1:, :, 1].abs().sum() > 0
 
 
 def _meta_permute(w, n_heads):  # transformers' convert_llama_weights_to_hf.py: Meta rows -> Hugging Face rows

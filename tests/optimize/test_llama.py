@@ -1,5 +1,6 @@
-"""The compiled decoding step of the Llama decoder: the same tokens as eager generation, with padding or without,
-a few graphs shared across prompt lengths and decoding steps."""
+"""The compiled forward of the Llama decoder: the same tokens as eager generation, with padding or without, a few
+graphs shared across prompt lengths and decoding steps, the weights frozen (prepacked for MKL's GEMM); and
+``vitlab.optimize.optimize`` on a Llama or on a LLaVA-style model's language model."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import pytest
 import torch
 
 import vitlab
-from vitlab.optimize.llama import compile_llama
+from vitlab.optimize import explain, optimize
+from vitlab.optimize.llama import CompiledLlama, compile_llama
 
 
 @pytest.mark.slow  # Inductor compiles C++ (about a minute on two cores)
 def test_compiled_generation_equals_eager():
     torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     torch.manual_seed(0)
     model = vitlab.create_model("llama_tiny").eval()
     fast = compile_llama(model)
@@ -24,9 +29,36 @@ def test_compiled_generation_equals_eager():
     for n, new in ((13, 12), (20, 3), (9, 5)):  # other prompt lengths: no new graph after the second
         other = torch.randint(3, 512, (2, n))
         assert torch.equal(model.generate(other, new, forward=fast), model.generate(other, new))
-    from torch._dynamo.utils import counters
-
     # prefill and step, with and without a padding mask: each compiled static, then once with symbolic sizes
     assert counters["stats"]["unique_graphs"] <= 8 and not counters["graph_break"]
+    if torch.backends.mkldnn.is_available() and torch._C.has_mkl:  # the weights became constants, prepacked
+        assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0
     steps_only = compile_llama(model, prefill=False)
     assert torch.equal(model.generate(ids, 4, forward=steps_only), model.generate(ids, 4))
+
+
+def test_optimize_picks_the_language_model_compile_without_compiling_yet():
+    model = vitlab.create_model("llama_tiny").eval()
+    fast = optimize(model)  # torch.compile is lazy: nothing is compiled until the first call
+    assert isinstance(fast, CompiledLlama) and fast.module is model and fast.vitlab_backend == "compile"
+    assert fast.config is model.config and "Llama" in explain(fast)
+    assert optimize(model, backend="none") is model and optimize(model, tune=False) is model
+    llava = vitlab.create_model("llava_tiny").eval()
+    lm = llava.language_model
+    assert optimize(llava, backend="compile") is llava and isinstance(llava.language_model, CompiledLlama)
+    assert llava.language_model.module is lm
+
+
+@pytest.mark.slow  # Inductor compiles C++ (a minute or two on two cores)
+def test_optimized_llama_and_llava_generate_as_eager():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = vitlab.create_model("llama_tiny").eval()
+    ids = torch.randint(3, 512, (2, 7))
+    want = model.generate(ids, 6)
+    assert torch.equal(optimize(model).generate(ids, 6), want)
+    llava = vitlab.create_model("llava_tiny").eval()
+    x = torch.randn(2, 3, 32, 32)
+    prompt = torch.tensor([[1, 110, 20, 21], [1, 110, 30, 31]])
+    want = llava.generate(prompt, x, max_new_tokens=5, eos_token_id=-1)
+    assert torch.equal(optimize(llava).generate(prompt, x, max_new_tokens=5, eos_token_id=-1), want)

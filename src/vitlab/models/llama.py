@@ -7,8 +7,10 @@ a decoder-only transformer that predicts the next token.
   with eps 1e-5; SwiGLU (Shazeer, 2020, "GLU Variants Improve Transformer") of width ``2/3 * 4 * dim`` rounded up
   to ``multiple_of`` (11008 at dim 4096).
 - Attention: causal scaled dot-product attention whose queries and keys are rotated by 1-D RoPE (Su et al.,
-  2021, "RoFormer", Eq. 34: consecutive channel pairs turned by ``m * theta_i``), with grouped-query attention
-  (``n_kv_heads`` key/value heads shared by groups of query heads, Ainslie et al., 2023; Llama 2 70B).
+  2021, "RoFormer", Eq. 34: consecutive channel pairs turned by ``m * theta_i``), in Meta's complex form (each
+  pair read as one complex number and multiplied by ``exp(i m theta_i)``: one multiplication instead of the real
+  form's four element-wise passes), with grouped-query attention (``n_kv_heads`` key/value heads shared by groups
+  of query heads, Ainslie et al., 2023; Llama 2 70B).
 - Inference: a preallocated key/value cache (:class:`KVCache`), :meth:`Llama.generate` (greedy or sampling with
   temperature, top-k and nucleus top-p, Holtzman et al., 2020) over a batch of left-padded prompts, given as
   token ids or as embeddings (a vision-language model splices image features into them).
@@ -34,11 +36,10 @@ import torch.nn.functional as F
 from vitlab.convert import CheckpointError, read_hf_config, read_hf_state_dict, unreadable
 from vitlab.layers import (
     RMSNorm,
-    RotaryEmbedding1D,
     SwiGLU,
     check_heads,
     checkpoint_seq,
-    rope_rotate,
+    precompute_freqs_cis,
     swiglu_hidden_dim,
 )
 from vitlab.registry import ModelConfig, create_model, get_model_config, is_model, register_model
@@ -81,17 +82,26 @@ class LlamaConfig:
 class KVCache:
     """The keys and values of every layer for a batch, preallocated: ``k[i]`` and ``v[i]`` are
     (batch, n_kv_heads, max_len, head_dim); the first ``length`` positions are filled. :meth:`Llama.forward`
-    writes the new tokens' keys and values in place and advances ``length``."""
+    writes the new tokens' keys and values in place and advances ``length``; positions from ``length`` on are
+    never read, so they are left unset (no pass over the whole cache to zero it)."""
 
     def __init__(self, config: LlamaConfig, batch_size: int, max_len: int, dtype=torch.float32, device=None):
         shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.length = 0
 
     @property
     def max_len(self) -> int:
         return self.k[0].shape[2]
+
+
+def rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """RoPE in Meta's complex form: ``x`` (B, N, heads, head_dim), each consecutive pair ``(x_2j, x_2j+1)`` read
+    as ``x_2j + i x_2j+1`` and multiplied by ``freqs_cis`` (B, N, head_dim/2), the rotations of each sequence's own
+    positions (:func:`~vitlab.layers.apply_rotary_embs` with a table per sequence, as left padding needs)."""
+    x_c = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(x_c * freqs_cis.unsqueeze(2)).flatten(-2).type_as(x)
 
 
 class LlamaAttention(nn.Module):
@@ -104,19 +114,20 @@ class LlamaAttention(nn.Module):
         self.qkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
         b, n, _ = x.shape
         q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
                                      self.n_kv_heads * self.head_dim], dim=-1)
-        q = rope_rotate(q.view(b, n, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = rope_rotate(k.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        q = rotate(q.view(b, n, self.n_heads, self.head_dim), freqs_cis).transpose(1, 2)
+        k = rotate(k.view(b, n, self.n_kv_heads, self.head_dim), freqs_cis).transpose(1, 2)
         v = v.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if kv is not None:  # write this step's keys and values, attend over everything cached so far
             k_cache, v_cache = kv
             k_cache[:, :, start:start + n] = k
             v_cache[:, :, start:start + n] = v
-            k, v = k_cache[:, :, :start + n], v_cache[:, :, :start + n]
+            if start:  # with nothing cached before, the new keys and values are all there are
+                k, v = k_cache[:, :, :start + n], v_cache[:, :, :start + n]
         # no mask: a prompt from position 0 is plain causal; one new token may see every cached one
         # SDPA's is_causal must be a plain bool: written as a branch, it stays one when torch.compile traces n as a
         # symbolic size (the branch becomes a guard; the comparison's value would be a symbolic bool)
@@ -136,8 +147,8 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.hidden_dim, bias=False)  # fc1 = [W1 (gate); W3 (up)], fc2 = W2 (down)
 
-    def forward(self, x, cos, sin, mask, kv=None, start: int = 0) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, mask, kv, start)
+    def forward(self, x, freqs_cis, mask, kv=None, start: int = 0) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), freqs_cis, mask, kv, start)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -191,9 +202,7 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding1D(cfg.head_dim, cfg.rope_theta)
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.register_buffer("rope_freqs", torch.empty(0), persistent=False)
         self.reset_rope()
         self.apply(self._init_weights)
 
@@ -203,10 +212,15 @@ class Llama(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def reset_rope(self, device=None) -> None:
-        """(Re)compute the RoPE tables (max_seq_len, head_dim) for every position of the context, in fp32: they are
-        not part of the state dict, so a model built on the ``meta`` device and then given weights calls this."""
+        """(Re)compute the RoPE rotations of every position of the context, ``rope_freqs`` (max_seq_len,
+        head_dim/2, 2): the real and imaginary parts of Meta's ``freqs_cis``, stored as real numbers so that
+        ``model.to(dtype)`` casts them like every other buffer (a cast to a real dtype would drop the imaginary part
+        of a complex table). They are not part of the state dict, so a model built on the ``meta`` device and then
+        given weights calls this."""
         device = device if device is not None else self.embed_tokens.weight.device
-        self.rope_cos, self.rope_sin = self.rope(self.config.max_seq_len, device=device)
+        cfg = self.config
+        freqs_cis = precompute_freqs_cis(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.rope_freqs = torch.view_as_real(freqs_cis).to(device)
 
     def shard_units(self) -> list[nn.Module]:
         return list(self.layers)
@@ -233,7 +247,7 @@ class Llama(nn.Module):
         plain causal attention (or, for one new token, none) is exact."""
         if attention_mask is None and (past == 0 or n == 1):
             return None
-        device = self.rope_cos.device
+        device = self.rope_freqs.device
         q_pos = torch.arange(past, past + n, device=device)[:, None]
         k_pos = torch.arange(past + n, device=device)[None, :]
         mask = k_pos <= q_pos  # (n, past + n) causal
@@ -271,14 +285,13 @@ class Llama(nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 position_ids = torch.arange(past, past + n, device=x.device).expand(b, n)
-        cos = self.rope_cos[position_ids].unsqueeze(1).to(x.dtype)  # (B, 1, N, head_dim)
-        sin = self.rope_sin[position_ids].unsqueeze(1).to(x.dtype)
+        freqs_cis = torch.view_as_complex(self.rope_freqs[position_ids].float())  # (B, N, head_dim/2)
         mask = self._mask(attention_mask, n, past)
         if cache is None:  # training or a full recomputation: blocks may recompute their activations
-            x = checkpoint_seq(self.layers, x, cos, sin, mask, enabled=self.grad_checkpointing)
+            x = checkpoint_seq(self.layers, x, freqs_cis, mask, enabled=self.grad_checkpointing)
         else:
             for layer, k, v in zip(self.layers, cache.k, cache.v):
-                x = layer(x, cos, sin, mask, (k, v), past)
+                x = layer(x, freqs_cis, mask, (k, v), past)
             cache.length = past + n
         x = self.norm(x if not logits_to_keep else x[:, -logits_to_keep:])
         return self.lm_head(x)

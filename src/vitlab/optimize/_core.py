@@ -445,6 +445,16 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
         msg = cpuinfo.bf16_note() + "; optimize keeps the model's dtype (it never picks bf16 itself)"
         warnings.warn(msg, stacklevel=2)
         notes.append(msg)
+    if backend in ("auto", "compile") and tune is not False:
+        from vitlab.optimize.llama import compile_language_model
+
+        # a language model's gain is in generate (prompt, then one token at a time), not in one forward: its own
+        # compile (benchmarks/llama_generate.py measures it against transformers' generate)
+        lm = compile_language_model(model)
+        if lm is not None:
+            notes.append("Llama language model: prefill and decoding step compiled with frozen weights "
+                         "(vitlab.optimize.llama.compile_language_model)")
+            return _finish(lm, OptimizeReport(backend="compile", requested=backend, notes=notes))
     if backend != "auto":
         built = _build(model, backend, device, notes, explicit=True)
         return _finish(built, OptimizeReport(backend=backend, requested=backend, notes=notes))
