@@ -157,6 +157,12 @@ def test_scene_answers_follow_the_ground_truth():
             q, ans = scene_question(s, "class", rng)
             cell = next(i for i, name in enumerate(CELLS) if q.endswith(name))
             assert ans == next(o.cls for o in s.objects if o.cell == cell)
+            qa = scene_question(s, "locate", rng)
+            unique = [o for o in s.objects if sum(p.cls == o.cls for p in s.objects) == 1]
+            assert (qa is None) == (not unique)
+            if qa is not None:
+                o = next(o for o in unique if re.search(rf"\b{o.cls}\b", qa[0]))
+                assert qa[1] == CELLS[o.cell]
             qa = scene_question(s, "position", rng)
             if qa is None:
                 continue

@@ -244,6 +244,10 @@ COUNT_WORDS = ("no", "a", "two", "three", "four")
 SCENE_SIZE = 64
 SCENE_SPLITS = {"train": 4000, "val": 200, "test": 400}
 QUESTION_KINDS = ("count", "presence", "position", "class")
+# asked in training conversations only: which corner holds an object (of a class the scene has once) -- the
+# binding of a class to its place that the position and class questions compose, taught directly as LLaVA-1.5's
+# instruction mix teaches grounding with region-level questions (Liu et al., 2024, Sec. 3.2 and Table 7)
+TRAINING_KINDS = (*QUESTION_KINDS, "locate")
 
 # {obj}: a class, {plural}: a plural ("horses", "objects"), {a}/{b}: classes, {cell}: a corner. Several phrasings
 # of each kind, of different lengths, so a model learns what a question asks rather than where its words stand
@@ -258,6 +262,7 @@ QUESTION_TEMPLATES = {
     "class": ("what is in the {cell}", "what object is in the {cell}", "which object is in the {cell}",
               "what is shown in the {cell}", "what lies in the {cell}", "name the object in the {cell}"),
 }
+LOCATE_TEMPLATES = ("which corner is the {obj} in", "in which corner is the {obj}", "which corner holds the {obj}")
 HELD_OUT_QUESTIONS = {
     "count": ("how many {plural} do you see",),
     "presence": ("do you see a {obj}",),
@@ -379,7 +384,14 @@ def scene_captions(scene: Scene, templates=CAPTION_TEMPLATES) -> list[str]:
 
 def scene_question(scene: Scene, kind: str, rng: random.Random, templates=None) -> tuple[str, str] | None:
     """(question, answer) of ``kind`` about ``scene`` from ``templates`` (default: the training ones), None when
-    the scene has none of that kind (``position`` needs two objects of unique classes in a row or column)."""
+    the scene has none of that kind (``position`` needs two objects of unique classes in a row or column,
+    ``locate`` -- training only -- an object of a unique class)."""
+    if kind == "locate":
+        unique = [o for o in scene.objects if scene.count(o.cls) == 1]
+        if not unique:
+            return None
+        o = rng.choice(unique)
+        return rng.choice(LOCATE_TEMPLATES).format(obj=o.cls), CELLS[o.cell]
     template = rng.choice((templates or QUESTION_TEMPLATES)[kind])
     if kind == "count":
         target = rng.choice((*SCENE_CLASSES, "object"))
@@ -441,6 +453,7 @@ def scene_texts() -> dict[str, list[str]]:
     fill = {"objs": "two horses and a cat and a digit", "plural": "objects", "obj": "horse", "a": "horse", "b": "digit",
             "cell": "bottom right", "bg": "gravel"}
     questions = [t.format(**fill) for d in (QUESTION_TEMPLATES, HELD_OUT_QUESTIONS) for ts in d.values() for t in ts]
+    questions += [t.format(**fill) for t in LOCATE_TEMPLATES]
     captions = [t.format(**fill) for t in (*CAPTION_TEMPLATES, *HELD_OUT_CAPTIONS)]
     return {"question": questions, "caption": captions}
 

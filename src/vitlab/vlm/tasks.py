@@ -45,8 +45,8 @@ from vitlab.train.config import to_plain
 from vitlab.train.task import RunRecord, Task, register_task
 from vitlab.vlm.data import (
     IMAGE_TOKEN,
-    QUESTION_KINDS,
     SCENE_SPLITS,
+    TRAINING_KINDS,
     VLSample,
     make_scenes,
     objects_phrase,
@@ -77,7 +77,7 @@ class VLArgs:
     max_new_tokens: int = 24           # generation bound of eval and predict
     scenes_train: int | None = None    # scenes: training scenes (None: 4000)
     scenes_eval: int | None = None     # scenes: validation and test scenes (None: 200 and 400)
-    scenes_turns: int = 4              # scenes (vqa): questions per training conversation, of different kinds
+    scenes_turns: int = 5              # scenes (vqa): questions per training conversation, of different kinds
     language_lr_scale: float = 0.1     # the language model's learning rate relative to the image side's
     image_after_question: bool = True  # vqa: the first question before the image (user : Q <image> assistant :)
 
@@ -241,8 +241,8 @@ class VLDataset(Dataset):
             rng = random.Random(int(torch.randint(2 ** 31, ())))
             if self.scenes is not None and self.seqs.instruct:
                 # a conversation about the scene: questions of different kinds in a random order (every image
-                # then teaches several answers; the first question follows the image, as at test time)
-                kinds = rng.sample(QUESTION_KINDS, len(QUESTION_KINDS))
+                # then teaches several answers; the first one is asked as at test time)
+                kinds = rng.sample(TRAINING_KINDS, len(TRAINING_KINDS))
                 turns = [qa for k in kinds if (qa := scene_question(self.scenes[s.image], k, rng)) is not None]
                 turns = turns[:self.turns]
             elif not s.turns:
@@ -376,7 +376,7 @@ class _VLTask(_ScoredTask):
                       for s in self.splits.train + self.splits.val)
         if cfg.data.name == "scenes":  # every template's longest question or caption, the held-out ones too
             t = scene_texts()
-            turn = max(len(probe.encode([(q, "yes")])[0]) - 2 for q in t["question"])
+            turn = max(len(probe.encode([(q, "bottom right")])[0]) - 2 for q in t["question"])
             longest = max(longest, 2 + a.scenes_turns * turn) if self.instruct \
                 else max(longest, *(len(probe.encode([(None, c)])[0]) for c in t["caption"]))
         context = a.context_length or longest
