@@ -117,6 +117,12 @@ def test_cached_decoding_equals_full_recomputation():
         stepped = torch.cat(parts, dim=1)
         real = full_mask.bool()
         torch.testing.assert_close(stepped[real], full[real], atol=1e-5, rtol=1e-5)
+        # the prompt's last logits only (what generate asks for): the same logits, the same cache after it
+        cache = model.new_cache(3, 14)
+        last = model(seq[:, :9], attention_mask=full_mask[:, :9], cache=cache, logits_to_keep=1)
+        torch.testing.assert_close(last[:, 0], full[:, 8], atol=1e-5, rtol=1e-5)
+        step = model(seq[:, 9:10], attention_mask=full_mask[:, :10], cache=cache)
+        torch.testing.assert_close(step[:, 0], full[:, 9], atol=1e-5, rtol=1e-5)
         # without padding: no mask at all; positions past the cache's length are never read (garbage there is fine)
         cache = model.new_cache(3, 14)
         for t in cache.k + cache.v:
@@ -131,7 +137,7 @@ def test_complex_rope_of_the_blocks_equals_the_real_form_per_sequence():
     model = Llama(LlamaConfig(**TINY))
     x = torch.randn(3, 9, 4, 16)  # (B, N, heads, head_dim)
     pos = torch.stack([torch.arange(9), torch.arange(9).clamp(min=4) - 4, torch.arange(20, 29)])  # per sequence
-    freqs = torch.view_as_complex(model.rope_freqs[pos])
+    freqs = torch.view_as_complex(model.rope_freqs[pos, None])
     cos, sin = RotaryEmbedding1D(16)(256)
     want = rope_rotate(x.transpose(1, 2), cos[pos][:, None], sin[pos][:, None]).transpose(1, 2)
     torch.testing.assert_close(rotate(x, freqs), want, atol=1e-5, rtol=1e-5)

@@ -98,10 +98,11 @@ class KVCache:
 
 def rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """RoPE in Meta's complex form: ``x`` (B, N, heads, head_dim), each consecutive pair ``(x_2j, x_2j+1)`` read
-    as ``x_2j + i x_2j+1`` and multiplied by ``freqs_cis`` (B, N, head_dim/2), the rotations of each sequence's own
-    positions (:func:`~vitlab.layers.apply_rotary_embs` with a table per sequence, as left padding needs)."""
+    as ``x_2j + i x_2j+1`` and multiplied by ``freqs_cis`` (B, N, 1, head_dim/2), the rotations of each sequence's
+    own positions, the same for every head (:func:`~vitlab.layers.apply_rotary_embs` with a table per sequence, as
+    left padding needs)."""
     x_c = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(x_c * freqs_cis.unsqueeze(2)).flatten(-2).type_as(x)
+    return torch.view_as_real(x_c * freqs_cis).flatten(-2).type_as(x)
 
 
 class LlamaAttention(nn.Module):
@@ -115,7 +116,9 @@ class LlamaAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+                last_only: bool = False) -> torch.Tensor:
+        """``last_only``: keys and values of every position (written to ``kv``), the output of the last one only."""
         b, n, _ = x.shape
         q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
                                      self.n_kv_heads * self.head_dim], dim=-1)
@@ -128,6 +131,8 @@ class LlamaAttention(nn.Module):
             v_cache[:, :, start:start + n] = v
             if start:  # with nothing cached before, the new keys and values are all there are
                 k, v = k_cache[:, :, :start + n], v_cache[:, :, :start + n]
+        if last_only:  # the last query sees every key; a padding mask's last row says which are real
+            q, mask, n = q[:, :, -1:], None if mask is None else mask[:, :, -1:], 1
         # no mask: a prompt from position 0 is plain causal; one new token may see every cached one
         # SDPA's is_causal must be a plain bool: written as a branch, it stays one when torch.compile traces n as a
         # symbolic size (the branch becomes a guard; the comparison's value would be a symbolic bool)
@@ -147,8 +152,8 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.hidden_dim, bias=False)  # fc1 = [W1 (gate); W3 (up)], fc2 = W2 (down)
 
-    def forward(self, x, freqs_cis, mask, kv=None, start: int = 0) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), freqs_cis, mask, kv, start)
+    def forward(self, x, freqs_cis, mask, kv=None, start: int = 0, last_only: bool = False) -> torch.Tensor:
+        h = (x[:, -1:] if last_only else x) + self.attn(self.attn_norm(x), freqs_cis, mask, kv, start, last_only)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -268,7 +273,10 @@ class Llama(nn.Module):
           left-padded prompt starts at 0), or ``past, ..., past + N - 1`` without a mask.
         - ``cache``: a :class:`KVCache`; the new keys and values are written into it **in place** and
           ``cache.length`` advances by N, so the next call passes only the new tokens.
-        - ``logits_to_keep``: only the last that many positions' logits (0: all); generation needs the last.
+        - ``logits_to_keep``: only the last that many positions' logits (0: all); generation needs the last. With
+          a cache and ``logits_to_keep=1`` the last block computes the keys and values of every position (the
+          cache needs them) but its attention output and MLP for the last position only: the rest would be
+          dropped.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -285,13 +293,14 @@ class Llama(nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 position_ids = torch.arange(past, past + n, device=x.device).expand(b, n)
-        freqs_cis = torch.view_as_complex(self.rope_freqs[position_ids].float())  # (B, N, head_dim/2)
+        freqs_cis = torch.view_as_complex(self.rope_freqs[position_ids, None].float())  # (B, N, 1, head_dim/2)
         mask = self._mask(attention_mask, n, past)
         if cache is None:  # training or a full recomputation: blocks may recompute their activations
             x = checkpoint_seq(self.layers, x, freqs_cis, mask, enabled=self.grad_checkpointing)
         else:
-            for layer, k, v in zip(self.layers, cache.k, cache.v):
-                x = layer(x, freqs_cis, mask, (k, v), past)
+            last = len(self.layers) - 1
+            for i, (layer, k, v) in enumerate(zip(self.layers, cache.k, cache.v)):
+                x = layer(x, freqs_cis, mask, (k, v), past, last_only=i == last and logits_to_keep == 1)
             cache.length = past + n
         x = self.norm(x if not logits_to_keep else x[:, -logits_to_keep:])
         return self.lm_head(x)

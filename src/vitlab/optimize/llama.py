@@ -43,14 +43,20 @@ from vitlab.optimize._core import CompiledInference
 
 def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None = None) -> Callable[..., torch.Tensor]:
     """A forward for ``model.generate(..., forward=...)``: decoding steps compiled, and prompts too unless
-    ``prefill=False``. Inference only (``generate`` runs under ``torch.no_grad()``). ``options``: Inductor options
-    over the CPU defaults."""
+    ``prefill=False``. Inference only (``generate`` runs under ``torch.no_grad()``), and a snapshot: the weights
+    are frozen into the graph and the model's attributes are not checked again, so a model changed afterwards
+    needs a new ``compile_llama``. ``options``: ``torch.compile`` options over the defaults."""
     model.eval()
+    # no guards on the model's attributes and parameters, checked before every call (a sizeable share of a small
+    # decoding step): the compiled forward is a snapshot of the model, its weights constants of the graph
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, **(options or {})}
     if next(model.parameters()).device.type == "cpu":
         cpuinfo.cpp_extension()  # imported quietly before Inductor's C++ build imports it and warns
-        options = {**cpuinfo.inductor_options(), **(options or {})}
+        # the graph's wrapper in C++ too: a decoding step is some hundred small calls, each launched from Python
+        # otherwise
+        options = {**cpuinfo.inductor_options(), "cpp_wrapper": True, **options}
+    freezing = bool(options.get("freezing"))
     compiled = torch.compile(model, options=options)
-    freezing = bool((options or {}).get("freezing"))
 
     def forward(input_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         if not prefill and (input_ids is None or input_ids.shape[1] != 1):
