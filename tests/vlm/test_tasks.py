@@ -14,7 +14,7 @@ import vitlab
 from vitlab.cli import main
 from vitlab.train import TrainConfig
 from vitlab.vlm.data import draw_scene
-from vitlab.vlm.tasks import IGNORE, Sequences, VLArgs, WordTokenizer, answer_loss, apply_freezing
+from vitlab.vlm.tasks import IGNORE, Sequences, VLArgs, WordTokenizer, answer_loss, apply_freezing, with_coords
 
 # a one-block tower and a one-layer decoder: seconds on a CPU
 TINY = ["--model_kwargs.vision_depth", "1", "--model_kwargs.text_n_layers", "1", "--model_kwargs.vision_patch_size",
@@ -144,6 +144,22 @@ def test_loss_only_on_answers_equals_the_models_labelled_loss(after):
     out = model(ids2, x, labels=labels2)
     loss, stats = answer_loss(out.logits, labels2, (ids2 == tok.image_id).int().argmax(1))
     assert torch.allclose(loss, out.loss) and stats["tokens"] == 8
+
+
+def test_coordinate_channels_follow_the_image():
+    x = torch.randn(2, 3, 4, 6)
+    y = with_coords(x)
+    assert y.shape == (2, 5, 4, 6) and torch.equal(y[:, :3], x)
+    assert torch.equal(y[1, 3, :, 2], torch.linspace(-1, 1, 4)) and torch.equal(y[0, 4, 3], torch.linspace(-1, 1, 6))
+    assert (y[:, 3] == y[:, 3, :, :1]).all() and (y[:, 4] == y[:, 4, :1]).all()
+
+
+def test_vqa_model_reads_the_coordinates(vqa_run):
+    from vitlab.train.evaluate import load_model
+
+    model, record, _ = load_model(vqa_run / "last", device="cpu")
+    assert record.task_args["coord_channels"] and record.model_kwargs["in_chans"] == 5
+    assert model.vision_tower.patch_embed.proj.in_channels == 5
 
 
 @pytest.mark.parametrize("stage, trained", [(0, {"vision_tower", "projector", "language_model"}),

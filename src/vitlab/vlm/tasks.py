@@ -80,6 +80,7 @@ class VLArgs:
     scenes_turns: int = 5              # scenes (vqa): questions per training conversation, of different kinds
     language_lr_scale: float = 0.1     # the language model's learning rate relative to the image side's
     image_after_question: bool = True  # vqa: the first question before the image (user : Q <image> assistant :)
+    coord_channels: bool = True        # the pixels' x and y as two more input channels (CoordConv)
 
 
 # ---------------------------------------------------------------- tokens
@@ -306,6 +307,18 @@ def init_from(model: nn.Module, source: str) -> str:
     return "all"
 
 
+def with_coords(x: torch.Tensor) -> torch.Tensor:
+    """Images (B, C, H, W) with two more channels, each pixel's x and y in [-1, 1] (Liu et al., 2018, "An
+    intriguing failing of convolutional neural networks and the CoordConv solution"). A tower trained from scratch
+    with a learned position table keeps too little of where a patch lies for the decoder to tell the image's
+    tokens apart (a linear probe of the scenes demo's image tokens finds their cell at chance); the coordinates
+    enter every patch's embedding with its pixels."""
+    b, _, h, w = x.shape
+    ys, xs = (torch.linspace(-1.0, 1.0, n, device=x.device, dtype=x.dtype) for n in (h, w))
+    grid = torch.stack(torch.meshgrid(ys, xs, indexing="ij"))
+    return torch.cat([x, grid.expand(b, -1, -1, -1)], dim=1)
+
+
 def build_vl_model(name: str, kwargs: dict, vocab_size: int, image_token_id: int, img_size: int,
                    context_length: int) -> nn.Module:
     return create_model(name, **{"vocab_size": vocab_size, "image_token_id": image_token_id, "img_size": img_size,
@@ -389,6 +402,8 @@ class _VLTask(_ScoredTask):
                                     a.scenes_turns),
                           VLDataset(sp.val, sp.images["val"], tf, self.seqs, False, a.blind))
         kwargs = model_kwargs(cfg)
+        if a.coord_channels:
+            kwargs["in_chans"] = 5  # the image's 3 and the coordinates' 2
         model = build_vl_model(cfg.model, kwargs, self.tokenizer.vocab_size, self.seqs.image_id, img_size,
                                context)
         self.loaded = init_from(model, a.init) if a.init else None
@@ -418,7 +433,7 @@ class _VLTask(_ScoredTask):
 
     def _batch(self, batch):
         x, ids, labels = (t.to(self.device, non_blocking=True) for t in batch)
-        return x, ids, labels
+        return with_coords(x) if self.args.coord_channels else x, ids, labels
 
     def training_step(self, batch, forward) -> tuple[torch.Tensor, dict]:
         x, ids, labels = self._batch(batch)
@@ -482,6 +497,8 @@ class _VLTask(_ScoredTask):
                 x = images[chunk].to(device)
                 if blind:
                     x = torch.zeros_like(x)
+                if record.task_args.get("coord_channels"):
+                    x = with_coords(x)
                 ids = torch.tensor([prompts[i] for i in chunk], device=device)
                 new = model.generate(ids, x, max_new_tokens=room, eos_token_id=seqs.eos)
                 for i, row in zip(chunk, new.tolist(), strict=True):
