@@ -38,6 +38,11 @@ them, on a GPU ``"none"``, ``"rewrite"`` and ``"compile"``):
   (:data:`CHEAP`: module swaps, nothing compiled or built) by the cached timings of this model and item shape,
   or eager when none are cached. ``tune=True`` measures whatever the work, ``tune=False`` never does.
 
+A Llama language model, or a vision-language model whose ``language_model`` is one, is compiled for generation
+under ``"auto"`` (unless ``tune=False``) and ``"compile"`` (:func:`vitlab.optimize.llama.compile_language_model`:
+prompts and decoding steps, weights frozen): its gain is per generated token, which one forward call does not
+measure.
+
 The returned model carries ``vitlab_backend`` (the backend used) and ``vitlab_optimize`` (an
 :class:`OptimizeReport`: timings, cache hit, notes); :func:`explain` formats it. ``optimize`` never changes the
 dtype: on a CPU without native bf16 it says so (a warning) when handed bf16 and never picks bf16 itself.

@@ -17,8 +17,11 @@ the time goes per token: one token through every layer, many small kernels, each
 mode; compiled, a step is a few fused C++ kernels and GEMMs with prepacked weights (on the CPU the graph is
 compiled with the weights frozen and the SIMD width stated, :func:`vitlab.optimize.cpu.inductor_options`). Freezing
 is what turns the weights into constants that Inductor prepacks for MKL: for a batch of 8 one-token rows MKL's
-packed GEMM is about twice as fast as the plain GEMM against a row-major ``nn.Linear`` weight. The prefill gains less
-(large GEMMs, already near the CPU's peak, dominate it); ``prefill=False`` leaves it eager and saves its compile.
+packed GEMM is about twice as fast as the plain GEMM against a row-major ``nn.Linear`` weight. On the CPU the
+graph's wrapper is C++ as well (``cpp_wrapper``), and the model's attributes are not guarded: a one-token step at
+batch 1 is a few milliseconds, and launching a hundred kernels from Python, or checking a guard per parameter before
+each call, is a visible share of it. The prefill gains less (large GEMMs, already near the CPU's peak, dominate it);
+``prefill=False`` leaves it eager and saves its compile.
 
 The cache is the model's preallocated :class:`~vitlab.models.llama.KVCache`. Shapes are left to Dynamo's automatic
 dynamic mode: the first call of a kind (prefill or step, with or without a padding mask) compiles with static
