@@ -5,7 +5,8 @@ zeros, ``--blind``): what the image adds. Scored on the held-out test scenes, wh
 captions use templates training never sees: VQA accuracy (VQA v2's rule) per question kind, BLEU-4 and CIDEr-D.
 
     python benchmarks/vlm_demo.py                              # 3 seeds x {vqa, caption} x {seeing, blind}
-    python benchmarks/vlm_demo.py --tasks vqa --seeds 0 --threads 2 --out /tmp/vqa.json
+    python benchmarks/vlm_demo.py --tasks vqa --threads 2 --out /tmp/vqa.json    # 6 runs: VQA only
+    python benchmarks/vlm_demo.py --tasks vqa --seeds 0 --no-blind --threads 2   # one run
     python benchmarks/vlm_demo.py --smoke                      # seconds: checks the script runs, no figures
 
 The seed sets the model's initialisation and the training stream; the scenes (``data.seed`` 0) and so the test
