@@ -48,6 +48,14 @@ def _hf_model(cfg):
 
 
 TARGETS = {"eager": 1.0, "optimized": 1.3}
+IMPLS = {
+    "vitlab": "vitlab Llama.generate, eager (preallocated KV cache)",
+    "vitlab_compiled": "vitlab.optimize.optimize(model, backend='compile'): prefill and decoding step compiled by "
+                       "Inductor, weights frozen and prepacked, C++ wrapper",
+    "hf": "transformers LlamaForCausalLM.generate, eager (its dynamic cache): the denominator of both targets",
+    "hf_static": "transformers generate with cache_implementation='static' and its CompileConfig defaults, "
+                 "allowed on the CPU (_compile_all_devices): transformers' own compiled decoding",
+}
 
 
 def _summary(rows: list[dict], impls: list[str]) -> list[dict]:
@@ -148,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(benchmark="llama_generate", model=args.model, params=params, dtype="float32", device="cpu",
                   cpu=cpu_model(), isa=isa(), threads=torch.get_num_threads(), torch=torch.__version__,
                   transformers=__import__("transformers").__version__, python=platform.python_version(),
-                  warmup=args.warmup, runs=args.runs, rows=rows, summary=_summary(rows, impls))
+                  warmup=args.warmup, runs=args.runs, rows=rows, implementations={i: IMPLS[i] for i in impls},
+                  summary=_summary(rows, impls))
     print(f"{args.model} ({params / 1e6:.1f}M params), fp32, {result['cpu']} ({result['isa']}), "
           f"{result['threads']} threads; prompt {args.prompt_len}, {args.new_tokens} new tokens, medians of "
           f"{args.runs} runs")
