@@ -212,13 +212,6 @@ def test_capabilities_reach_models_through_their_public_names():
 SHARED_UTILITIES = ("_io", "_console")
 
 
-# Private names still reached from another package, each to become a public name of its own package. The test
-# fails when one is fixed and still listed, so this list only shrinks.
-PRIVATE_USES_TO_MOVE = {
-    "vitlab.vlm.data -> vitlab.data.datasets._image_ok",
-}
-
-
 def _private(dotted: str) -> bool:
     """Whether ``vitlab.a.b...`` names a private (``_name``, not ``__dunder__``) module or member, the shared
     utility modules themselves left out."""
@@ -285,10 +278,7 @@ def test_private_names_stay_in_their_package(tmp_path):
         "vitlab._io._fsync_dir", "vitlab.attention.hilo.HiLo._forward", "vitlab.models._base.TokenModel",
         "vitlab.optimize._core.x")}
     found = set().union(*(private_uses(n, p) for n, p in _modules().items()))
-    assert not found - PRIVATE_USES_TO_MOVE, "use (or make) a public name of the other package:\n" + "\n".join(
-        sorted(found - PRIVATE_USES_TO_MOVE))
-    assert not PRIVATE_USES_TO_MOVE - found, "fixed, now drop from PRIVATE_USES_TO_MOVE:\n" + "\n".join(
-        sorted(PRIVATE_USES_TO_MOVE - found))
+    assert not found, "use (or make) a public name of the other package:\n" + "\n".join(sorted(found))
 
 
 def test_graph_reader_sees_lazy_imports_and_skips_type_checking(tmp_path):

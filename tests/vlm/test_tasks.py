@@ -88,7 +88,7 @@ def test_caption_train_eval_predict(caption_run, scene_png, tmp_path, capsys):
     assert main(["predict", "--checkpoint", str(caption_run), str(scene_png)]) == 0
     assert capsys.readouterr().out.startswith(f"{scene_png}:")
     _one_line_error(capsys, ["predict", "--checkpoint", str(caption_run), str(scene_png), "--prompt", "what"],
-                    "answers no question")
+                    "(caption) takes no prompt")
 
 
 @pytest.mark.slow
@@ -97,7 +97,7 @@ def test_prompt_refused_by_a_task_without_questions(tmp_path, scene_png, capsys)
     assert main(["train", "--model", "vit_pico_patch8_32", "--data.img_size", "16", "--epochs", "1",
                  "--batch_size", "256", "--output_dir", str(run), "--quiet"]) == 0
     _one_line_error(capsys, ["predict", "--checkpoint", str(run), str(scene_png), "--prompt", "what"],
-                    "--prompt is for vision-language runs")
+                    "takes no prompt; a prompt is for blip, vqa runs")
 
 
 def test_wrong_data_for_the_task(tmp_path, capsys):

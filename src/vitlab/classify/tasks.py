@@ -401,7 +401,7 @@ class ClassificationTask(Task):
         return result
 
     def predict(self, model: nn.Module, record: RunRecord, inputs: list[str], out_dir: Path, *, topk: int = 5,
-                device: str = "cpu", optimize: bool = True) -> list[dict]:
+                device: str = "cpu", optimize: bool = True, prompt: str | None = None) -> list[dict]:
         """For each image: ``{"image": path, "top": [(label, probability), ...]}`` with ``topk`` entries."""
         from vitlab.data import load_image
         from vitlab.data.transforms import channel_stats, eval_transform

@@ -153,25 +153,11 @@ def cmd_predict(args) -> int:
         rows = predict_onnx(args.onnx, args.images, topk=args.topk)
         for r in rows:
             r["line"] = f"{r['image']}: " + "  ".join(f"{label} {p:.3f}" for label, p in r["top"])
-    elif args.prompt is not None:  # a question (or instruction) for a vision-language run's predict
-        import inspect
-        from pathlib import Path
-
-        from vitlab.data import check_image_files
-        from vitlab.train.evaluate import load_model, run_dir_of
-
-        images = check_image_files(args.images)
-        model, record, task = load_model(args.checkpoint, weights=args.weights, device=args.device)
-        if "prompt" not in inspect.signature(task.predict).parameters:
-            raise ValueError(f"--prompt is for vision-language runs (caption, vqa); this run's task is {record.task}")
-        out = Path(args.output_dir) if args.output_dir else run_dir_of(args.checkpoint) / "predictions"
-        rows = task.predict(model, record, images, out, topk=args.topk, device=args.device,
-                            optimize=not args.no_optimize, prompt=args.prompt)
     else:
         from vitlab.train import predict
 
         rows = predict(args.checkpoint, args.images, output_dir=args.output_dir, topk=args.topk,
-                       weights=args.weights, device=args.device, optimize=not args.no_optimize)
+                       weights=args.weights, device=args.device, optimize=not args.no_optimize, prompt=args.prompt)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

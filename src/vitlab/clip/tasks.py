@@ -225,7 +225,7 @@ class ClipTask(Task):
 
     @torch.no_grad()
     def predict(self, model: nn.Module, record: RunRecord, inputs: list[str], out_dir: Path, *, topk: int = 5,
-                device: str = "cpu", optimize: bool = True) -> list[dict]:
+                device: str = "cpu", optimize: bool = True, prompt: str | None = None) -> list[dict]:
         """Zero-shot labels: for each image ``{"image": path, "top": [(class name, probability), ...]}``, the
         ``topk`` of the record's class names by ``softmax(scale * cosine)`` against its prompt-ensembled
         templates."""

@@ -179,7 +179,7 @@ class ImageFolderSplit(Dataset):
         raise DataError(f"empty split: no readable images among {len(self.samples)} files")
 
 
-def _image_ok(path: Path) -> bool:
+def image_ok(path: Path) -> bool:
     # Header check plus verify(): cheap next to decoding, and it catches empty, truncated and non-image files
     # before a run starts rather than hours into it.
     try:
@@ -214,7 +214,7 @@ def scan_imagefolder(root: Path, classes: list[str], skip_bad: bool) -> list[tup
             raise DataError(f"class directory without images: {root / c}")
         label = classes.index(c)
         for p in files:
-            if _image_ok(p):
+            if image_ok(p):
                 samples.append((str(p), label))
             elif skip_bad:
                 bad.append(p)

@@ -232,7 +232,7 @@ class _DenseTask(Task):
                               stride=record.task_args.get("stride"))
 
     def predict(self, model: nn.Module, record: RunRecord, inputs: list[str], out_dir: Path, *, topk: int = 5,
-                device: str = "cpu", optimize: bool = True) -> list[dict]:
+                device: str = "cpu", optimize: bool = True, prompt: str | None = None) -> list[dict]:
         """:func:`vitlab.dense.infer.predict` at the run's sliding-window stride (``topk`` and ``optimize`` do not
         apply): masks and overlays, or depth maps, under ``out_dir``."""
         return infer.predict(model, record, inputs, out_dir, device=device, stride=record.task_args.get("stride"))

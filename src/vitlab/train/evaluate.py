@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from vitlab.train import checkpoint as ck
-from vitlab.train.task import RunRecord, Task, create_task
+from vitlab.train.task import RunRecord, Task, create_task, list_tasks, task_class
 
 
 def load_model(checkpoint: str | Path, weights: str = "auto",
@@ -53,13 +53,17 @@ def evaluate(checkpoint: str | Path, data: str | None = None, split: str = "test
 
 
 def predict(checkpoint: str | Path, inputs: list[str | Path], output_dir: str | Path | None = None, topk: int = 5,
-            weights: str = "auto", device: str = "cpu", optimize: bool = True) -> list[dict]:
+            weights: str = "auto", device: str = "cpu", optimize: bool = True, prompt: str | None = None) -> list[dict]:
     """The checkpoint's task run on ``inputs`` (image paths): one row per input, each with ``line`` (what the
     console prints). Classification: the top-k labels with probabilities; segmentation / depth: overlays and maps
-    written under ``output_dir`` (default: ``RUN/predictions``)."""
+    written under ``output_dir`` (default: ``RUN/predictions``); captioning: a caption; VQA: the answer to
+    ``prompt`` (a task whose ``takes_prompt`` is set; any other refuses a prompt)."""
     from vitlab.data import check_image_files
 
     inputs = check_image_files(inputs)
     model, record, task = load_model(checkpoint, weights=weights, device=device)
+    if prompt is not None and not task.takes_prompt:
+        takers = ", ".join(name for name in list_tasks() if task_class(name).takes_prompt)
+        raise ValueError(f"this run's task ({record.task}) takes no prompt; a prompt is for {takers} runs")
     out = Path(output_dir) if output_dir else run_dir_of(checkpoint) / "predictions"
-    return task.predict(model, record, inputs, out, topk=topk, device=device, optimize=optimize)
+    return task.predict(model, record, inputs, out, topk=topk, device=device, optimize=optimize, prompt=prompt)

@@ -125,6 +125,7 @@ class Task:
     monitor_mode: ClassVar[Literal["max", "min"]] = "max"
     Args: ClassVar[type] = NoArgs                       # the task's own options (a dataclass type)
     aliases: ClassVar[dict[str, str]] = {}              # short CLI flags for its options: {"init": "task_args.init"}
+    takes_prompt: ClassVar[bool] = False                # predict answers a text prompt (vitlab predict --prompt)
 
     data: Any
     model: nn.Module
@@ -206,8 +207,8 @@ class Task:
     def predict(self, model: nn.Module, record: RunRecord, inputs: list[str], out_dir: Path, *, topk: int = 5,
                 device: str = "cpu", optimize: bool = True, prompt: str | None = None) -> list[dict]:
         """One row per input (each with ``line``: what the console prints); files (masks, maps) under
-        ``out_dir``. ``prompt``: the question or instruction, for a task that answers one (``vitlab predict
-        --prompt``)."""
+        ``out_dir``. ``prompt``: the question or instruction, for a task with ``takes_prompt`` (``vitlab predict
+        --prompt``); the others are never given one."""
         raise TaskError(f"task {self.name!r} has no predict")
 
 

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from vitlab.data import DataError, declare_dataset
-from vitlab.data.datasets import _image_ok
+from vitlab.data.datasets import image_ok
 
 # read by the vision-language tasks, not vitlab.data.build
 READ_BY = "--task caption, --task vqa or --task blip"
@@ -82,7 +82,7 @@ def _hold_out(samples: list[VLSample], what: str) -> dict[str, list[VLSample]]:
 def _checked_image(path: Path, where: str) -> str:
     if not path.is_file():
         raise DataError(f"{where}: image not found: {path}")
-    if not _image_ok(path):
+    if not image_ok(path):
         raise DataError(f"{where}: corrupt image {path}")
     return str(path)
 

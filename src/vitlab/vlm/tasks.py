@@ -596,6 +596,7 @@ class VQATask(_VLTask):
 
     monitor = "answer_acc"
     instruct = True
+    takes_prompt = True  # the question
 
     def score(self, model, record, splits: VLSplits, split: str, batch_size: int, device) -> dict:
         samples = getattr(splits, split)
@@ -691,6 +692,8 @@ class BlipTask(_ScoredTask):
     captions (the scenes or ``coco:PATH``). Scored by retrieval (ITC recall@1/5 both ways and BLIP's ITM
     re-ranking of the contrastive top-k) and, with a captioning head, BLEU-4 / CIDEr-D of greedy captions."""
 
+    takes_prompt = True  # the start of the caption (BLIP's "a picture of")
+
     Args = BlipArgs
     monitor = "loss"
     monitor_mode = "min"
@@ -750,12 +753,7 @@ class BlipTask(_ScoredTask):
         text = {"text_vocab_size": tok.vocab_size, "text_max_len": max_len, "text_pad_token_id": tok.pad_id,
                 "text_cls_token_id": tok.bos_id, "text_sep_token_id": tok.eos_id, "text_bos_token_id": tok.dec_id,
                 "text_enc_token_id": tok.enc_id}
-        model = create_model(name, **{"img_size": img_size, **text, **kwargs})
-        if hasattr(model, "lm_head"):
-            # the run's checkpoint (safetensors) stores no tensor twice: the captioning head gets its own copy of
-            # the word embedding it is tied to, trained apart from it
-            model.lm_head.decoder.weight = nn.Parameter(model.lm_head.decoder.weight.detach().clone())
-        return model
+        return create_model(name, **{"img_size": img_size, **text, **kwargs})
 
     def _batch(self, batch):
         return tuple(t.to(self.device, non_blocking=True) for t in batch)
