@@ -174,3 +174,15 @@ def test_a_directory_of_another_architecture_is_refused(tmp_path):
                  lambda: LLaVA.from_pretrained(tmp_path)):
         with pytest.raises(ValueError, match="describes CLIPVisionModel.*not LlavaForConditionalGeneration"):
             load()
+
+
+@pytest.mark.parametrize("kw", [{}, {"in_chans": 5}, {"max_seq_len": 20}])
+def test_flops_are_counted_for_any_tower_input_and_context(kw):
+    """The profile's prompt fits a short context, and its image has the tower's channels (e.g. coordinates)."""
+    from vitlab.profile import profile_model
+
+    m = vitlab.create_model("llava_tiny", **kw)
+    ids, image = m.profile_inputs(torch.zeros(1, 3, 32, 32))
+    assert ids.shape[1] + m.num_image_tokens - 1 <= m.language_model.config.max_seq_len
+    assert image.shape[1] == kw.get("in_chans", 3)
+    assert profile_model(m).gmacs > 0

@@ -212,11 +212,16 @@ class LLaVA(nn.Module):
                                             pad_token_id=pad_token_id, generator=generator, on_token=on_token)
 
     def profile_inputs(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What :mod:`vitlab.profile` runs: one image and a 32-token prompt with its placeholder after the first
-        token. The ids stay on the CPU: the placeholder is found from their values, which the profiler's ``meta``
-        device does not hold."""
-        ids = torch.ones(image.shape[0], 32, dtype=torch.long)
+        """What :mod:`vitlab.profile` runs: ``image`` with the tower's own channels and a prompt of 32 tokens (fewer
+        where the context is shorter: with the image's tokens it fills at most the context) with its placeholder
+        after the first token. The ids stay on the CPU: the placeholder is found from their values, which the
+        profiler's ``meta`` device does not hold."""
+        n = max(2, min(32, self.language_model.config.max_seq_len - self.num_image_tokens + 1))
+        ids = torch.ones(image.shape[0], n, dtype=torch.long)
         ids[:, 1] = self.image_token_id
+        chans = self.vision_tower.patch_embed.in_chans
+        if image.shape[1] != chans:  # a tower that reads more than the pixels (e.g. coordinate channels)
+            image = image.new_zeros(image.shape[0], chans, *image.shape[2:])
         return ids, image
 
     def shard_units(self) -> list[nn.Module]:
