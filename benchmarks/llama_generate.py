@@ -3,11 +3,13 @@ process: prefill and decode tokens/s, eager and optimized.
 
 A ~100M-parameter Llama (``llama_100m``: dim 640, 12 layers, vocabulary 32,000) with random weights, fp32 on the
 CPU; transformers' model is built from the same config and ours loads its state dict (Touvron et al., 2023,
-"Llama 2"). For each batch size, every implementation generates greedily from the same random prompts, with
-``max_new_tokens=1`` (the prefill: the prompt's forward and one token) and ``max_new_tokens=N``; the calls of all
-implementations alternate (round robin, order reversed every other run) after warm-up, and the figures are
-medians: prefill tokens/s = batch x prompt / t(1), decode tokens/s = batch x (N - 1) / (t(N) - t(1)). The ratios
-are ours / transformers' per paired run (medians). Both generate the same tokens (checked).
+"Llama 2"). For each batch size, every implementation generates N tokens greedily from the same random prompts;
+each call is split where its first token's logits exist (ours: the ``on_token`` callback; transformers': a logits
+processor, called before its sampling, so the split favours it slightly): the prefill is the time to there, the
+decoding the time from there to the last token's logits. The calls of all implementations alternate (round robin,
+order reversed every other run) after warm-up, and the figures are medians: prefill tokens/s = batch x prompt /
+prefill, decode tokens/s = batch x (N - 1) / decoding. The ratios are transformers' time / ours in the same run
+(medians; > 1: ours is faster). Both generate the same tokens (checked).
 
 Implementations: ``vitlab`` (eager), ``vitlab_compiled`` (``vitlab.optimize.optimize(model)``, which for a Llama is
 :func:`vitlab.optimize.llama.compile_llama`: prefill and decoding step compiled by Inductor with frozen weights),
@@ -30,13 +32,14 @@ import argparse
 import platform
 import statistics
 import sys
+import time
 
 import torch
 
 import vitlab
 from vitlab.models.llama import hf_to_llama_state_dict, llama_to_hf_config
 from vitlab.optimize.cpu import cpu_model, isa
-from vitlab.timing import check_counts, round_robin_times
+from vitlab.timing import check_counts
 
 
 def _hf_model(cfg):
@@ -96,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--new-tokens must be at least 2 (decode speed is measured past the first token)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cpu")
     torch.manual_seed(0)
     with torch.device("meta"):
         cfg = vitlab.create_model(args.model).config
     hf = _hf_model(cfg)
+    from transformers import LogitsProcessorList
     ours = vitlab.models.llama.Llama(cfg).eval()
     ours.load_state_dict(hf_to_llama_state_dict(hf.state_dict(), cfg))
     params = sum(p.numel() for p in ours.parameters())
@@ -110,13 +113,19 @@ def main(argv: list[str] | None = None) -> int:
 
         fast = optimize(ours, backend="compile")
 
+    stamps: list[float] = []  # when each new token's logits exist, in the current call
+
+    def stamp(*args):
+        stamps.append(time.perf_counter())
+        return args[1] if len(args) == 2 else None  # as transformers' logits processor: the scores unchanged
+
     def gen(impl: str, ids: torch.Tensor, n: int):
         def call():
             with torch.no_grad():
                 if impl == "vitlab":
-                    return ours.generate(ids, n)
+                    return ours.generate(ids, n, on_token=stamp)
                 if impl == "vitlab_compiled":
-                    return fast.generate(ids, n)
+                    return fast.generate(ids, n, on_token=stamp)
                 extra = {}
                 if impl == "hf_static":
                     from transformers import CompileConfig
@@ -125,8 +134,18 @@ def main(argv: list[str] | None = None) -> int:
                     config._compile_all_devices = True  # transformers compiles on accelerators only unless told
                     extra = {"cache_implementation": "static", "compile_config": config}
                 return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0, attention_mask=torch.ones_like(ids), **extra)[:, ids.shape[1]:]
+                                   pad_token_id=0, attention_mask=torch.ones_like(ids),
+                                   logits_processor=LogitsProcessorList([stamp]), **extra)[:, ids.shape[1]:]
         return call
+
+    def split(call) -> tuple[float, float]:
+        """(prefill s, decoding s) of one call."""
+        stamps.clear()
+        t0 = time.perf_counter()
+        call()
+        if len(stamps) != args.new_tokens:
+            raise RuntimeError(f"expected {args.new_tokens} token times, got {len(stamps)}")
+        return stamps[0] - t0, stamps[-1] - stamps[0]
 
     impls = ["vitlab", "hf"] + ([] if args.no_compile else ["vitlab_compiled"]) + (
         ["hf_static"] if args.hf_static else [])
@@ -135,14 +154,20 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.randint(3, cfg.vocab_size, (b, args.prompt_len))
         outs = {impl: gen(impl, ids, args.new_tokens)() for impl in impls}
         same = {impl: bool(torch.equal(outs[impl], outs["hf"])) for impl in impls}
-        for impl in impls:  # compile every graph the timed calls use (both cache sizes) before any timing
-            for n in (1, args.new_tokens, 1):
-                gen(impl, ids, n)()
-        t1 = round_robin_times({i: gen(i, ids, 1) for i in impls}, device, args.warmup, args.runs)
-        tn = round_robin_times({i: gen(i, ids, args.new_tokens) for i in impls}, device, args.warmup, args.runs)
+        calls = {i: gen(i, ids, args.new_tokens) for i in impls}
+        for _ in range(args.warmup):  # after the first call above, which built the compiled graphs
+            for call in calls.values():
+                call()
+        t1: dict[str, list[float]] = {i: [] for i in impls}
+        tn: dict[str, list[float]] = {i: [] for i in impls}
+        for r in range(args.runs):
+            for impl in impls if r % 2 == 0 else impls[::-1]:
+                p, d = split(calls[impl])
+                t1[impl].append(p)
+                tn[impl].append(d)
         for impl in impls:
             p = statistics.median(t1[impl])
-            d = statistics.median(tn[impl]) - p
+            d = statistics.median(tn[impl])
             row = dict(impl=impl, batch_size=b, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                        prefill_s=p, decode_s=d, prefill_tok_s=b * args.prompt_len / p,
                        decode_tok_s=b * (args.new_tokens - 1) / d, same_tokens_as_hf=same[impl])
@@ -150,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             for peer in ("hf", "hf_static"):
                 if peer in impls:
                     row[f"prefill_vs_{peer}"] = statistics.median(h / o for o, h in zip(t1[impl], t1[peer]))
-                    row[f"decode_vs_{peer}"] = statistics.median(
-                        (hn - h1) / (on - o1) for o1, on, h1, hn in zip(t1[impl], tn[impl], t1[peer], tn[peer]))
+                    row[f"decode_vs_{peer}"] = statistics.median(h / o for o, h in zip(tn[impl], tn[peer]))
             rows.append(row)
     result = dict(benchmark="llama_generate", model=args.model, params=params, dtype="float32", device="cpu",
                   cpu=cpu_model(), isa=isa(), threads=torch.get_num_threads(), torch=torch.__version__,
