@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default docs/bench/hilo_cpu_<isa>.json; '-': none)")
     args = ap.parse_args()
     from vitlab.optimize import cpu as cpu_info
+    from vitlab.optimize.compiled import compile_inference
 
     cpu_info.rerun_under(args.isa)
 
@@ -141,9 +142,9 @@ def main() -> None:
         variants["hilo_kernels"] = lambda x: kern(x, hw)
     if not args.no_compile:
         opts = cpu_info.inductor_options()  # as vitlab.optimize's compile backend: freezing, the SIMD width stated
-        c_hilo = torch.compile(copy.deepcopy(hilo), options=opts)
-        c_paper = torch.compile(copy.deepcopy(paper), options=opts)
-        c_msa = torch.compile(copy.deepcopy(msa), options=opts)
+        c_hilo = compile_inference(copy.deepcopy(hilo), opts)
+        c_paper = compile_inference(copy.deepcopy(paper), opts)
+        c_msa = compile_inference(copy.deepcopy(msa), opts)
         variants["hilo_compiled"] = lambda x: c_hilo(x, hw)
         variants["paper_compiled"] = lambda x: c_paper(x, H, W)
         variants["msa_compiled"] = lambda x: c_msa(x, hw)

@@ -45,6 +45,7 @@ def bench_model(name: str, batch_size: int, warmup: int, runs: int, repeat: int,
 
     import vitlab
     from vitlab.bench.models import _timm_twin
+    from vitlab.optimize.compiled import compile_inference
     from vitlab.optimize.cpu import inductor_options
     from vitlab.registry import get_model_config
     from vitlab.timing import round_robin_times
@@ -60,7 +61,7 @@ def bench_model(name: str, batch_size: int, warmup: int, runs: int, repeat: int,
     fast = vitlab.optimize.optimize(ours, x, cache=cache, tune=True)
     t_opt = time.perf_counter() - t0
     t0 = time.perf_counter()
-    timm_c = torch.compile(copy.deepcopy(twin), options=inductor_options())  # freezing, as vitlab.optimize
+    timm_c = compile_inference(copy.deepcopy(twin), inductor_options())  # freezing, as vitlab.optimize
     with torch.no_grad():
         ref = twin(x)
         diff_peer = vitlab.optimize.max_abs_diff(timm_c(x), ref)  # the peer must compute the function too

@@ -105,9 +105,10 @@ def _prepare(model: nn.Module, device, channels_last: bool, compile_: bool, mode
     if not compile_:
         return model
     if mode == "infer" and torch.device(device).type == "cpu":
+        from vitlab.optimize.compiled import CompiledInference, compile_inference
         from vitlab.optimize.cpu import inductor_options
 
-        return torch.compile(model.eval(), options=inductor_options())  # inference_mode in the step
+        return CompiledInference(model.eval(), compile_inference(model, inductor_options()))
     return torch.compile(model)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from vitlab.optimize._core import (
     BACKENDS,
-    CompiledInference,
     OptimizeReport,
     cache_dir,
     cache_file,
@@ -27,8 +26,10 @@ from vitlab.optimize._core import (
     measure,
     optimize,
 )
+from vitlab.optimize.compiled import CompiledInference, compile_inference
 from vitlab.optimize.cpu import bf16_note, cpu_model, isa, native_bf16
 
 __all__ = ["BACKENDS", "CompiledInference", "OptimizeReport", "bf16_note", "cache_dir", "cache_file", "cache_key",
-           "cpu_model", "default_input", "explain", "isa", "max_abs_diff", "measure", "native_bf16", "optimize"]
+           "compile_inference", "cpu_model", "default_input", "explain", "isa", "max_abs_diff", "measure",
+           "native_bf16", "optimize"]
 

@@ -70,6 +70,7 @@ import torch.nn as nn
 
 from vitlab._io import atomic_write
 from vitlab.optimize import cpu as cpuinfo
+from vitlab.optimize.compiled import CompiledInference, compile_inference
 from vitlab.optimize.rewrite import REWRITES, rewrite
 
 log = logging.getLogger("vitlab.optimize")
@@ -102,30 +103,6 @@ class OptimizeReport:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-class CompiledInference(nn.Module):
-    """A ``torch.compile``-d model run under ``torch.no_grad()`` (Inductor's freezing applies to inference
-    graphs only). ``module`` is the eager model (its state dict, under ``module.``); other attributes are
-    looked up on it."""
-
-    def __init__(self, module: nn.Module, compiled: Callable):
-        super().__init__()
-        self.module = module
-        self.__dict__["compiled"] = compiled  # not a submodule: the parameters are listed once
-
-    def forward(self, *args, **kwargs):
-        with torch.no_grad():
-            return self.compiled(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = self.__dict__.get("_modules", {}).get("module")
-            if inner is None:
-                raise
-            return getattr(inner, name)
 
 
 # ---- building each backend -----------------------------------------------------------------------------------
@@ -169,9 +146,9 @@ def _compile(model: nn.Module, device: torch.device, options: dict | None = None
     if device.type == "cpu":
         cpuinfo.cpp_extension()  # imported quietly now, before Inductor's C++ build imports it and warns
         opts = {**cpuinfo.inductor_options(), **(options or {})}
-        compiled = torch.compile(model, options=opts)
+        compiled = compile_inference(model, opts)
     else:
-        compiled = torch.compile(model, options=options) if options else torch.compile(model)
+        compiled = compile_inference(model, options)
     return CompiledInference(model, compiled)
 
 

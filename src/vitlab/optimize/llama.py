@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from vitlab.models.llama import Llama
 from vitlab.optimize import cpu as cpuinfo
-from vitlab.optimize._core import CompiledInference
+from vitlab.optimize.compiled import CompiledInference, compile_inference
 
 
 def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None = None) -> Callable[..., torch.Tensor]:
@@ -58,15 +58,12 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
         # the graph's wrapper in C++ too: a decoding step is some hundred small calls, each launched from Python
         # otherwise
         options = {**cpuinfo.inductor_options(), "cpp_wrapper": True, **options}
-    freezing = bool(options.get("freezing"))
-    compiled = torch.compile(model, options=options)
+    compiled = compile_inference(model, options)
 
     def forward(input_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         if not prefill and (input_ids is None or input_ids.shape[1] != 1):
             return model(input_ids, **kwargs)
-        # Dynamo reads the freezing flag while tracing (to hand the parameters to Inductor as constants), not
-        # only Inductor: as a per-call option alone the weights stay graph inputs and are never prepacked
-        with torch._inductor.config.patch(freezing=freezing), warnings.catch_warnings():
+        with warnings.catch_warnings():
             # RoPE's complex product stays one ATen call inside the graph, which Inductor says when it compiles
             warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
             return compiled(input_ids, **kwargs)
