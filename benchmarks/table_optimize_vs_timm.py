@@ -1,13 +1,13 @@
 """Markdown table of ``benchmarks/optimize_vs_timm.py`` results (one or more JSON files, e.g. both ISAs).
 
-    python benchmarks/table_optimize_vs_timm.py docs/bench/optimize_vs_timm_avx512.json \\
-        docs/bench/optimize_vs_timm_avx2.json
+    python benchmarks/table_optimize_vs_timm.py docs/bench/optimize_vs_timm_xeon/*.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+from pathlib import Path
 
 
 def table(paths: list[str]) -> str:
@@ -16,7 +16,7 @@ def table(paths: list[str]) -> str:
              "|---|---|---|---|---|---|---|"]
     machines = []
     for path in paths:
-        data = json.load(open(path))
+        data = json.loads(Path(path).read_text())
         m = data["machine"]
         machines.append(f"- `{path}`: CPU {m['cpu']}, ISA `{m['isa']}`, {m['threads']} threads, torch {m['torch']}, "
                         f"load average at start {m['loadavg_start']}; `{data['command']}` ({data['date']})")
@@ -30,5 +30,16 @@ def table(paths: list[str]) -> str:
     return "\n".join(lines + [""] + machines)
 
 
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", help="JSON files written by benchmarks/optimize_vs_timm.py --json")
+    args = ap.parse_args(argv)
+    missing = [p for p in args.results if not Path(p).is_file()]
+    if missing:
+        ap.error(f"no such file: {missing[0]}")
+    print(table(args.results))
+    return 0
+
+
 if __name__ == "__main__":
-    print(table(sys.argv[1:]))
+    raise SystemExit(main())
