@@ -9,7 +9,7 @@ processor, called before its sampling, so the split favours it slightly): the pr
 decoding the time from there to the last token's logits. The calls of all implementations alternate (round robin,
 order reversed every other run) after warm-up, and the figures are medians: prefill tokens/s = batch x prompt /
 prefill, decode tokens/s = batch x (N - 1) / decoding. The ratios are transformers' time / ours in the same run
-(medians; > 1: ours is faster). Both generate the same tokens (checked).
+(medians, with their min-max over the runs; > 1: ours is faster). Both generate the same tokens (checked).
 
 Implementations: ``vitlab`` (eager), ``vitlab_compiled`` (``vitlab.optimize.optimize(model)``, which for a Llama is
 :func:`vitlab.optimize.llama.compile_llama`: prefill and decoding step compiled by Inductor with frozen weights),
@@ -75,8 +75,10 @@ def _summary(rows: list[dict], impls: list[str]) -> list[dict]:
                 continue
             for phase in ("prefill", "decode"):
                 ratio = r[f"{phase}_vs_{peer}"]
+                lo, hi = r[f"{phase}_vs_{peer}_range"]
                 out.append(dict(target=kind, ours=ours, denominator=peer, batch_size=r["batch_size"], phase=phase,
-                                ratio=round(ratio, 3), goal=TARGETS[kind], met=ratio >= TARGETS[kind]))
+                                ratio=round(ratio, 3), min=round(lo, 3), max=round(hi, 3), goal=TARGETS[kind],
+                                met=ratio >= TARGETS[kind]))
     return out
 
 
@@ -174,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             # paired ratios: transformers' time / ours in the same run (> 1: ours is faster)
             for peer in ("hf", "hf_static"):
                 if peer in impls:
-                    row[f"prefill_vs_{peer}"] = statistics.median(h / o for o, h in zip(t1[impl], t1[peer]))
-                    row[f"decode_vs_{peer}"] = statistics.median(h / o for o, h in zip(tn[impl], tn[peer]))
+                    for phase, t in (("prefill", t1), ("decode", tn)):
+                        ratios = [h / o for o, h in zip(t[impl], t[peer])]
+                        row[f"{phase}_vs_{peer}"] = statistics.median(ratios)
+                        row[f"{phase}_vs_{peer}_range"] = [min(ratios), max(ratios)]
             rows.append(row)
     result = dict(benchmark="llama_generate", model=args.model, params=params, dtype="float32", device="cpu",
                   cpu=cpu_model(), isa=isa(), threads=torch.get_num_threads(), torch=torch.__version__,
@@ -192,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['prefill_vs_hf']:>11.2f}{r['decode_vs_hf']:>10.2f}{str(r['same_tokens_as_hf']):>13}")
     for s in result["summary"]:
         print(f"{s['target']:<10} {s['ours']} / {s['denominator']:<10} batch {s['batch_size']} {s['phase']:<8}"
-              f"{s['ratio']:6.2f}x (goal {s['goal']}x: {'met' if s['met'] else 'NOT met'})")
+              f"{s['ratio']:6.2f}x [{s['min']:.2f}-{s['max']:.2f}] (goal {s['goal']}x: "
+              f"{'met' if s['met'] else 'NOT met'})")
     if args.json:
         from vitlab._io import write_json
 
