@@ -3,7 +3,8 @@ and our plain eager model against timm eager; same weights, paired timing in one
 
 For each model: our model and timm's twin carry the same weights (checked by a state-dict round trip);
 ``vitlab.optimize.optimize(model, x)`` measures its candidates on this batch (``--cache`` to reuse a cached choice) and
-timm's twin is compiled with ``torch.compile(twin, options={"freezing": True, "cpp.simdlen": ...})``
+timm's twin is compiled as vitlab.optimize compiles (``vitlab.optimize.compile_inference(twin, {"freezing": True,
+"cpp.simdlen": ...})``: freezing set where Dynamo reads it)
 (``vitlab.optimize.cpu.inductor_options``: the SIMD width Inductor picks anyway, stated so it keys the cache).
 Four implementations are then timed in round robin (``--runs`` runs after ``--warmup``, the order reversed every
 other run) under ``torch.no_grad()``; each ratio is the median over the runs of the paired ratio peer time / our
@@ -14,8 +15,8 @@ same models).
 capped at AVX2, Inductor's C++ built for ``x86-64-v3``, an Inductor cache of its own; set before torch starts: the
 script re-runs itself) and records the ISA in use.
 
-    python benchmarks/optimize_vs_timm.py --models deit_tiny_patch16_224 levit_256 --isa native \\
-        --json docs/bench/optimize_vs_timm_avx512.json
+    python benchmarks/optimize_vs_timm.py --models deit_tiny_patch16_224 --isa native \\
+        --json docs/bench/optimize_vs_timm_xeon/native_deit_tiny_patch16_224.json
 """
 
 from __future__ import annotations
