@@ -45,6 +45,15 @@ def _dotted(node: ast.expr) -> str | None:
     return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
 
 
+def _from_module(name: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    """The absolute module of ``from X import ...`` in module ``name`` (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The vitlab modules ``name`` imports (anywhere in the file but under ``if TYPE_CHECKING:``)."""
     tree = _parse(path)
@@ -67,12 +76,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
             if dotted:
                 out.add(dotted)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(name, is_pkg, node)
             if mod.split(".")[0] == "vitlab":
                 for a in node.names:
                     sub = f"{mod}.{a.name}"
@@ -241,12 +245,7 @@ def private_uses(name: str, path: Path) -> set[str]:
                 if a.name.split(".")[0] == "vitlab":
                     bound[a.asname or "vitlab"] = a.name if a.asname else "vitlab"
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(name, is_pkg, node)
             for a in node.names:
                 full = f"{mod}.{a.name}"
                 if other(full) and _private(full):
