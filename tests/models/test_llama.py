@@ -10,8 +10,8 @@ import torch
 
 import vitlab
 from vitlab.convert import CheckpointError
-from vitlab.layers import RotaryEmbedding1D, rope_rotate, swiglu_hidden_dim
-from vitlab.models.llama import Llama, LlamaConfig, rotate, sample_next_token
+from vitlab.layers import RotaryEmbedding1D, apply_rotary_embs, rope_rotate, swiglu_hidden_dim
+from vitlab.models.llama import Llama, LlamaConfig, sample_next_token
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,7 +140,7 @@ def test_complex_rope_of_the_blocks_equals_the_real_form_per_sequence():
     freqs = torch.view_as_complex(model.rope_freqs[pos, None])
     cos, sin = RotaryEmbedding1D(16)(256)
     want = rope_rotate(x.transpose(1, 2), cos[pos][:, None], sin[pos][:, None]).transpose(1, 2)
-    torch.testing.assert_close(rotate(x, freqs), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(apply_rotary_embs(x, freqs), want, atol=1e-5, rtol=1e-5)
     # a cast to bf16 keeps both parts of the table (a complex buffer would lose its imaginary part)
     half = model.to(torch.bfloat16).rope_freqs
     assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), model.rope_freqs.float(), atol=1e-2)

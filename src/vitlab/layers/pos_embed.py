@@ -200,9 +200,12 @@ def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Te
 
 
 def apply_rotary_embs(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, N, heads, head_dim) by ``freqs_cis`` (N, head_dim/2): each consecutive pair
+    """Rotate ``x`` (B, N, heads, head_dim) by ``freqs_cis``, (N, head_dim/2) for every sequence alike or
+    (B, N, 1, head_dim/2) with each sequence's own positions (left-padded prompts): each consecutive pair
     ``(x_2j, x_2j+1)`` is read as the complex number ``x_2j + i x_2j+1`` and multiplied by its rotation; equal to
     :func:`rope_rotate` with the real tables of :class:`RotaryEmbedding1D`."""
     x_c = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, N, heads, head_dim/2)
-    out = torch.view_as_real(x_c * freqs_cis[None, :, None, :]).flatten(-2)
+    if freqs_cis.dim() == 2:
+        freqs_cis = freqs_cis[None, :, None, :]
+    out = torch.view_as_real(x_c * freqs_cis).flatten(-2)
     return out.type_as(x)

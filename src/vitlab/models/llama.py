@@ -37,6 +37,7 @@ from vitlab.convert import CheckpointError, read_hf_config, read_hf_state_dict, 
 from vitlab.layers import (
     RMSNorm,
     SwiGLU,
+    apply_rotary_embs,
     check_heads,
     checkpoint_seq,
     precompute_freqs_cis,
@@ -96,15 +97,6 @@ class KVCache:
         return self.k[0].shape[2]
 
 
-def rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """RoPE in Meta's complex form: ``x`` (B, N, heads, head_dim), each consecutive pair ``(x_2j, x_2j+1)`` read
-    as ``x_2j + i x_2j+1`` and multiplied by ``freqs_cis`` (B, N, 1, head_dim/2), the rotations of each sequence's
-    own positions, the same for every head (:func:`~vitlab.layers.apply_rotary_embs` with a table per sequence, as
-    left padding needs)."""
-    x_c = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(x_c * freqs_cis).flatten(-2).type_as(x)
-
-
 class LlamaAttention(nn.Module):
     """Multi-head (or grouped-query) causal self-attention with RoPE on the queries and keys. The query, key and
     value projections are one ``qkv`` linear layer (one matmul instead of three)."""
@@ -122,8 +114,8 @@ class LlamaAttention(nn.Module):
         b, n, _ = x.shape
         q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
                                      self.n_kv_heads * self.head_dim], dim=-1)
-        q = rotate(q.view(b, n, self.n_heads, self.head_dim), freqs_cis).transpose(1, 2)
-        k = rotate(k.view(b, n, self.n_kv_heads, self.head_dim), freqs_cis).transpose(1, 2)
+        q = apply_rotary_embs(q.view(b, n, self.n_heads, self.head_dim), freqs_cis).transpose(1, 2)
+        k = apply_rotary_embs(k.view(b, n, self.n_kv_heads, self.head_dim), freqs_cis).transpose(1, 2)
         v = v.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if kv is not None:  # write this step's keys and values, attend over everything cached so far
             k_cache, v_cache = kv

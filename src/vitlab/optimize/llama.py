@@ -16,12 +16,12 @@ The function is unchanged (the compiled forward computes the same logits within 
 the time goes per token: one token through every layer, many small kernels, each launched from Python in eager
 mode; compiled, a step is a few fused C++ kernels and GEMMs with prepacked weights (on the CPU the graph is
 compiled with the weights frozen and the SIMD width stated, :func:`vitlab.optimize.cpu.inductor_options`). Freezing
-is what turns the weights into constants that Inductor prepacks for MKL: for a batch of 8 one-token rows MKL's
-packed GEMM is about twice as fast as the plain GEMM against a row-major ``nn.Linear`` weight. On the CPU the
-graph's wrapper is C++ as well (``cpp_wrapper``), and the model's attributes are not guarded: a one-token step at
-batch 1 is a few milliseconds, and launching a hundred kernels from Python, or checking a guard per parameter before
-each call, is a visible share of it. The prefill gains less (large GEMMs, already near the CPU's peak, dominate it);
-``prefill=False`` leaves it eager and saves its compile.
+is what turns the weights into constants that Inductor prepacks for MKL, whose packed GEMM beats the plain one
+against a row-major ``nn.Linear`` weight for a few one-token rows. On the CPU the graph's wrapper is C++ as well
+(``cpp_wrapper``), and the model's attributes are not guarded: a one-token step is short, so launching a hundred
+kernels from Python, or checking a guard per parameter before each call, is a visible share of it. The prefill
+gains less (large GEMMs, already near the CPU's peak, dominate it); ``prefill=False`` leaves it eager and saves its
+compile.
 
 The cache is the model's preallocated :class:`~vitlab.models.llama.KVCache`. Shapes are left to Dynamo's automatic
 dynamic mode: the first call of a kind (prefill or step, with or without a padding mask) compiles with static
