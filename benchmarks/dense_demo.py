@@ -34,7 +34,7 @@ HEADS = {
 
 
 def run_head(head: str, args, tmp: str) -> dict:
-    from vitlab.train import TrainConfig, fit
+    from vitlab.train import TrainConfig, fit, read_metrics
 
     over = {"task_args.head": head, "task_args.head_kwargs": HEADS[head], "threads": args.threads,
             "seed": args.seed, "data.seed": args.seed, "output_dir": str(Path(tmp) / head), "quiet": True}
@@ -46,7 +46,7 @@ def run_head(head: str, args, tmp: str) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     s = fit(cfg)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    rows = [json.loads(line) for line in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(s["run_dir"], "epoch")
     from vitlab.train import evaluate
 
     ev = evaluate(Path(s["run_dir"]) / "last", split="test", output_dir=tmp)  # the weights fit's test score used

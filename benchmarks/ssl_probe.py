@@ -28,7 +28,7 @@ from vitlab._io import write_json, write_png
 from vitlab.data import DataConfig, build
 from vitlab.optimize import cpu
 from vitlab.ssl.probe import probe
-from vitlab.train import TrainConfig, fit
+from vitlab.train import TrainConfig, fit, read_metrics
 
 MODEL = "vit_pico_patch8_32"
 # Small heads for a 64-wide backbone; the rest are the papers' defaults (temperatures, momenta, mask ratio).
@@ -201,7 +201,7 @@ def main() -> None:
                           epochs=epochs.get(m, 10), batch_size=args.batch_size, lr=rec["lr"], warmup_epochs=1,
                           drop_path=0.0, threads=args.threads, seed=args.seed, quiet=True, output_dir=str(run))
         wall, done = pretrain_within(cfg, run, args.budget_min * 60 if args.budget_min else None)
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(run, "epoch")
         monitors = {k: rows[-1][k] for k in rows[-1] if k.startswith("val_")}
         result["methods"][m] = {"epochs": cfg.epochs, "epochs_done": done, "lr": cfg.lr, "task_args": rec["task_args"],
                                 "pretrain_wall_s": wall, "final_train_loss": rows[-1]["train_loss"],

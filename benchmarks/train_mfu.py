@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    from vitlab.train import TrainConfig, fit
+    from vitlab.train import TrainConfig, fit, read_metrics
 
     data = {"dataset": args.data, "num_workers": args.workers, "img_size": args.img_size}
     if args.data == "fake":
@@ -48,7 +48,7 @@ def main() -> None:
                                    amp=args.amp, compile=args.compile, device=args.device, threads=args.threads,
                                    warmup_epochs=0.0, quiet=True, output_dir=str(Path(tmp) / "run"))
         summary = fit(cfg)
-        rows = [json.loads(line) for line in (Path(tmp) / "run" / "steps.jsonl").read_text().splitlines()]
+        rows = read_metrics(Path(tmp) / "run", "step")
     steady = rows[args.skip:] or rows
     keys = ("img_per_s", "tokens_per_s", "step_time_s", "data_wait", "mfu")
     result = {"model": args.model, "data": args.data, "batch_size": args.batch_size, "amp": args.amp,

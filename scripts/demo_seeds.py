@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timezone
 from pathlib import Path
 
+from vitlab.train import read_metrics  # imported before any timed run starts
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "docs" / "bench" / "demo_seeds.json"
 TARGET_MEAN, TARGET_MIN, TARGET_TRAIN_S = 98.5, 98.0, 90.0
@@ -85,10 +87,10 @@ def run_seed(seed: int, extra: list[str], run_dir: Path, timeout: float | None) 
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         raise RuntimeError(f"seed {seed}: {' '.join(cmd)} exited {proc.returncode}:\n  " + "\n  ".join(tail))
     summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = read_metrics(run_dir, "epoch")
     if summary.get("test_top1") is None:
         raise RuntimeError(f"seed {seed}: the run in {run_dir} reports no test accuracy")
-    epoch_times = [m["epoch_time_s"] for m in metrics if "epoch_time_s" in m]
+    epoch_times = [m["epoch_time_s"] for m in metrics]
     return {"seed": seed, "test_top1": summary["test_top1"],
             "best_val_top1": summary.get("best_val_top1"), "best_epoch": summary.get("best_epoch"),
             "best_weights": summary.get("best_weights"), "epochs": summary.get("epochs"),

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from vitlab.train import checkpoint as ck
+from vitlab.train import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 # 32 fake 16x16 images, 2 processes x batch 8: 2 optimiser steps an epoch; a 1-block, 32-wide ViT at patch 8
@@ -38,7 +39,7 @@ def _launch(*args: str) -> None:
 
 
 def _rows(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run, "epoch")
 
 
 @pytest.mark.slow

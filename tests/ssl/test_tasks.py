@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from tests.train.test_distributed import world_of_one  # noqa: F401  (the env of a one-process torchrun)
 from vitlab.cli import main
 from vitlab.data import DataConfig
-from vitlab.train import TrainConfig, fit
+from vitlab.train import TrainConfig, fit, read_metrics
 from vitlab.train import checkpoint as ck
 from vitlab.train.recipe import layer_decay_groups
 from vitlab.train.trainer import TIME_KEYS
@@ -40,7 +40,7 @@ def cfg_for(method, tmp_path, **kw) -> TrainConfig:
 def test_pretrain_run_dir_and_monitors(method, tmp_path):
     s = fit(cfg_for(method, tmp_path, epochs=1))
     run = tmp_path / "run"
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run, "epoch")
     assert {"val_feature_std", "val_effective_rank"} <= rows[0].keys()
     if method.startswith("dino"):
         assert {"val_teacher_entropy", "val_teacher_student_kl"} <= rows[0].keys()
@@ -87,8 +87,8 @@ def test_resume_is_exact(method, tmp_path):
     assert int(sa["progress"]["step"]) == int(sb["progress"]["step"]) == 4
     if method == "dino":
         torch.testing.assert_close(sa["center"]["center"], sb["center"]["center"], rtol=0, atol=1e-7)
-    ma = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
-    mb = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    ma = read_metrics(a, "epoch")
+    mb = read_metrics(b, "epoch")
     strip = lambda r: {k: v for k, v in r.items() if k not in TIME_KEYS}  # noqa: E731
     assert [strip(r) for r in ma] == [strip(r) for r in mb]
 
@@ -219,8 +219,8 @@ def test_strategies_resume_exactly(tmp_path, strategy, method):
     b = tmp_path / "b" / "run"
     fit(cfg_for(method, tmp_path / "b", strategy=strategy, resume=str(b), output_dir=str(b)))
     a = tmp_path / "a" / "run"
-    la = [json.loads(x)["train_loss"] for x in (a / "metrics.jsonl").read_text().splitlines()]
-    lb = [json.loads(x)["train_loss"] for x in (b / "metrics.jsonl").read_text().splitlines()]
+    la = [r["train_loss"] for r in read_metrics(a, "epoch")]
+    lb = [r["train_loss"] for r in read_metrics(b, "epoch")]
     assert la == lb
     wa, wb = _weights(a), _weights(b)
     for k in wa:

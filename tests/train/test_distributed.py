@@ -35,7 +35,9 @@ def _launch(nproc: int, out: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _losses(run: Path) -> list[float]:
-    return [json.loads(line)["train_loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    from vitlab.train import read_metrics
+
+    return [r["train_loss"] for r in read_metrics(run, "epoch")]
 
 
 @pytest.mark.slow  # ~1 min each on 2 cores; the world-of-one tests below cover the strategies in the fast suite
@@ -64,12 +66,14 @@ FEATURE = ["--distill", "feature", "--teacher", "vit_pico_patch8_32", "--task_ar
 def test_feature_distillation_and_ema_two_processes_match_one(tmp_path, strategy):
     """The projectors' gradients are averaged across ranks (they train inside the wrapped module) and the EMA
     follows the sharded weights: two processes at batch 32 match one at batch 64."""
+    from vitlab.train import read_metrics
+
     _launch(1, tmp_path / "one", "--strategy", strategy, "--batch-size", "64", *FEATURE)
     _launch(2, tmp_path / "two", "--strategy", strategy, "--batch-size", "32", *FEATURE)
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert one == pytest.approx(two, rel=1e-4, abs=1e-5)
-    rows = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    rows1 = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "two", "epoch")
+    rows1 = read_metrics(tmp_path / "one", "epoch")
     assert [r["ema_val_loss"] for r in rows] == pytest.approx([r["ema_val_loss"] for r in rows1], rel=1e-4)
 
 
@@ -105,7 +109,7 @@ def test_ema_and_feature_distillation_under_each_strategy_resume_exactly(tmp_pat
     import torch.distributed as dist
 
     from vitlab.train import checkpoint as ck
-    from vitlab.train import fit
+    from vitlab.train import fit, read_metrics
 
     straight = fit(_feature_cfg(tmp_path / "a", strategy))
     assert not dist.is_initialized()  # fit closes the group it opened
@@ -123,7 +127,7 @@ def test_ema_and_feature_distillation_under_each_strategy_resume_exactly(tmp_pat
             torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
     state = ck.load_trainer_state(a / "last")
     assert "projector" in state and state["ema_updates"] == 4
-    rows = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(a, "epoch")
     assert all("ema_val_top1" in r for r in rows)
 
 

@@ -4,7 +4,6 @@ streams (``IterableDataset``) without a sampler, resumed from their own position
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ from torch.utils.data import IterableDataset
 
 from tests.train.conftest import tiny_config
 from vitlab.classify.tasks import ClassificationTask
-from vitlab.train import Callback, fit, register_task
+from vitlab.train import Callback, Trainer, fit, read_metrics, register_task
 from vitlab.train import checkpoint as ck
 from vitlab.train.strategy import make_loader
 from vitlab.train.trainer import TIME_KEYS
@@ -45,19 +44,21 @@ def _weights(run: Path, name: str = "model.safetensors") -> dict:
 
 
 def _same_run(a: Path, b: Path) -> None:
-    """Runs ``a`` and ``b`` end with equal weights (bit for bit), equal metrics and equal per-step losses."""
+    """Runs ``a`` and ``b`` end with equal weights (bit for bit) and equal ``metrics.jsonl`` but for the timings:
+    every step and every epoch once, in order, with the same values."""
     for name in ("model.safetensors", "ema.safetensors"):
         wa, wb = _weights(a, name), _weights(b, name)
         assert wa.keys() == wb.keys()
         for k in wa:
             assert torch.equal(wa[k], wb[k]), (name, k)
-    strip = [{k: v for k, v in json.loads(x).items() if k not in TIME_KEYS}
-             for x in (a / "metrics.jsonl").read_text().splitlines()]
-    assert strip == [{k: v for k, v in json.loads(x).items() if k not in TIME_KEYS}
-                     for x in (b / "metrics.jsonl").read_text().splitlines()]
-    sa = [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in map(json.loads, (a / "steps.jsonl").open())]
-    sb = [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in map(json.loads, (b / "steps.jsonl").open())]
-    assert sa == sb
+    la, lb = ([{k: v for k, v in r.items() if k not in TIME_KEYS} for r in read_metrics(run)] for run in (a, b))
+    assert la == lb
+    epochs, expected, done = read_metrics(b, "epoch"), [], 0
+    assert [r["epoch"] for r in epochs] == list(range(1, len(epochs) + 1))
+    for e in epochs:  # each step once, in order, and each epoch's line after its last step
+        expected += [("step", s) for s in range(done + 1, e["step"] + 1)] + [("epoch", e["step"])]
+        done = e["step"]
+    assert [(r["kind"], r["step"]) for r in read_metrics(b)] == expected
 
 
 def test_interrupted_mid_epoch_resumes_exactly(tmp_path, capsys):
@@ -72,10 +73,40 @@ def test_interrupted_mid_epoch_resumes_exactly(tmp_path, capsys):
                       f"train --resume {b}"
     assert os.readlink(b / "last") == "checkpoints/step-00000004"
     assert ck.load_trainer_state(b / "last")["epoch_steps"] == 1
-    assert len((b / "steps.jsonl").read_text().splitlines()) == 5  # step 5 was logged before the stop
+    # step 5 was logged before the stop, after epoch 1's line
+    assert [(r["kind"], r["step"]) for r in read_metrics(b)] == [("step", 1), ("step", 2), ("step", 3),
+                                                                  ("epoch", 3), ("step", 4), ("step", 5)]
+    with (b / "metrics.jsonl").open("a") as f:  # and a kill while writing step 6 would leave half a line
+        f.write('{"kind": "step", "step": 6, "epoch": 2.0, "lo')
+    assert len(read_metrics(b)) == 6
     fit(tiny_config(tmp_path / "b", epochs=2, resume=str(b), quiet=False))
     assert capsys.readouterr().out.splitlines()[0] == f"resuming {b} from step 4 (epoch 2/2, step 1/3 of the epoch)"
     _same_run(tmp_path / "a" / "run", b)
+
+
+def test_killed_between_the_epoch_line_and_its_checkpoint(tmp_path, monkeypatch):
+    """The epoch's line is written before its checkpoint: a run killed between the two resumes from the checkpoint
+    before and drops that line (and the epoch's steps), so the resumed run logs each step and each epoch once."""
+    save = Trainer.save
+
+    def save_or_die(self, epoch, row, is_best):
+        if epoch == 2:
+            raise KeyboardInterrupt
+        save(self, epoch, row, is_best)
+
+    monkeypatch.setattr(Trainer, "save", save_or_die)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        fit(tiny_config(tmp_path, epochs=2))
+    [_, killed] = read_metrics(run, "epoch")
+    monkeypatch.undo()
+    fit(tiny_config(tmp_path, epochs=2, resume=str(run)))
+    assert [(r["kind"], r["step"]) for r in read_metrics(run)] == [("step", 1), ("step", 2), ("step", 3),
+                                                                    ("epoch", 3), ("step", 4), ("step", 5),
+                                                                    ("step", 6), ("epoch", 6)]
+    resumed = read_metrics(run, "epoch")[1]
+    assert {k: v for k, v in resumed.items() if k not in TIME_KEYS} == \
+        {k: v for k, v in killed.items() if k not in TIME_KEYS}
 
 
 def test_keep_last_and_time_based_saves(tmp_path):

@@ -3,15 +3,13 @@ checkpoints and resumes exactly through ``fit``; the registry lists it beside ``
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from vitlab.data import DataConfig, build
-from vitlab.train import RunRecord, Task, TrainConfig, fit, list_tasks, register_task
+from vitlab.train import RunRecord, Task, TrainConfig, fit, list_tasks, read_metrics, register_task
 from vitlab.train import checkpoint as ck
 from vitlab.train.task import create_task
 
@@ -67,7 +65,7 @@ def test_a_new_task_trains_and_resumes_through_the_same_trainer(tmp_path):
     s = fit(_cfg(tmp_path / "a"))
     assert s["task"] == "toy_brightness" and s["finished"] and s["best_val_mse"] is not None
     run = tmp_path / "a" / "run"
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run, "epoch")
     assert [r["epoch"] for r in rows] == [1, 2, 3] and all("val_mse" in r and "ema_val_mse" in r for r in rows)
     best = min(min(r["val_mse"], r["ema_val_mse"]) for r in rows)  # lower is better
     assert s["best_val_mse"] == best
@@ -75,7 +73,7 @@ def test_a_new_task_trains_and_resumes_through_the_same_trainer(tmp_path):
     # exact resume
     fit(_cfg(tmp_path / "b", stop_after=1))
     fit(TrainConfig(resume=str(tmp_path / "b" / "run")))
-    rows_b = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows_b = read_metrics(tmp_path / "b" / "run", "epoch")
     assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in rows_b]
     wa, _ = ck.load_weights(run / "last", weights="raw")
     wb, _ = ck.load_weights(tmp_path / "b" / "run" / "last", weights="raw")

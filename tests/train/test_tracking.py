@@ -1,5 +1,6 @@
-"""Experiment tracking: ``steps.jsonl`` and the cluster figures (MFU, throughput, data wait, peak memory), the
-Callback protocol, the tracker registry, and TensorBoard / MLflow / W&B read back with their own readers."""
+"""Experiment tracking: ``metrics.jsonl`` (a line per step and per epoch) and the cluster figures (MFU, throughput,
+data wait, peak memory), the Callback protocol, the tracker registry, and TensorBoard / MLflow / W&B read back with
+their own readers: they hold the scalars of ``metrics.jsonl``, step for step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from tests.train.conftest import tiny_config
 from vitlab.data import DataConfig
-from vitlab.train import Callback, Tracker, fit, register_tracker
+from vitlab.train import Callback, Tracker, fit, read_metrics, register_tracker
 from vitlab.train.callbacks import TRACKERS
 from vitlab.train.mfu import GPU_PEAK_TFLOPS, Meter, cpu_peak_tflops, gpu_peak_tflops, model_flops
 
@@ -20,8 +21,32 @@ STEP_KEYS = {"loss", "lr", "grad_norm", "img_per_s", "tokens_per_s", "step_time_
              "peak_rss_gb"}
 
 
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """What the trackers must hold: ``{train/<key>: [(step, value), ...]}`` of the step lines of ``metrics.jsonl``
+    and ``{epoch/<key>: ...}`` of its epoch lines (their numbers but the step and the epoch)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for prefix, kind in (("train/", "step"), ("epoch/", "epoch")):
+        for row in read_metrics(run, kind):
+            for k, v in row.items():
+                if k not in ("step", "epoch") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out.setdefault(prefix + k, []).append((row["step"], v))
+    return out
+
+
+def _tensorboard_holds_metrics_jsonl(run: Path):
+    """TensorBoard's event reader finds every scalar of ``metrics.jsonl`` at its step, and no other step or epoch
+    scalar; returns the reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    expected = _scalars(run)
+    assert {t for t in acc.Tags()["scalars"] if t.startswith(("train/", "epoch/"))} == set(expected)
+    for name, points in expected.items():
+        events = acc.Scalars(name)
+        assert [e.step for e in events] == [s for s, _ in points], name
+        assert [e.value for e in events] == pytest.approx([v for _, v in points], rel=1e-6), name  # float32
+    return acc
 
 
 def _digits(tmp_path, **kw):
@@ -37,9 +62,9 @@ def logged_run(tmp_path_factory):
     return out / "run", summary
 
 
-def test_steps_jsonl_and_the_cluster_figures(logged_run):
+def test_metrics_jsonl_steps_and_the_cluster_figures(logged_run):
     run, s = logged_run
-    rows = _rows(run / "steps.jsonl")
+    rows = read_metrics(run, "step")
     assert [r["step"] for r in rows] == list(range(1, 10))
     assert all(STEP_KEYS <= set(r) for r in rows)
     assert rows[-1]["epoch"] == pytest.approx(1.0)
@@ -49,48 +74,42 @@ def test_steps_jsonl_and_the_cluster_figures(logged_run):
         assert r["tokens_per_s"] == pytest.approx(5 * r["img_per_s"])
     # the step's lr is the one the optimiser used: the warm-up's first value
     assert rows[0]["lr"] < rows[-1]["lr"]
-    epoch = _rows(run / "metrics.jsonl")[0]
-    assert {"mfu", "data_wait", "step_time_s", "tokens_per_s", "peak_rss_gb"} <= set(epoch)
+    [epoch] = read_metrics(run, "epoch")
+    assert {"mfu", "data_wait", "step_time_s", "tokens_per_s", "peak_rss_gb", "val_top1"} <= set(epoch)
+    assert epoch["epoch"] == 1 and epoch["step"] == 9
+    assert [r["kind"] for r in read_metrics(run)] == ["step"] * 9 + ["epoch"]  # one file holds both
+    assert not (run / "steps.jsonl").exists()
     assert s["tokens_per_image"] == 5 and s["gmacs_per_image"] > 0 and s["peak_tflops"] > 0
     assert 0 < s["mfu"] < 1 and s["train_img_per_s"] > 0 and s["peak_rss_gb"] > 0.05
     assert "measured CPU GEMM fp32" in s["peak_source"]
     assert json.loads((run / "summary.json").read_text())["mfu"] == s["mfu"]
 
 
-def test_tensorboard_holds_the_step_scalars(logged_run):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+def test_tensorboard_holds_the_scalars_of_metrics_jsonl(logged_run):
     run, _ = logged_run
-    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
-    acc.Reload()
-    rows = _rows(run / "steps.jsonl")
-    for key in ("loss", "lr", "grad_norm", "img_per_s", "mfu", "data_wait"):
-        events = acc.Scalars(f"train/{key}")
-        assert [e.step for e in events] == [r["step"] for r in rows]
-        assert [e.value for e in events] == pytest.approx([r[key] for r in rows], rel=1e-6)
-    val = acc.Scalars("epoch/val_top1")
-    assert val[0].step == 9 and val[0].value == pytest.approx(_rows(run / "metrics.jsonl")[0]["val_top1"], rel=1e-6)
+    acc = _tensorboard_holds_metrics_jsonl(run)
+    assert {"train/loss", "train/grad_norm", "train/mfu", "train/data_wait", "epoch/val_top1"} <= set(_scalars(run))
     assert "curves" in acc.Tags()["images"]
     assert "config/text_summary" in acc.Tags()["tensors"]  # the config as text
 
 
-def test_mlflow_holds_the_step_scalars_params_and_artifacts(logged_run):
+def test_mlflow_holds_the_scalars_of_metrics_jsonl_params_and_artifacts(logged_run):
     from mlflow.tracking import MlflowClient
 
     run, s = logged_run
     saved = json.loads((run / "trackers.json").read_text())["mlflow"]
     client = MlflowClient(tracking_uri=saved["tracking_uri"])
-    rows = _rows(run / "steps.jsonl")
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
-        hist = sorted(client.get_metric_history(saved["run_id"], f"train/{key}"), key=lambda m: m.step)
-        assert [m.step for m in hist] == [r["step"] for r in rows]
-        assert [m.value for m in hist] == pytest.approx([r[key] for r in rows], rel=1e-12)
     r = client.get_run(saved["run_id"])
+    expected = _scalars(run)
+    assert {k for k in r.data.metrics if k.startswith(("train/", "epoch/"))} == set(expected)
+    for name, points in expected.items():
+        hist = sorted(client.get_metric_history(saved["run_id"], name), key=lambda m: m.step)
+        assert [(m.step, m.value) for m in hist] == points, name
     assert r.info.status == "FINISHED"
     assert r.data.params["lr"] == "0.005" and r.data.params["model_kwargs.depth"] == "1"
     assert r.data.metrics["best/val_top1"] == pytest.approx(s["best_val_top1"])
     names = {a.path for a in client.list_artifacts(saved["run_id"])}
-    assert {"config.yaml", "metrics.jsonl", "steps.jsonl", "summary.json", "curves.png", "images",
+    assert {"config.yaml", "metrics.jsonl", "summary.json", "curves.png", "images",
             "checkpoint"} <= names
 
 
@@ -117,7 +136,7 @@ def _wandb_records(path: Path) -> list[bytes]:
     return records
 
 
-def test_wandb_offline_run_holds_the_step_scalars(tmp_path, monkeypatch):
+def test_wandb_offline_run_holds_the_scalars_of_metrics_jsonl(tmp_path, monkeypatch):
     import wandb
     from wandb.proto import wandb_internal_pb2
 
@@ -135,10 +154,12 @@ def test_wandb_offline_run_holds_the_step_scalars(tmp_path, monkeypatch):
         if rec.WhichOneof("record_type") == "history":
             history.append({"/".join(i.nested_key) if i.nested_key else i.key: json.loads(i.value_json)
                             for i in rec.history.item})
-    rows = _rows(run / "steps.jsonl")
-    for key in ("loss", "lr", "grad_norm", "img_per_s", "mfu", "data_wait"):
-        logged = {h["trainer/step"]: h[f"train/{key}"] for h in history if f"train/{key}" in h}
-        assert logged == {r["step"]: r[key] for r in rows}
+    logged: dict[str, list[tuple[int, float]]] = {}
+    for h in history:
+        for name, value in h.items():
+            if name.startswith(("train/", "epoch/")):
+                logged.setdefault(name, []).append((h["trainer/step"], value))
+    assert logged == _scalars(run)
     [epoch] = [h for h in history if "epoch/val_top1" in h]
     assert epoch["best/val_top1"] == s["best_val_top1"] and epoch["trainer/step"] == 9
     assert list((run / "wandb").glob("offline-run-*/files/media/images/images/curves_9_*.png"))
@@ -172,7 +193,7 @@ def test_a_callback_sees_every_event(tmp_path):
     s = fit(tiny_config(tmp_path, epochs=2), callbacks=[rec])
     kinds = [e[0] for e in rec.events]
     assert kinds == ["start"] + ["step"] * 3 + ["image", "eval"] + ["step"] * 3 + ["image", "eval", "end"]
-    steps = _rows(tmp_path / "run" / "steps.jsonl")
+    steps = read_metrics(tmp_path / "run", "step")
     assert [e[2] for e in rec.events if e[0] == "step"] == [r["loss"] for r in steps]
     assert rec.events[-3] == ("image", "curves", True) and rec.events[-1] == ("end", True)
     assert rec.events[-2][3] == s["best_val_top1"]
@@ -260,9 +281,9 @@ def test_model_flops_match_the_counter():
 
 def test_a_resumed_run_continues_its_tracker_runs(tmp_path):
     """Stopped after step 5 with a checkpoint at step 4, then resumed: the MLflow run is the same one, finished;
-    TensorBoard drops the step logged after the checkpoint, so each step is there once, with the resumed value."""
+    TensorBoard drops the step logged after the checkpoint, so each step and each epoch is there once, with the
+    resumed value, as in ``metrics.jsonl``."""
     from mlflow.tracking import MlflowClient
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from tests.train.test_step_checkpoints import StopAt
 
@@ -275,10 +296,6 @@ def test_a_resumed_run_continues_its_tracker_runs(tmp_path):
     fit(tiny_config(tmp_path, epochs=2, resume=str(run)))
     assert json.loads((run / "trackers.json").read_text())["mlflow"] == first
     assert client.get_run(first["run_id"]).info.status == "FINISHED"
-    rows = _rows(run / "steps.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
-    acc.Reload()
-    events = acc.Scalars("train/loss")
-    assert [e.step for e in events] == [1, 2, 3, 4, 5, 6]
-    assert [e.value for e in events] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    assert [r["step"] for r in read_metrics(run, "step")] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(run, "epoch")] == [3, 6]
+    _tensorboard_holds_metrics_jsonl(run)

@@ -40,11 +40,12 @@ class Callback:
 
     def on_step_end(self, trainer: Trainer, step: int, scalars: dict[str, float]) -> None:
         """After optimiser step ``step`` (1-based): loss, lr, grad_norm, img_per_s, tokens_per_s, step_time_s,
-        data_wait (share of the step spent waiting for data), mfu, peak memory (what ``steps.jsonl`` holds)."""
+        data_wait (share of the step spent waiting for data), mfu, peak memory (the step's line of
+        ``metrics.jsonl``)."""
 
     def on_eval_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float], best: dict) -> None:
-        """After epoch ``epoch`` (1-based): its ``metrics.jsonl`` row (the validation metrics as ``val_*`` when it
-        was evaluated) and ``best`` (``monitor``: the best value so far, ``epoch``, ``weights``: raw or ema)."""
+        """After epoch ``epoch`` (1-based): its line of ``metrics.jsonl`` (the validation metrics as ``val_*`` when
+        it was evaluated) and ``best`` (``monitor``: the best value so far, ``epoch``, ``weights``: raw or ema)."""
 
     def on_image(self, trainer: Trainer, name: str, image: Any, step: int) -> None:
         """A picture the run drew (``image``: a PNG's path or a matplotlib ``Figure``): the curves after each
@@ -114,7 +115,7 @@ def hyperparameters(cfg) -> dict[str, float | int | str | bool]:
 def run_files(run_dir: Path) -> list[Path]:
     """The run's files a tracker keeps as artifacts: config, metrics, summary, pictures, and the ``last``
     checkpoint's weights and description."""
-    files = [run_dir / n for n in ("config.yaml", "metrics.jsonl", "steps.jsonl", "summary.json")]
+    files = [run_dir / n for n in ("config.yaml", "metrics.jsonl", "summary.json")]
     files += sorted(run_dir.glob("*.png"))
     last = run_dir / "last"
     if last.exists():

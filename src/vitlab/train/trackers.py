@@ -9,9 +9,10 @@
   uploads it later; ``WANDB_MODE`` overrides), project ``$WANDB_PROJECT`` or ``vitlab``; scalars against the
   optimiser step (``trainer/step``), pictures, the run's files as an artifact.
 
-Scalar names: ``train/<name>`` per optimiser step (the keys of ``steps.jsonl``), ``epoch/<name>`` per epoch (the
-keys of ``metrics.jsonl``) and ``best/val_<monitor>``. A resumed run continues the same MLflow / W&B run (their
-ids are kept in ``RUN/trackers.json``).
+Scalar names: ``train/<name>`` per optimiser step (the keys of the step lines of ``metrics.jsonl``),
+``epoch/<name>`` per epoch (the keys of its epoch lines; see :mod:`vitlab.train.metrics_file`) and
+``best/val_<monitor>``, each at the optimiser step it was logged after: the values of ``metrics.jsonl``, step for
+step. A resumed run continues the same MLflow / W&B run (their ids are kept in ``RUN/trackers.json``).
 """
 
 from __future__ import annotations

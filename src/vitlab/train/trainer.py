@@ -2,10 +2,11 @@
 setup, resume, train an epoch, validate, save -- with :mod:`callbacks <vitlab.train.callbacks>` around the loop,
 and ``fit(TrainConfig) -> summary``.
 
-The run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one line per epoch),
-``steps.jsonl`` (one line per optimiser step: loss, learning rate, gradient norm, images/s, tokens/s, step time,
-data-wait share, MFU, peak memory; see :mod:`vitlab.train.mfu`), ``curves.png``, ``last`` / ``best`` checkpoints
-(see :mod:`vitlab.train.checkpoint`) and ``summary.json``; ``--log`` adds trackers (:mod:`vitlab.train.trackers`).
+The run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (a line per optimiser step: loss,
+learning rate, gradient norm, images/s, tokens/s, step time, data-wait share, MFU, peak memory; and a line per
+epoch: its training loss and validation metrics; see :mod:`vitlab.train.metrics_file` and :mod:`vitlab.train.mfu`),
+``curves.png``, ``last`` / ``best`` checkpoints (see :mod:`vitlab.train.checkpoint`) and ``summary.json``;
+``--log`` adds trackers (:mod:`vitlab.train.trackers`) that receive the same figures.
 A fresh run that fails or is interrupted before its first checkpoint removes the directory it created; Ctrl-C
 says where the run can resume from.
 
@@ -44,6 +45,7 @@ from vitlab.train import checkpoint as ck
 from vitlab.train.callbacks import Callback, Callbacks
 from vitlab.train.common import add_sums, autocast
 from vitlab.train.config import TrainConfig
+from vitlab.train.metrics_file import MetricsWriter, read_metrics
 from vitlab.train.mfu import Meter, model_flops, peak_tflops
 from vitlab.train.plots import curves_png
 from vitlab.train.progress import Progress, say
@@ -268,10 +270,8 @@ class Trainer:
         if best["epoch"] is None:
             best["monitor"] = None
         self.best = best
-        metrics_file = self.run_dir / "metrics.jsonl"
-        if metrics_file.is_file():
-            rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
-            self.metrics = [m for m in rows if m["epoch"] <= self.start_epoch]
+        if (self.run_dir / "metrics.jsonl").is_file():
+            self.metrics = [m for m in read_metrics(self.run_dir, "epoch") if m["epoch"] <= self.start_epoch]
         if self.start_epoch >= cfg.epochs:
             self.say(f"{self.run_dir} already finished {self.start_epoch} of {cfg.epochs} epochs", always=True)
         elif self.epoch_steps:
@@ -386,10 +386,9 @@ class Trainer:
                 "epoch_time_s": epoch_time, **figures}
 
     def _step_end(self, epoch: float, scalars: dict) -> None:
-        """One line of ``steps.jsonl`` (rank 0), then the callbacks' ``on_step_end``."""
-        if self.steps_file is not None:
-            self.steps_file.write(json.dumps({"step": self.step, "epoch": round(epoch, 6), **scalars}) + "\n")
-            self.steps_file.flush()  # a killed run keeps every step it logged
+        """The step's line of ``metrics.jsonl`` (rank 0), then the callbacks' ``on_step_end``."""
+        if self.metrics_file is not None:
+            self.metrics_file.write("step", {"step": self.step, "epoch": round(epoch, 6), **scalars})
         self.callbacks("on_step_end", self, self.step, scalars)
 
     @torch.no_grad()
@@ -419,15 +418,15 @@ class Trainer:
         trackers = create_trackers(cfg.log, cfg)
         self.strategy: Strategy = create_strategy(cfg.strategy, cfg.device)
         self.callbacks = Callbacks(self.user_callbacks + (trackers if self.strategy.is_main else []))
-        self.steps_file = None
+        self.metrics_file: MetricsWriter | None = None  # rank 0's
         try:
             if cfg.threads and self.strategy.device.type == "cpu":
                 old_threads = torch.get_num_threads()
                 torch.set_num_threads(cfg.threads)
             return self._fit()
         finally:
-            if self.steps_file is not None:
-                self.steps_file.close()
+            if self.metrics_file is not None:
+                self.metrics_file.close()
             if old_threads is not None:
                 torch.set_num_threads(old_threads)  # fit leaves the process as it found it
             self.strategy.close()
@@ -452,22 +451,6 @@ class Trainer:
                         break
             raise
 
-    def _open_steps_file(self) -> None:
-        """``steps.jsonl`` for appending, without the lines of steps after the checkpoint a resumed run starts
-        from (and a line a killed run left half-written)."""
-        path = self.run_dir / "steps.jsonl"
-        rows = []
-        if self.step and path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if row.get("step", 0) <= self.step:
-                    rows.append(line + "\n")
-        ck.atomic_write(path, "".join(rows).encode())
-        self.steps_file = open(path, "a")  # noqa: SIM115  (closed by fit)
-
     def _train(self, rng_to_restore: dict | None) -> dict:
         cfg, st = self.cfg, self.strategy
         task, run_dir = self.task, self.run_dir
@@ -478,8 +461,8 @@ class Trainer:
             cfg_out = replace(cfg, resume=None, output_dir=None, stop_after=None,
                               data=DataConfig(**resolved) if resolved else cfg.data)
             cfg_out.save(run_dir / "config.yaml")
-            self._write_metrics()
-            self._open_steps_file()
+            # a resumed run keeps the lines up to its checkpoint: each step and each epoch is logged once
+            self.metrics_file = MetricsWriter(run_dir, (self.step, self.start_epoch) if cfg.resume else None)
         summary = None
         try:
             # before the random streams are seeded or restored: a tracker's start-up may draw from them
@@ -544,7 +527,7 @@ class Trainer:
                 self.best = {"monitor": value, "epoch": epoch + 1, "weights": which}
         self.metrics.append(row)
         if st.is_main:  # before the checkpoint: a run killed between the two resumes before this row, drops it
-            self._write_metrics()
+            self.metrics_file.write("epoch", row)
         self.save(epoch + 1, row, is_best)
         self.epoch_steps = 0
         if st.is_main:
@@ -559,10 +542,6 @@ class Trainer:
                      f"lr {row['lr']:.2e}  {row['img_per_s']:,.0f} img/s{mfu_txt}  {row['epoch_time_s']:.1f}s"
                      + ("  *" if is_best else ""))
         self.callbacks("on_eval_end", self, epoch + 1, row, dict(self.best))
-
-    def _write_metrics(self) -> None:
-        ck.atomic_write(self.run_dir / "metrics.jsonl",
-                        "".join(json.dumps(m) + "\n" for m in self.metrics).encode())
 
     def _finish(self, end_epoch: int, info: dict) -> dict:
         cfg, st, task, best = self.cfg, self.strategy, self.task, self.best
