@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from vitlab.layers import (
     AttentionPool,
+    ConvStemEmbed,
     DropPath,
     LayerScale,
     LinearPatchEmbed,
@@ -18,6 +19,7 @@ from vitlab.layers import (
     apply_rope,
     conv_to_linear_patch_weight,
     drop_path_schedule,
+    get_embed_layer,
     pool_tokens,
     resample_abs_pos_embed,
     rope_frequencies,
@@ -74,6 +76,34 @@ def test_patch_embed_errors_and_dynamic_pad():
         pe(torch.randn(3, 32, 32))
     padded = PatchEmbed(img_size=30, patch_size=16, embed_dim=8, dynamic_img_pad=True, strict_img_size=False)
     assert padded.grid_size == (2, 2) and padded(torch.randn(1, 3, 30, 20)).shape == (1, 4, 8)
+
+
+@pytest.mark.parametrize("patch", [2, 4, 16])
+def test_conv_stem_gives_the_patch_grid_and_shifts_with_the_image(patch):
+    """Xiao et al.'s stem: the patch embedding's token grid, widths doubling to embed_dim; moved by one patch, the
+    image moves its tokens by one (away from the zero-padded borders)."""
+    stem = ConvStemEmbed(img_size=(8 * patch, 6 * patch), patch_size=patch, in_chans=3, embed_dim=32).eval()
+    convs = [m for m in stem.stem if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == patch.bit_length() - 1 and convs[-1].out_channels == 32
+    assert [c.stride for c in convs] == [(2, 2)] * len(convs)
+    assert stem.grid_size == PatchEmbed(img_size=(8 * patch, 6 * patch), patch_size=patch).grid_size == (8, 6)
+    x = torch.randn(1, 3, 8 * patch, 6 * patch)
+    out = stem(x)
+    assert out.shape == (1, 48, 32)
+    moved = torch.zeros_like(x)
+    moved[..., patch:, :] = x[..., :-patch, :]  # one patch down
+    grid, grid_moved = out.reshape(8, 6, 32), stem(moved).reshape(8, 6, 32)
+    torch.testing.assert_close(grid_moved[3:6, 2:4], grid[2:5, 2:4], rtol=1e-4, atol=1e-5)
+
+
+def test_conv_stem_errors_and_names():
+    with pytest.raises(ValueError, match="power-of-two patch size"):
+        ConvStemEmbed(img_size=48, patch_size=12)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        ConvStemEmbed(img_size=64, patch_size=16, embed_dim=36)
+    assert get_embed_layer("conv_stem") is ConvStemEmbed and get_embed_layer(PatchEmbed) is PatchEmbed
+    with pytest.raises(ValueError, match="unknown embed_layer 'stem'"):
+        get_embed_layer("stem")
 
 
 def test_resample_pos_embed_identity_and_non_square():

@@ -169,3 +169,17 @@ def test_forward_intermediates_norm_and_nlc():
         assert [t.shape for t in nchw] == [(2, 192, 4, 4)] * 2
     with pytest.raises(ValueError):
         model.forward_intermediates(x, indices=[5])
+
+
+def test_conv_stem_by_name():
+    """embed_layer='conv_stem' (Xiao et al., 2021): the same token grid, the stem learns with the rest."""
+    plain = vitlab.create_model("vit_tiny_patch16_224", img_size=64, num_classes=3)
+    model = vitlab.create_model("vit_tiny_patch16_224", img_size=64, num_classes=3, embed_layer="conv_stem")
+    assert type(model.patch_embed).__name__ == "ConvStemEmbed"
+    assert model.patch_embed.grid_size == plain.patch_embed.grid_size == (4, 4)
+    x = torch.randn(2, 3, 64, 64)
+    assert model.forward_features(x).shape == plain.forward_features(x).shape == (2, 17, 192)
+    model(x).sum().backward()
+    assert model.patch_embed.stem[0].weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="unknown embed_layer"):
+        vitlab.create_model("vit_tiny_patch16_224", embed_layer="convstem")

@@ -17,7 +17,14 @@ from vitlab.layers.layer_scale import LayerScale, LayerScale2d
 from vitlab.layers.mask import attention_mask, causal_mask
 from vitlab.layers.mlp import Mlp, QuickGELU, SwiGLU, create_mlp, get_act_layer, swiglu_hidden_dim
 from vitlab.layers.norm import RMSNorm, get_norm_layer
-from vitlab.layers.patch_embed import LinearPatchEmbed, PatchEmbed, conv_to_linear_patch_weight
+from vitlab.layers.patch_embed import (
+    EMBED_LAYERS,
+    ConvStemEmbed,
+    LinearPatchEmbed,
+    PatchEmbed,
+    conv_to_linear_patch_weight,
+    get_embed_layer,
+)
 from vitlab.layers.pool import AttentionPool, check_pool_type, pool_tokens
 from vitlab.layers.pos_embed import (
     RotaryEmbedding1D,
@@ -35,7 +42,8 @@ __all__ = [
     "apply_rope", "apply_rotary_embs", "attention_mask", "AttentionPool", "causal_mask", "check_heads",
     "checkpoint_seq", "check_image",
     "check_pool",
-    "check_pool_type", "conv_to_linear_patch_weight", "create_classifier", "create_mlp",
+    "check_pool_type", "conv_to_linear_patch_weight", "ConvStemEmbed", "EMBED_LAYERS", "get_embed_layer",
+    "create_classifier", "create_mlp",
     "downsample_size", "drop_path", "drop_path_schedule", "DropPath", "feature_take_indices", "get_act_layer",
     "get_norm_layer", "init_linears_trunc_normal_", "intermediates_plan", "LayerScale", "LayerScale2d",
     "LinearPatchEmbed", "make_divisible", "Mlp", "PatchEmbed", "QuickGELU",

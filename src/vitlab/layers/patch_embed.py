@@ -6,7 +6,11 @@
 - :class:`LinearPatchEmbed`: the unfold ``b c (h p1) (w p2) -> b (h w) (p1 p2 c)`` then a Linear,
   optionally with LayerNorm before and after (HaLViT's embedding).
 
-Both check the input (4-D, channel count, size divisible by the patch unless ``dynamic_img_pad``) and raise
+:class:`ConvStemEmbed` replaces the patchify step by a convolutional stem with the same output grid (Xiao et al.,
+2021, "Early Convolutions Help Transformers See Better", Sec. 3): log2(p) 3x3 stride-2 convolutions with
+BatchNorm and ReLU, then a 1x1 projection. ``EMBED_LAYERS`` names the three for configuration files.
+
+All three check the input (4-D, channel count, size divisible by the patch unless ``dynamic_img_pad``) and raise
 one clear error instead of failing deep inside a matmul.
 """
 
@@ -102,6 +106,53 @@ class LinearPatchEmbed(_PatchGrid):
         x = rearrange(x, "b c (h p1) (w p2) -> b h w (p1 p2 c)", p1=ph, p2=pw)
         x = self.norm(self.proj(self.pre_norm(x)))  # (B, H', W', D)
         return x.flatten(1, 2) if self.flatten else x
+
+
+class ConvStemEmbed(_PatchGrid):
+    """Convolutional stem (Xiao et al., 2021, Sec. 3 and Table 1, ViT_C): for a patch size p = 2^n, n 3x3
+    convolutions of stride 2 (no bias, BatchNorm, ReLU) whose widths double up to ``embed_dim`` (D / 2^(n-1), ...,
+    D: the 24-48-96-192 of their 1 GF model at D = 192), then a 1x1 convolution ``proj`` to ``embed_dim``. The
+    token grid is the patch embedding's; the stem sees across patch borders and is equivariant to translation,
+    which a model trained from scratch on little data needs to tell small objects apart wherever they lie."""
+
+    def __init__(self, img_size=224, patch_size=16, in_chans: int = 3, embed_dim: int = 768,
+                 norm_layer: Callable[..., nn.Module] | None = None, flatten: bool = True, bias: bool = True,
+                 strict_img_size: bool = True, dynamic_img_pad: bool = False):
+        super().__init__(img_size, patch_size, in_chans, strict_img_size, dynamic_img_pad)
+        p = self.patch_size[0]
+        n = p.bit_length() - 1
+        if self.patch_size[1] != p or p < 2 or p != 1 << n:
+            raise ValueError(f"a convolutional stem needs a square power-of-two patch size, got {self.patch_size}")
+        if embed_dim % (1 << (n - 1)):
+            raise ValueError(f"embed_dim {embed_dim} must be divisible by {1 << (n - 1)} for a stem of {n} "
+                             f"stride-2 convolutions (patch size {p})")
+        self.flatten = flatten
+        layers, c = [], in_chans
+        for i in range(n):
+            width = embed_dim >> (n - 1 - i)
+            layers += [nn.Conv2d(c, width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(width),
+                       nn.ReLU(inplace=True)]
+            c = width
+        self.stem = nn.Sequential(*layers)
+        self.proj = nn.Conv2d(c, embed_dim, kernel_size=1, bias=bias)
+        self.norm = norm_layer(embed_dim) if norm_layer else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(self.stem(self._prepare(x)))  # (B, D, H', W')
+        x = x.flatten(2).transpose(1, 2) if self.flatten else x.permute(0, 2, 3, 1)
+        return self.norm(x)
+
+
+EMBED_LAYERS = {"patch": PatchEmbed, "linear": LinearPatchEmbed, "conv_stem": ConvStemEmbed}
+
+
+def get_embed_layer(layer: str | Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """A patch-embedding class by its name in :data:`EMBED_LAYERS` (a callable passes through)."""
+    if callable(layer):
+        return layer
+    if layer not in EMBED_LAYERS:
+        raise ValueError(f"unknown embed_layer {layer!r}; choose from {list(EMBED_LAYERS)}")
+    return EMBED_LAYERS[layer]
 
 
 def conv_to_linear_patch_weight(weight: torch.Tensor) -> torch.Tensor:

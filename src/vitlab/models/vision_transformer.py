@@ -27,6 +27,7 @@ from vitlab.layers import (
     create_classifier,
     drop_path_schedule,
     feature_take_indices,
+    get_embed_layer,
     get_norm_layer,
     init_linears_trunc_normal_,
     intermediates_plan,
@@ -45,7 +46,8 @@ class VisionTransformer(TimmApiMixin, TokenModel, nn.Module):
     """ViT. ``attn_layer`` takes any mechanism of :mod:`vitlab.attention` by name or class (default ``'msa'``,
     timm's attention); ``attn_kwargs`` are its options. A grid mechanism (``hilo``, ``local_window``, ...) needs
     a model without prefix tokens (``class_token=False, global_pool='avg'``): with them it is refused with a
-    ValueError when the model is built."""
+    ValueError when the model is built. ``embed_layer`` is a patch-embedding class or its name in
+    :data:`vitlab.layers.EMBED_LAYERS` (``'patch'``, ``'linear'``, ``'conv_stem'``: Xiao et al., 2021)."""
 
     def __init__(
         self,
@@ -79,7 +81,7 @@ class VisionTransformer(TimmApiMixin, TokenModel, nn.Module):
         mlp_layer: str | Callable = "mlp",
         attn_layer: str | Callable = "msa",
         attn_kwargs: dict | None = None,
-        embed_layer: Callable[..., nn.Module] = PatchEmbed,
+        embed_layer: str | Callable[..., nn.Module] = PatchEmbed,
         block_fn: Callable[..., nn.Module] = Block,
         block_kwargs: dict | None = None,
         weight_init: str = "trunc_normal",
@@ -104,9 +106,9 @@ class VisionTransformer(TimmApiMixin, TokenModel, nn.Module):
         self.grad_checkpointing = False
         norm = get_norm_layer(norm_layer)
 
-        self.patch_embed = embed_layer(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
-                                       embed_dim=embed_dim, strict_img_size=not dynamic_img_size,
-                                       dynamic_img_pad=dynamic_img_pad)
+        self.patch_embed = get_embed_layer(embed_layer)(
+            img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
+            strict_img_size=not dynamic_img_size, dynamic_img_pad=dynamic_img_pad)
         grid = self.patch_embed.grid_size
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if dist_token else None
