@@ -21,17 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 from statistics import mean
 
-# the demo's model: llava_scenes reading 32-pixel patches (4 image tokens, one per cell of the scenes' 2 x 2 grid),
-# 3 tower blocks and 3 decoder layers
-MODEL_KWARGS = {"vision_patch_size": 32, "vision_depth": 3, "text_n_layers": 3}
 SMOKE = {"epochs": 1, "batch_size": 8, "task_args.scenes_train": 16, "task_args.scenes_eval": 6,
-         "model_kwargs": {"vision_depth": 1, "text_n_layers": 1, "vision_patch_size": 16}}
+         "model_kwargs": {"vision_depth": 1, "text_n_layers": 1}}
 KINDS = ("count", "presence", "position", "class")
 
 
@@ -39,7 +35,7 @@ def run(task: str, seed: int, blind: bool, args, tmp: str) -> dict:
     from vitlab.train import TrainConfig, fit
 
     over = {"seed": seed, "threads": args.threads, "quiet": True, "task_args.blind": blind,
-            "model_kwargs": dict(MODEL_KWARGS), "output_dir": str(Path(tmp) / f"{task}-{seed}-{blind}")}
+            "output_dir": str(Path(tmp) / f"{task}-{seed}-{blind}")}
     for key in ("epochs", "batch_size", "lr"):
         if getattr(args, key) is not None:
             over[key] = getattr(args, key)
@@ -88,6 +84,8 @@ def main() -> None:
     ap.add_argument("--out", default="docs/bench/vlm_demo.json")
     args = ap.parse_args()
 
+    import torch
+
     from vitlab.train import TrainConfig
 
     rows = []
@@ -99,8 +97,10 @@ def main() -> None:
                     print(json.dumps(rows[-1]), flush=True)
     means, checks = summarise(rows)
     recipe = {t: TrainConfig.for_task(t).to_dict() for t in args.tasks}
-    result = {"benchmark": "vlm_demo", "model_kwargs": MODEL_KWARGS, "recipe": recipe, "threads": args.threads,
-              "smoke": args.smoke, "cpu": platform.processor() or platform.machine(), "rows": rows, "means": means,
+    from vitlab.optimize.cpu import cpu_model, isa
+
+    result = {"benchmark": "vlm_demo", "recipe": recipe, "threads": args.threads, "smoke": args.smoke,
+              "cpu": cpu_model(), "isa": isa(), "torch": torch.__version__, "rows": rows, "means": means,
               "checks": checks}
     from vitlab._io import write_json
 

@@ -131,7 +131,8 @@ def test_registered_configs_build_without_weights():
         model = vitlab.create_model("llava15_7b")
     assert sum(p.numel() for p in model.parameters()) == 7_063_427_072 and model.num_image_tokens == 576
     scenes = vitlab.create_model("llava_scenes", vocab_size=50, image_token_id=4, max_seq_len=30)
-    assert scenes.language_model.config.max_seq_len == 30 + 64 - 1  # the text context plus the image's tokens
+    assert scenes.num_image_tokens == 16 and type(scenes.vision_tower.patch_embed).__name__ == "ConvStemEmbed"
+    assert scenes.language_model.config.max_seq_len == 30 + 16 - 1  # the text context plus the image's tokens
 
 
 def test_key_map_of_the_in_memory_layout():

@@ -159,7 +159,7 @@ def test_vqa_model_reads_the_coordinates(vqa_run):
 
     model, record, _ = load_model(vqa_run / "last", device="cpu")
     assert record.task_args["coord_channels"] and record.model_kwargs["in_chans"] == 5
-    assert model.vision_tower.patch_embed.proj.in_channels == 5
+    assert model.vision_tower.patch_embed.in_chans == 5
 
 
 @pytest.mark.parametrize("stage, trained", [(0, {"vision_tower", "projector", "language_model"}),
@@ -195,6 +195,13 @@ def test_stage_two_starts_from_a_stage_one_run(vqa_run, tmp_path):
                  str(vqa_run), "--quiet"]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["frozen"] == ["vision_tower"]
+    # the frozen tower is the stage-one run's, its BatchNorm statistics included
+    from vitlab.train.evaluate import load_model
+
+    before, after = (load_model(r / "last", device="cpu")[0].vision_tower.state_dict() for r in (vqa_run, run))
+    assert any("running_mean" in k for k in before)
+    for k, v in before.items():
+        torch.testing.assert_close(after[k], v, rtol=0, atol=0, msg=k)
 
 
 def test_blip_three_objectives_retrieval_and_captions(tmp_path, scene_png, capsys):

@@ -78,7 +78,7 @@ class VLArgs:
     scenes_train: int | None = None    # scenes: training scenes (None: 4000)
     scenes_eval: int | None = None     # scenes: validation and test scenes (None: 200 and 400)
     scenes_turns: int = 5              # scenes (vqa): questions per training conversation, of different kinds
-    language_lr_scale: float = 0.1     # the language model's learning rate relative to the image side's
+    language_lr_scale: float = 0.3     # the language model's learning rate relative to the image side's
     image_after_question: bool = True  # vqa: the first question before the image (user : Q <image> assistant :)
     coord_channels: bool = True        # the pixels' x and y as two more input channels (CoordConv)
 
@@ -409,6 +409,7 @@ class _VLTask(_ScoredTask):
                                context)
         self.loaded = init_from(model, a.init) if a.init else None
         self.frozen = apply_freezing(model, a)
+        self.frozen_parts = [getattr(model, part) for part in self.frozen]
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = self.module = prepare_model(model, cfg, device)
         data = {**cfg.data.to_dict(), "img_size": img_size}
@@ -437,6 +438,8 @@ class _VLTask(_ScoredTask):
         return with_coords(x) if self.args.coord_channels else x, ids, labels
 
     def training_step(self, batch, forward) -> tuple[torch.Tensor, dict]:
+        for part in self.frozen_parts:  # a frozen part computes as at inference (BatchNorm keeps its statistics)
+            part.eval()
         x, ids, labels = self._batch(batch)
         # right padding under causal attention: no real token attends to a pad, so no mask is needed
         loss, _ = answer_loss(_logits(forward(ids, x)), labels, self._image_pos(ids))
@@ -470,9 +473,8 @@ class _VLTask(_ScoredTask):
 
     def _record_seqs(self, record: RunRecord) -> Sequences:
         tok = WordTokenizer(record.extra["tokenizer"]["words"])
-        # a record written before the image could follow the question keeps it first
         return Sequences(tok, record.extra["context_length"], self.instruct,
-                         bool(record.task_args.get("image_after_question", False)))
+                         record.task_args["image_after_question"])
 
     def _transform(self, record: RunRecord):
         return eval_transform(record.img_size, crop_pct=1.0, mean=record.mean, std=record.std)
@@ -498,7 +500,7 @@ class _VLTask(_ScoredTask):
                 x = images[chunk].to(device)
                 if blind:
                     x = torch.zeros_like(x)
-                if record.task_args.get("coord_channels"):
+                if record.task_args["coord_channels"]:
                     x = with_coords(x)
                 ids = torch.tensor([prompts[i] for i in chunk], device=device)
                 new = model.generate(ids, x, max_new_tokens=room, eos_token_id=seqs.eos)
