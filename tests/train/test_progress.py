@@ -28,8 +28,11 @@ TINY_FLAGS = ["--model", "vit_pico_patch8_32", "--model_kwargs.depth", "1", "--m
 def _vitlab(*argv: str, cwd: Path) -> subprocess.Popen:
     """``python -m vitlab ARGV`` with stdout and stderr piped (not a terminal) and a progress line every step."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "VITLAB_PROGRESS_INTERVAL": "0"}
+    # Ctrl-C's default action in the child even where the test runs in a background job, whose children inherit
+    # an ignored SIGINT (Python then installs no KeyboardInterrupt handler)
     return subprocess.Popen([sys.executable, "-m", "vitlab", *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_piped_run_prints_progress_lines_and_never_wraps(tmp_path):
