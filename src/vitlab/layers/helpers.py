@@ -8,6 +8,16 @@ import math
 import torch.nn as nn
 
 
+def by_name(table: dict, key, what: str):
+    """``table[key]`` for a layer named by a string, ``key`` itself when it is already a callable (a class or a
+    factory); an unknown name is one ValueError listing the known ones."""
+    if callable(key):
+        return key
+    if key not in table:
+        raise ValueError(f"unknown {what} {key!r}; choose from {sorted(table)}")
+    return table[key]
+
+
 def to_2tuple(x) -> tuple:
     """``7 -> (7, 7)``; an iterable of two is returned as a tuple."""
     if isinstance(x, collections.abc.Iterable) and not isinstance(x, str):

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.layers.helpers import make_divisible
+from vitlab.layers.helpers import by_name, make_divisible
 
 
 class QuickGELU(nn.Module):
@@ -34,11 +34,7 @@ _ACTS: dict[str, Callable[[], nn.Module]] = {
 
 
 def get_act_layer(act: str | Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    if callable(act):
-        return act
-    if act not in _ACTS:
-        raise ValueError(f"unknown activation {act!r}; choose from {sorted(_ACTS)}")
-    return _ACTS[act]
+    return by_name(_ACTS, act, "activation")
 
 
 class Mlp(nn.Module):

@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vitlab.layers.helpers import by_name
+
 
 class RMSNorm(nn.Module):
     """``x * rsqrt(mean(x**2) + eps) * weight`` over the last dimension (no mean subtraction, no bias)."""
@@ -36,8 +38,4 @@ _NORMS: dict[str, Callable[..., nn.Module]] = {
 
 def get_norm_layer(norm: str | Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     """A norm factory from a name ('layernorm', 'layernorm_eps5', 'rmsnorm') or a callable."""
-    if callable(norm):
-        return norm
-    if norm not in _NORMS:
-        raise ValueError(f"unknown norm layer {norm!r}; choose from {sorted(_NORMS)}")
-    return _NORMS[norm]
+    return by_name(_NORMS, norm, "norm layer")

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from vitlab.layers.helpers import check_image, to_2tuple
+from vitlab.layers.helpers import by_name, check_image, to_2tuple
 
 
 class _PatchGrid(nn.Module):
@@ -148,11 +148,7 @@ EMBED_LAYERS = {"patch": PatchEmbed, "linear": LinearPatchEmbed, "conv_stem": Co
 
 def get_embed_layer(layer: str | Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     """A patch-embedding class by its name in :data:`EMBED_LAYERS` (a callable passes through)."""
-    if callable(layer):
-        return layer
-    if layer not in EMBED_LAYERS:
-        raise ValueError(f"unknown embed_layer {layer!r}; choose from {list(EMBED_LAYERS)}")
-    return EMBED_LAYERS[layer]
+    return by_name(EMBED_LAYERS, layer, "embed_layer")
 
 
 def conv_to_linear_patch_weight(weight: torch.Tensor) -> torch.Tensor:
