@@ -167,9 +167,11 @@ def test_vqa_model_reads_the_coordinates(vqa_run):
 def test_llava_stages_freeze_parts(stage, trained):
     model = vitlab.create_model("llava_tiny")
     apply_freezing(model, VLArgs(stage=stage))
+    model.train()  # a frozen part stays in eval mode (its BatchNorm and dropout as at inference)
     for part in ("vision_tower", "projector", "language_model"):
         grads = {p.requires_grad for p in getattr(model, part).parameters()}
         assert grads == {part in trained}, part
+        assert {m.training for m in getattr(model, part).modules()} == {part in trained}, part
 
 
 def test_blind_runs_see_zeros():

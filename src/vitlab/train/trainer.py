@@ -45,7 +45,7 @@ from vitlab.train import checkpoint as ck
 from vitlab.train.callbacks import Callback, Callbacks
 from vitlab.train.common import add_sums, autocast
 from vitlab.train.config import TrainConfig
-from vitlab.train.metrics_file import MetricsWriter, read_metrics
+from vitlab.train.metrics_file import METRICS_FILE, MetricsWriter, read_metrics
 from vitlab.train.mfu import Meter, model_flops, peak_tflops
 from vitlab.train.plots import curves_png
 from vitlab.train.progress import Progress, say
@@ -270,7 +270,7 @@ class Trainer:
         if best["epoch"] is None:
             best["monitor"] = None
         self.best = best
-        if (self.run_dir / "metrics.jsonl").is_file():
+        if (self.run_dir / METRICS_FILE).is_file():
             self.metrics = [m for m in read_metrics(self.run_dir, "epoch") if m["epoch"] <= self.start_epoch]
         if self.start_epoch >= cfg.epochs:
             self.say(f"{self.run_dir} already finished {self.start_epoch} of {cfg.epochs} epochs", always=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -280,12 +281,20 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor,
     return loss, {"tokens": mask.sum(), "token_hits": (hit & mask).sum(), "seq_hits": hit.all(-1).sum()}
 
 
+def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
+    return nn.Module.train(module, False)
+
+
 def apply_freezing(model: nn.Module, args: VLArgs) -> list[str]:
-    """Freeze the parts ``args`` name (LLaVA's stage 1: all but the projector; stage 2: the image tower)."""
+    """Freeze the parts ``args`` name (LLaVA's stage 1: all but the projector; stage 2: the image tower): no
+    gradients, and eval mode whatever mode the model is put in, so a frozen part computes as at inference
+    (BatchNorm keeps its statistics, dropout stays off)."""
     frozen = set(args.freeze) | STAGE_FROZEN.get(args.stage, set())
-    for part in frozen:
-        for p in getattr(model, part).parameters():
-            p.requires_grad_(False)
+    for name in frozen:
+        part = getattr(model, name)
+        part.requires_grad_(False)
+        part.train = types.MethodType(_stay_in_eval, part)  # model.train() reaches each child through its train()
+        part.eval()
     return sorted(frozen)
 
 
@@ -409,7 +418,6 @@ class _VLTask(_ScoredTask):
                                context)
         self.loaded = init_from(model, a.init) if a.init else None
         self.frozen = apply_freezing(model, a)
-        self.frozen_parts = [getattr(model, part) for part in self.frozen]
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = self.module = prepare_model(model, cfg, device)
         data = {**cfg.data.to_dict(), "img_size": img_size}
@@ -438,8 +446,6 @@ class _VLTask(_ScoredTask):
         return with_coords(x) if self.args.coord_channels else x, ids, labels
 
     def training_step(self, batch, forward) -> tuple[torch.Tensor, dict]:
-        for part in self.frozen_parts:  # a frozen part computes as at inference (BatchNorm keeps its statistics)
-            part.eval()
         x, ids, labels = self._batch(batch)
         # right padding under causal attention: no real token attends to a pad, so no mask is needed
         loss, _ = answer_loss(_logits(forward(ids, x)), labels, self._image_pos(ids))
