@@ -2,14 +2,17 @@
 process: prefill and decode tokens/s, eager and optimized.
 
 A ~100M-parameter Llama (``llama_100m``: dim 640, 12 layers, vocabulary 32,000) with random weights, fp32 on the
-CPU; transformers' model is built from the same config and ours loads its state dict (Touvron et al., 2023,
-"Llama 2"). For each batch size, every implementation generates N tokens greedily from the same random prompts;
-each call is split where its first token's logits exist (ours: the ``on_token`` callback; transformers': a logits
-processor, called before its sampling, so the split favours it slightly): the prefill is the time to there, the
-decoding the time from there to the last token's logits. The calls of all implementations alternate (round robin,
-order reversed every other run) after warm-up, and the figures are medians: prefill tokens/s = batch x prompt /
-prefill, decode tokens/s = batch x (N - 1) / decoding. The ratios are transformers' time / ours in the same run
-(medians, with their min-max over the runs; > 1: ours is faster). Both generate the same tokens (checked).
+CPU by default (``--model``, ``--device``, ``--dtype`` for others: ``llama2_7b`` in bf16 on a GPU);
+transformers' model is built from the same config, directly on the device in the dtype, and ours loads its
+state dict (Touvron et al., 2023, "Llama 2"). For each batch size, every implementation generates N tokens
+greedily from the same random prompts; each call is split where its first token's logits exist (ours: the
+``on_token`` callback; transformers': a logits processor, called before its sampling, so the split favours it
+slightly): the prefill is the time to there, the decoding the time from there to the last token's logits (on a
+GPU the benchmark synchronises the device at those two points only). The calls of all implementations alternate
+(round robin, order reversed every other run) after warm-up, and the figures are medians: prefill tokens/s =
+batch x prompt / prefill, decode tokens/s = batch x (N - 1) / decoding. The ratios are transformers' time / ours
+in the same run (medians, with their min-max over the runs; > 1: ours is faster). Whether each generated the
+same tokens as transformers is recorded (in fp32 they do; in bf16 rounding can part greedy paths).
 
 Implementations: ``vitlab`` (eager), ``vitlab_compiled`` (``vitlab.optimize.optimize(model)``, which for a Llama is
 :func:`vitlab.optimize.llama.compile_llama`: prefill and decoding step compiled by Inductor with frozen weights),
@@ -22,6 +25,8 @@ The targets: ``vitlab`` / ``hf`` >= 1.0 (eager against eager) and ``vitlab_compi
 generation (``hf_static``).
 
     python benchmarks/llama_generate.py --json llama_generate_cpu.json            # the figure (minutes)
+    python benchmarks/llama_generate.py --model llama2_7b --device cuda --dtype bf16 --runs 3 \\
+        --json llama2_7b_generate_cuda_bf16.json                                    # Llama-2-7B on a GPU
     python benchmarks/llama_generate.py --model llama_tiny --prompt-len 8 --new-tokens 4 --warmup 0 --runs 1 \\
         --batch-sizes 1 2 --no-compile                                              # smoke check (seconds)
 """
@@ -37,20 +42,34 @@ import time
 import torch
 
 import vitlab
-from vitlab.models.llama import hf_to_llama_state_dict, llama_to_hf_config
+from vitlab.models.llama import Llama, hf_to_llama_state_dict, llama_to_hf_config
 from vitlab.optimize.cpu import cpu_model, isa
 from vitlab.timing import check_counts
 
 
-def _hf_model(cfg):
+def _models(cfg, device: torch.device, dtype: torch.dtype):
+    """transformers' model with random weights, made on ``device`` in ``dtype`` (a 7B model is never
+    materialised in fp32 on the host), and ours with the same weights."""
     import transformers
 
     hf_cfg = {k: v for k, v in llama_to_hf_config(cfg).items() if k not in ("architectures", "model_type")}
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg)).eval()
-    return hf
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg)).eval()
+    finally:
+        torch.set_default_dtype(default)
+    with torch.device("meta"):
+        ours = Llama(cfg).to(dtype)
+    ours.to_empty(device=device)
+    ours.load_state_dict(hf_to_llama_state_dict(hf.state_dict(), cfg))
+    ours.reset_rope(device)  # the RoPE table is not in the state dict; computed in fp32
+    return hf, ours.eval()
 
 
 TARGETS = {"eager": 1.0, "optimized": 1.3}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IMPLS = {
     "vitlab": "vitlab Llama.generate, eager (preallocated KV cache)",
     "vitlab_compiled": "vitlab.optimize.optimize(model, backend='compile'): prefill and decoding step compiled by "
@@ -90,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-compile", action="store_true", help="eager only (a quick check)")
     ap.add_argument("--hf-static", action="store_true", help="also transformers with its static cache")
@@ -104,10 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with torch.device("meta"):
         cfg = vitlab.create_model(args.model).config
-    hf = _hf_model(cfg)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    cuda = device.type == "cuda"
+    hf, ours = _models(cfg, device, DTYPES[args.dtype])
     from transformers import LogitsProcessorList
-    ours = vitlab.models.llama.Llama(cfg).eval()
-    ours.load_state_dict(hf_to_llama_state_dict(hf.state_dict(), cfg))
     params = sum(p.numel() for p in ours.parameters())
     fast = None
     if not args.no_compile:
@@ -117,9 +140,11 @@ def main(argv: list[str] | None = None) -> int:
 
     stamps: list[float] = []  # when each new token's logits exist, in the current call
 
-    def stamp(*args):
+    def stamp(*a):
+        if cuda and (not stamps or len(stamps) == args.new_tokens - 1):
+            torch.cuda.synchronize()  # the first and the last token only: the split points
         stamps.append(time.perf_counter())
-        return args[1] if len(args) == 2 else None  # as transformers' logits processor: the scores unchanged
+        return a[1] if len(a) == 2 else None  # as transformers' logits processor: the scores unchanged
 
     def gen(impl: str, ids: torch.Tensor, n: int):
         def call():
@@ -143,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     def split(call) -> tuple[float, float]:
         """(prefill s, decoding s) of one call."""
         stamps.clear()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         call()
         if len(stamps) != args.new_tokens:
@@ -153,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         ["hf_static"] if args.hf_static else [])
     rows = []
     for b in args.batch_sizes:
-        ids = torch.randint(3, cfg.vocab_size, (b, args.prompt_len))
+        ids = torch.randint(3, cfg.vocab_size, (b, args.prompt_len)).to(device)
         outs = {impl: gen(impl, ids, args.new_tokens)() for impl in impls}
         same = {impl: bool(torch.equal(outs[impl], outs["hf"])) for impl in impls}
         calls = {i: gen(i, ids, args.new_tokens) for i in impls}
@@ -181,13 +208,15 @@ def main(argv: list[str] | None = None) -> int:
                         row[f"{phase}_vs_{peer}"] = statistics.median(ratios)
                         row[f"{phase}_vs_{peer}_range"] = [min(ratios), max(ratios)]
             rows.append(row)
-    result = dict(benchmark="llama_generate", model=args.model, params=params, dtype="float32", device="cpu",
-                  cpu=cpu_model(), isa=isa(), threads=torch.get_num_threads(), torch=torch.__version__,
+    result = dict(benchmark="llama_generate", model=args.model, params=params, dtype=str(DTYPES[args.dtype])[6:],
+                  device=torch.cuda.get_device_name(device) if cuda else "cpu", cpu=cpu_model(), isa=isa(),
+                  threads=torch.get_num_threads(), torch=torch.__version__,
                   transformers=__import__("transformers").__version__, python=platform.python_version(),
                   warmup=args.warmup, runs=args.runs, rows=rows, implementations={i: IMPLS[i] for i in impls},
                   summary=_summary(rows, impls))
-    print(f"{args.model} ({params / 1e6:.1f}M params), fp32, {result['cpu']} ({result['isa']}), "
-          f"{result['threads']} threads; prompt {args.prompt_len}, {args.new_tokens} new tokens, medians of "
+    where = result["device"] if cuda else f"{result['cpu']} ({result['isa']}), {result['threads']} threads"
+    print(f"{args.model} ({params / 1e6:.1f}M params), {result['dtype']}, {where}; prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, medians of "
           f"{args.runs} runs")
     print(f"{'impl':<16}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'prefill x':>11}{'decode x':>10}"
           f"{'same tokens':>13}")

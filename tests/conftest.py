@@ -13,6 +13,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def no_tf32():
+    """True fp32 on a GPU, to compare with the CPU: cuBLAS and cuDNN may run fp32 as TF32 (10-bit mantissa)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def smoke_model(name: str, batch_size: int = 2, **kwargs) -> tuple[torch.nn.Module, torch.Tensor]:
     """The model built with its config's ``smoke_kwargs`` (plus ``kwargs``) and a matching random input."""
     cfg = vitlab.get_model_config(name)

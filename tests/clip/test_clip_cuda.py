@@ -9,13 +9,12 @@ import torch
 import vitlab
 from vitlab.clip.loss import clip_loss
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("no_tf32")]
 
 
 @pytest.mark.parametrize("name", vitlab.list_models("clip_*"))
-def test_cuda_matches_cpu(name, monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+def test_cuda_matches_cpu(name):
     cfg = vitlab.get_model_config(name)
     model = vitlab.create_model(name, **cfg.smoke_kwargs).eval()
     size = cfg.smoke_kwargs.get("img_size", cfg.input_size[1])

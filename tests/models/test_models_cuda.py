@@ -10,16 +10,8 @@ import torch
 import vitlab
 from tests.conftest import as_logits, smoke_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    """cuDNN convolutions default to TF32 (10-bit mantissa): compare true fp32 with the CPU."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("no_tf32")]  # cuDNN convolutions default to TF32: compare true fp32
 
 
 @pytest.mark.parametrize("name", vitlab.list_models(task="classify"))  # CLIP: tests/clip
