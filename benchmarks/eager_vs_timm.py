@@ -15,7 +15,13 @@ outputs checked equal). Two measurements:
 capped at AVX2 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``, set before
 torch loads), and records the CPU model, the ISA in use, the thread count and the load average of each run.
 
+``--processes N`` repeats each ISA's measurement in N fresh processes (the ISAs alternating). The ratio of one
+process can sit a few per cent off the next one's with the same operators, because where each model's weights
+and activations land in memory is fixed per process; ``summary`` gives, per ISA and model, each process's
+median ratio, their median and min-max, and the median over all pairs of all processes.
+
     python benchmarks/eager_vs_timm.py --models deit_tiny_patch16_224 --batch-size 32 --json eager_vs_timm.json
+    python benchmarks/eager_vs_timm.py --processes 8 --runs 20 --warmup 3 --json eager_vs_timm_processes.json
 """
 
 from __future__ import annotations
@@ -90,9 +96,10 @@ def bench_model(name: str, batch_size: int, warmup: int, runs: int) -> dict:
     diffs = op_differences(ours, twin, small)
     x = torch.randn(batch_size, *size)
     times = paired_times({"vitlab": lambda: ours(x), "timm": lambda: twin(x)}, warmup, runs)
+    ratios = [t / o for o, t in zip(times["vitlab"], times["timm"])]
     return dict(model=name, batch_size=batch_size, max_abs_diff=diff, op_differences=diffs,
                 median_ms={k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()},
-                timm_over_vitlab=_stats([t / o for o, t in zip(times["vitlab"], times["timm"])]))
+                timm_over_vitlab=_stats(ratios), ratios=[round(r, 4) for r in ratios])
 
 
 def measure(args) -> dict:
@@ -124,22 +131,29 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--runs", type=int, default=30)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--processes", type=int, default=1, help="fresh processes per ISA (default 1)")
     p.add_argument("--json", help="write the results here (atomically)")
     args = p.parse_args(argv)
+    if args.processes < 1:
+        p.error("--processes must be at least 1")
 
-    if args.isa == "both":
-        runs = {}
-        for isa in ("native", "avx2"):
-            with tempfile.TemporaryDirectory() as d:
-                out = os.path.join(d, "run.json")
-                cmd = [sys.executable, __file__, *_forward(argv if argv is not None else sys.argv[1:]),
-                       "--isa", isa, "--json", out]
-                env = {**os.environ, **(AVX2_CAPS if isa == "avx2" else {})}
-                subprocess.run(cmd, env=env, check=True)
-                with open(out) as f:
-                    runs[isa] = json.load(f)
+    if args.isa == "both" or args.processes > 1:
+        isas = ("native", "avx2") if args.isa == "both" else (args.isa,)
+        runs: dict[str, list[dict]] = {isa: [] for isa in isas}
+        for _ in range(args.processes):
+            for isa in isas:
+                runs[isa].append(_fresh_process(argv if argv is not None else sys.argv[1:], isa))
         payload = dict(benchmark="eager_vs_timm", command=" ".join(["python", *sys.argv]),
-                       date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), runs=runs)
+                       date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        if args.processes == 1:
+            payload["runs"] = {isa: r[0] for isa, r in runs.items()}
+        else:
+            payload.update(processes=args.processes, runs=runs, summary=_summary(runs))
+            for isa, models in payload["summary"].items():
+                for name, s in models.items():
+                    print(f"{isa:8s} {name:28s} per-process medians {s['per_process']}: median "
+                          f"{s['over_processes']['median']:.3f} [{s['over_processes']['min']:.3f}-"
+                          f"{s['over_processes']['max']:.3f}], all pairs {s['all_pairs']['median']:.3f}")
     else:
         if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_CAPS.items()):
             p.error("--isa avx2 needs the caps set before torch loads: use --isa both, or set "
@@ -153,15 +167,38 @@ def main(argv=None) -> int:
     return 0
 
 
+def _fresh_process(argv: list[str], isa: str) -> dict:
+    """One ISA's measurement in a fresh Python process (the AVX2 caps set before torch loads)."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "run.json")
+        cmd = [sys.executable, __file__, *_forward(argv), "--isa", isa, "--processes", "1", "--json", out]
+        subprocess.run(cmd, env={**os.environ, **(AVX2_CAPS if isa == "avx2" else {})}, check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
+def _summary(runs: dict[str, list[dict]]) -> dict:
+    """Per ISA and model: each process's median ratio, their statistics, and the statistics of all pairs."""
+    out: dict[str, dict] = {}
+    for isa, payloads in runs.items():
+        for i, name in enumerate(r["model"] for r in payloads[0]["results"]):
+            per = [p["results"][i]["timm_over_vitlab"]["median"] for p in payloads]
+            pairs = [v for p in payloads for v in p["results"][i]["ratios"]]
+            out.setdefault(isa, {})[name] = dict(per_process=per, over_processes=_stats(per),
+                                                 all_pairs=_stats(pairs))
+    return out
+
+
 def _forward(argv: list[str]) -> list[str]:
-    """The command line without ``--isa`` and ``--json`` (and their values), for the per-ISA runs."""
+    """The command line without ``--isa``, ``--processes`` and ``--json`` (and their values), for the runs in
+    fresh processes."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--isa", "--json"):
+        elif a in ("--isa", "--json", "--processes"):
             skip = True
-        elif not a.startswith(("--isa=", "--json=")):
+        elif not a.startswith(("--isa=", "--json=", "--processes=")):
             out.append(a)
     return out
 
