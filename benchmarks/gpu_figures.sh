@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/benchmarks.md and the CUDA tests in one run: about nine minutes on one H100.
+# The GPU figures of docs/benchmarks.md and the CUDA tests in one run: about twelve minutes on one H100, so the
+# default budget below skips the last steps; set BUDGET_S to run them all.
 #
 #   bash benchmarks/gpu_figures.sh [OUT_DIR]        # default gpu_figures/
 #
@@ -60,6 +61,10 @@ step train_mfu 60 "$py" benchmarks/train_mfu.py --model vit_base_patch16_224 --a
     --steps 40 --skip 10 --device cuda --out "$out/train_mfu_vit_b16_cuda_bf16.json"
 
 step mae 60 "$py" benchmarks/mae_throughput.py --out "$out/mae_vit_b16_cuda_bf16.json"
+
+# the optimization ladder of ViT-B/16 training (each rung a fresh process; compiles)
+step ladder 240 "$py" -m vitlab bench ladder vit_base_patch16_224 --device cuda --batch-size 64 --runs 5 \
+    --warmup 2 --quiet --json "$out/ladder_vit_base_cuda.json" --plot "$out/ladder_vit_base_cuda.png"
 
 # the Llama compiled by vitlab.optimize (Inductor) last: its compile time is the least certain
 step llama2_7b_compiled 200 "$py" benchmarks/llama_generate.py --model llama2_7b --device cuda --dtype bf16 \
