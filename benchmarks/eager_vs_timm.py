@@ -16,9 +16,10 @@ capped at AVX2 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_IN
 torch loads), and records the CPU model, the ISA in use, the thread count and the load average of each run.
 
 ``--processes N`` repeats each ISA's measurement in N fresh processes (the ISAs alternating). The ratio of one
-process can sit a few per cent off the next one's with the same operators, because where each model's weights
-and activations land in memory is fixed per process; ``summary`` gives, per ISA and model, each process's
-median ratio, their median and min-max, and the median over all pairs of all processes.
+process can sit a few per cent off the next one's with the same operators (most likely where each model's
+weights and activations land in memory, which is fixed per process). ``runs`` holds each process's results per
+ISA; ``summary`` gives, per ISA and model, each process's median ratio, their median and min-max, and the median
+over all pairs of all processes.
 
     python benchmarks/eager_vs_timm.py --models deit_tiny_patch16_224 --batch-size 32 --json eager_vs_timm.json
     python benchmarks/eager_vs_timm.py --processes 8 --runs 20 --warmup 3 --json eager_vs_timm_processes.json
@@ -144,16 +145,13 @@ def main(argv=None) -> int:
             for isa in isas:
                 runs[isa].append(_fresh_process(argv if argv is not None else sys.argv[1:], isa))
         payload = dict(benchmark="eager_vs_timm", command=" ".join(["python", *sys.argv]),
-                       date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        if args.processes == 1:
-            payload["runs"] = {isa: r[0] for isa, r in runs.items()}
-        else:
-            payload.update(processes=args.processes, runs=runs, summary=_summary(runs))
-            for isa, models in payload["summary"].items():
-                for name, s in models.items():
-                    print(f"{isa:8s} {name:28s} per-process medians {s['per_process']}: median "
-                          f"{s['over_processes']['median']:.3f} [{s['over_processes']['min']:.3f}-"
-                          f"{s['over_processes']['max']:.3f}], all pairs {s['all_pairs']['median']:.3f}")
+                       date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), processes=args.processes,
+                       runs=runs, summary=_summary(runs))
+        for isa, models in payload["summary"].items():
+            for name, s in models.items():
+                print(f"{isa:8s} {name:28s} per-process medians {s['per_process']}: median "
+                      f"{s['over_processes']['median']:.3f} [{s['over_processes']['min']:.3f}-"
+                      f"{s['over_processes']['max']:.3f}], all pairs {s['all_pairs']['median']:.3f}")
     else:
         if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_CAPS.items()):
             p.error("--isa avx2 needs the caps set before torch loads: use --isa both, or set "

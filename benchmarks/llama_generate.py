@@ -42,6 +42,7 @@ import time
 import torch
 
 import vitlab
+from vitlab.bench.models import DTYPES
 from vitlab.models.llama import Llama, hf_to_llama_state_dict, llama_to_hf_config
 from vitlab.optimize.cpu import cpu_model, isa
 from vitlab.timing import check_counts
@@ -69,7 +70,6 @@ def _models(cfg, device: torch.device, dtype: torch.dtype):
 
 
 TARGETS = {"eager": 1.0, "optimized": 1.3}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IMPLS = {
     "vitlab": "vitlab Llama.generate, eager (preallocated KV cache)",
     "vitlab_compiled": "vitlab.optimize.optimize(model, backend='compile'): prefill and decoding step compiled by "
@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                         row[f"{phase}_vs_{peer}"] = statistics.median(ratios)
                         row[f"{phase}_vs_{peer}_range"] = [min(ratios), max(ratios)]
             rows.append(row)
-    result = dict(benchmark="llama_generate", model=args.model, params=params, dtype=str(DTYPES[args.dtype])[6:],
+    result = dict(benchmark="llama_generate", model=args.model, params=params,
+                  dtype=str(DTYPES[args.dtype]).removeprefix("torch."),
                   device=torch.cuda.get_device_name(device) if cuda else "cpu", cpu=cpu_model(), isa=isa(),
                   threads=torch.get_num_threads(), torch=torch.__version__,
                   transformers=__import__("transformers").__version__, python=platform.python_version(),
