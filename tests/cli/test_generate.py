@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import vitlab
 from vitlab.cli import main
 from vitlab.models.llama import Llama
 from vitlab.text import load_tokenizer
@@ -77,12 +78,37 @@ def test_refusals_are_one_line(lm_dir, tmp_path, capsys, argv, message):
     assert "\n" not in err and re.fullmatch(r"vitlab: error: " + message, err), err
 
 
+def test_a_tokenizer_smaller_than_the_embedding_never_streams_a_spare_row(tmp_path, capsys):
+    """llama_tiny has 512 rows; a 420-token tokenizer leaves 92 spare rows, which have no text: they are never
+    generated (random weights pick them otherwise)."""
+    spm = pytest.importorskip("sentencepiece")
+    (tmp_path / "c.txt").write_text("\n".join(TEXT))
+    symbols = [f"<u{i}>" for i in range(390)]  # pads the vocabulary to 420 pieces
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "tokenizer"),
+                                   vocab_size=420, user_defined_symbols=symbols, minloglevel=2)
+    tok = load_tokenizer(tmp_path / "tokenizer.model")
+    assert tok.vocab_size == 420
+    torch.manual_seed(0)  # the command builds the same random weights after the same seed
+    model = vitlab.create_model("llama_tiny").eval()
+    free = model.generate(torch.tensor([tok.encode("the tower is")]), 24)
+    assert (free >= 420).any()  # without the limit this prompt reaches a spare row
+    argv = ["generate", "--checkpoint", "llama_tiny", "--tokenizer", str(tmp_path / "tokenizer.model"),
+            "the tower is", "--max-new-tokens", "24"]
+    torch.manual_seed(0)
+    assert main(argv) == 0
+    new = model.generate(torch.tensor([tok.encode("the tower is")]), 24, eos_token_id=tok.eos_id, vocab_size=420)
+    assert capsys.readouterr().out == tok.decode([t for t in new[0].tolist() if t != tok.eos_id]) + "\n"
+
+
 def test_registry_name_needs_a_tokenizer_and_meta_layout_finds_the_parents(lm_dir, tmp_path, capsys):
     assert main(["generate", "--checkpoint", "llama_tiny", "hi"]) == 2
     assert capsys.readouterr().err.strip() == ("vitlab: error: llama_tiny has no tokenizer: pass --tokenizer PATH "
                                                "(tokenizer.model or tokenizer.json)")
-    assert main(["generate", "--checkpoint", str(tmp_path / "absent"), "--tokenizer", str(lm_dir), "hi"]) == 2
-    assert "is neither a checkpoint directory nor a registered language model" in capsys.readouterr().err
+    for extra in (["--tokenizer", str(lm_dir)], []):  # a missing checkpoint is named as such, tokenizer or not
+        assert main(["generate", "--checkpoint", str(tmp_path / "absent"), *extra, "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith("absent is neither a checkpoint directory nor a registered language model (e.g. "
+                            "llama_tiny)") and "\n" not in err
     # Meta's layout: <root>/tokenizer.json (here) beside <root>/7B/{params.json, consolidated.00.pth}
     model = Llama.from_pretrained(lm_dir)
     (tmp_path / "tokenizer.json").write_text((lm_dir / "tokenizer.json").read_text())

@@ -239,6 +239,21 @@ def test_generate_checks_and_eos():
     assert torch.equal(torch.stack(streamed, 1), greedy[:, :4])
 
 
+def test_generate_never_picks_the_spare_rows_past_vocab_size():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**TINY)).eval()
+    with torch.no_grad():  # the spare rows 500..511 (no text in a 500-token tokenizer) made the likeliest
+        model.lm_head.weight[500:] = model.lm_head.weight[:12] * 40
+    ids = torch.randint(3, 500, (2, 6))
+    assert (model.generate(ids, max_new_tokens=8) >= 500).any()
+    for temperature in (0.0, 1.0):
+        out = model.generate(ids, max_new_tokens=8, temperature=temperature, vocab_size=500,
+                             generator=torch.Generator().manual_seed(0))
+        assert (out < 500).all()
+    with pytest.raises(ValueError, match=r"vocab_size must be in 1\.\.512"):
+        model.generate(ids, max_new_tokens=2, vocab_size=513)
+
+
 def test_sampling_filters():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
     g = torch.Generator().manual_seed(0)
@@ -275,11 +290,18 @@ def test_grad_checkpointing_gives_the_same_gradients():
 
 def test_tied_embeddings_and_a_truncated_meta_file(tmp_path):
     ref = _hf_model(tmp_path / "tied", tie_word_embeddings=True)
+    assert "lm_head.weight" not in Llama.read_checkpoint(tmp_path / "tied")  # save_pretrained drops a tied head
     ours = Llama.from_pretrained(tmp_path / "tied")
     assert ours.lm_head.weight is ours.embed_tokens.weight
     ids = torch.randint(0, 512, (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), ref(ids).logits, atol=1e-4, rtol=1e-4)
+        # the registered model of the same shape, tied or not, takes the tied checkpoint by checkpoint_path=
+        for tie in (True, False):
+            reg = vitlab.create_model("llama_tiny", checkpoint_path=str(tmp_path / "tied"),
+                                      tie_word_embeddings=tie).eval()
+            assert (reg.lm_head.weight is reg.embed_tokens.weight) == tie
+            torch.testing.assert_close(reg(ids), ref(ids).logits, atol=1e-4, rtol=1e-4)
     meta = tmp_path / "meta"
     meta.mkdir()
     (meta / "params.json").write_text(json.dumps({"dim": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 512}))

@@ -63,6 +63,20 @@ def test_logits_loss_and_greedy_tokens_equal_transformers(tmp_path):
     assert {n for n, _ in ours.named_children()} == {"vision_tower", "projector", "language_model"}
 
 
+def test_a_checkpoint_with_tied_embeddings_loads_by_checkpoint_path(tmp_path):
+    """save_pretrained leaves the tied head out of the file: the registered (untied) model takes the embedding."""
+    text = transformers.LlamaConfig(**TEXT, tie_word_embeddings=True)
+    ref = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**VISION), text_config=text, image_token_index=IMAGE,
+        tie_word_embeddings=True)).eval()
+    ref.save_pretrained(tmp_path)
+    ours = vitlab.create_model("llava_tiny", checkpoint_path=str(tmp_path)).eval()
+    ids, x = _prompt(expanded=True), torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, x).logits, ref(input_ids=ids, pixel_values=x).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
 def test_feature_layers_strategy_and_pretrained_config(tmp_path):
     """Two feature layers concatenated and [CLS] kept ('full'), read from config.json by LLaVA.from_pretrained."""
     ref = _hf(tmp_path, vision_feature_layer=[-3, -1], vision_feature_select_strategy="full")

@@ -18,6 +18,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from vitlab.models.llama import llama_config_from_dir, load_llama
+    from vitlab.registry import is_model
     from vitlab.text import StreamDecoder, check_vocab, llama2_chat, load_tokenizer
 
     if args.max_new_tokens < 1:
@@ -25,6 +26,9 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
     is_dir = Path(args.checkpoint).is_dir()
+    if not is_dir and not is_model(args.checkpoint):
+        raise FileNotFoundError(f"{args.checkpoint} is neither a checkpoint directory nor a registered language "
+                                f"model (e.g. llama_tiny)")
     if args.tokenizer is None and not is_dir:
         raise ValueError(f"{args.checkpoint} has no tokenizer: pass --tokenizer PATH (tokenizer.model or "
                          f"tokenizer.json)")
@@ -62,7 +66,8 @@ def cmd_generate(args) -> int:
 
     start = time.perf_counter()
     out = model.generate(torch.tensor([ids], device=args.device), args.max_new_tokens, args.temperature, args.top_k,
-                         args.top_p, tokenizer.eos_id, generator=generator, on_token=on_token, forward=forward)
+                         args.top_p, tokenizer.eos_id, generator=generator, on_token=on_token, forward=forward,
+                         vocab_size=tokenizer.vocab_size)  # spare embedding rows have no text
     sys.stdout.write("\n")
     n = out.shape[1]
     decode = f", decode {(n - 1) / (times[-1] - times[0]):.1f} tokens/s" if n > 1 else ""

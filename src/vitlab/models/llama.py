@@ -303,7 +303,7 @@ class Llama(nn.Module):
                  *, attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                  pad_token_id: int | None = None, generator: torch.Generator | None = None,
                  on_token: Callable[[torch.Tensor], None] | None = None,
-                 forward: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                 forward: Callable[..., torch.Tensor] | None = None, vocab_size: int | None = None) -> torch.Tensor:
         """Continue a batch of prompts by up to ``max_new_tokens`` tokens; returns only the new tokens
         (B, n_new).
 
@@ -316,6 +316,8 @@ class Llama(nn.Module):
         - ``on_token(tokens)`` is called with each step's (B,) tokens as soon as they exist (streaming).
         - ``forward``: what computes the logits, called as the model's forward is (default: the model; a compiled
           one from :func:`vitlab.optimize.llama.compile_llama` is faster).
+        - ``vocab_size``: only ids below it are generated, for a tokenizer smaller than the embedding (LLaVA-1.5
+          pads its 32,001 tokens to 32,064 rows): the spare rows have no text, so they are never chosen.
 
         Prompt plus ``max_new_tokens`` must fit the context (``config.max_seq_len``): otherwise ``ValueError``.
         """
@@ -340,9 +342,12 @@ class Llama(nn.Module):
             self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0))
         forward = self if forward is None else forward
         cache = self.new_cache(b, n + max_new_tokens)
+        if vocab_size is not None and not 0 < vocab_size <= self.config.vocab_size:
+            raise ValueError(f"vocab_size must be in 1..{self.config.vocab_size} (the embedding's rows), "
+                             f"got {vocab_size}")
         logits = forward(input_ids if inputs_embeds is None else None, inputs_embeds=inputs_embeds,
                          attention_mask=None if full_mask is None else full_mask[:, :n], cache=cache,
-                         logits_to_keep=1)[:, -1]
+                         logits_to_keep=1)[:, -1, :vocab_size]
         done = torch.zeros(b, dtype=torch.bool, device=device)
         out = []
         for i in range(max_new_tokens):
@@ -356,7 +361,7 @@ class Llama(nn.Module):
             if i == max_new_tokens - 1 or (eos and bool(done.all())):
                 break
             logits = forward(tok[:, None], attention_mask=None if full_mask is None else full_mask[:, :n + i + 1],
-                             cache=cache)[:, -1]
+                             cache=cache)[:, -1, :vocab_size]
         return torch.stack(out, dim=1)
 
     # ---- weights --------------------------------------------------------------------------------------
@@ -392,9 +397,7 @@ class Llama(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         sd = model.checkpoint_filter_fn(cls.read_checkpoint(path), model)
-        if cfg.tie_word_embeddings:
-            sd.setdefault("lm_head.weight", sd.get("embed_tokens.weight"))
-        sd = {k: v.to(dtype or torch.float32) for k, v in sd.items() if v is not None}
+        sd = {k: v.to(dtype or torch.float32) for k, v in sd.items()}
         own = model.state_dict()
         missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
         bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in sd.items()
@@ -432,10 +435,11 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tenso
 
 def hf_to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """A Hugging Face ``LlamaForCausalLM`` state dict -> ours: q/k/v packed into ``qkv`` (q and k rows back in
-    RoPE's pair order), gate/up packed into ``mlp.fc1``, down -> ``mlp.fc2``."""
+    RoPE's pair order), gate/up packed into ``mlp.fc1``, down -> ``mlp.fc2``. A checkpoint saved with tied
+    embeddings has no ``lm_head.weight``: the head is the embedding (for a model with or without tied weights)."""
     out = {"embed_tokens.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
-    if "lm_head.weight" in sd:
-        out["lm_head.weight"] = sd["lm_head.weight"]
+    # save_pretrained leaves a tied head out of the file: the embedding is the head
+    out["lm_head.weight"] = sd.get("lm_head.weight", out["embed_tokens.weight"])
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         q = _unpermute_rope(sd[p + "self_attn.q_proj.weight"], cfg.n_heads, cfg.head_dim)

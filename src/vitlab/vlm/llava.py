@@ -200,16 +200,17 @@ class LLaVA(nn.Module):
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  eos_token_id: int | list[int] | None = None, *, attention_mask: torch.Tensor | None = None,
                  pad_token_id: int | None = None, generator: torch.Generator | None = None,
-                 on_token=None) -> torch.Tensor:
+                 on_token=None, vocab_size: int | None = None) -> torch.Tensor:
         """Continue each (image, prompt) by up to ``max_new_tokens`` tokens; returns the new tokens (B, n_new).
-        Greedy by default; sampling, stopping at ``eos_token_id`` (default: the language model's), padding and
-        streaming as :meth:`vitlab.models.llama.Llama.generate`. Prompts of different lengths are left-padded
-        with ``attention_mask`` 0 on the padding."""
+        Greedy by default; sampling, stopping at ``eos_token_id`` (default: the language model's), padding,
+        streaming and ``vocab_size`` as :meth:`vitlab.models.llama.Llama.generate`. Prompts of different lengths
+        are left-padded with ``attention_mask`` 0 on the padding."""
         embeds, mask, _ = self.merge(input_ids, pixel_values, attention_mask)
         eos = eos_token_id if eos_token_id is not None else self.language_model.config.eos_token_id
         return self.language_model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=max_new_tokens,
                                             temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos,
-                                            pad_token_id=pad_token_id, generator=generator, on_token=on_token)
+                                            pad_token_id=pad_token_id, generator=generator, on_token=on_token,
+                                            vocab_size=vocab_size)
 
     def profile_inputs(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What :mod:`vitlab.profile` runs: ``image`` with the tower's own channels and a prompt of 32 tokens (fewer
@@ -290,8 +291,6 @@ def convert_hf_llava_state_dict(sd: dict[str, torch.Tensor], model: LLaVA) -> di
     lm = model.language_model
     lm_sd = {k[len("language_model."):]: v for k, v in flat.items() if k.startswith("language_model.")}
     lm_sd = lm.checkpoint_filter_fn(lm_sd, lm)
-    if lm.config.tie_word_embeddings:
-        lm_sd.setdefault("lm_head.weight", lm_sd.get("embed_tokens.weight"))
     out.update({f"language_model.{k}": v for k, v in lm_sd.items()})
     return out
 

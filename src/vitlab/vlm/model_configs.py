@@ -67,19 +67,20 @@ _TINY = dict(input_size=(3, 32, 32), smoke_kwargs={})
 @register_model(config=_blip_cfg(**_TINY))
 def blip_tiny(**kwargs) -> BLIP:
     """A tiny BLIP with all three heads."""
-    return build_blip("vit_base_patch16_224", _TINY_VISION, _TINY_TEXT, embed_dim=16, **kwargs)
+    return build_blip("vit_base_patch16_224", _TINY_VISION, _TINY_TEXT, **{"embed_dim": 16, **kwargs})
 
 
 @register_model(config=_blip_cfg("caption", **_TINY))
 def blip_tiny_caption(**kwargs) -> BLIP:
     """The tiny BLIP's captioner alone."""
-    return build_blip("vit_base_patch16_224", _TINY_VISION, _TINY_TEXT, heads=("lm",), embed_dim=16, **kwargs)
+    return build_blip("vit_base_patch16_224", _TINY_VISION, _TINY_TEXT, heads=("lm",), **{"embed_dim": 16, **kwargs})
 
 
 @register_model(config=_blip_cfg(**_TINY))
 def blip_tiny_retrieval(**kwargs) -> BLIP:
     """The tiny BLIP's ITC and ITM heads alone."""
-    return build_blip("vit_base_patch16_224", _TINY_VISION, _TINY_TEXT, heads=("itc", "itm"), embed_dim=16, **kwargs)
+    return build_blip("vit_base_patch16_224", _TINY_VISION, _TINY_TEXT, heads=("itc", "itm"),
+                      **{"embed_dim": 16, **kwargs})
 
 
 _LLAVA_PAPER = "Liu et al., Improved Baselines with Visual Instruction Tuning (LLaVA-1.5), CVPR 2024; Liu et al., " \
