@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import pytest
@@ -129,11 +130,18 @@ def test_read_hf_config_refuses_another_architecture(tmp_path):
     from vitlab.convert import read_hf_config
 
     _hf_dir(tmp_path, False)
-    assert read_hf_config(tmp_path, ("LlamaForCausalLM",))["model_type"] == "llama"
-    assert read_hf_config(tmp_path / "config.json", ("llama",))["architectures"] == ["LlamaForCausalLM"]
-    with pytest.raises(ValueError, match=r"describes LlamaForCausalLM, llama, not CLIPModel$") as e:
-        read_hf_config(tmp_path, ("CLIPModel",))
+    llama = ("LlamaForCausalLM", "llama")
+    assert read_hf_config(tmp_path, llama)["model_type"] == "llama"
+    assert read_hf_config(tmp_path / "config.json", llama)["architectures"] == ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match=r"describes LlamaForCausalLM, llama, not CLIPModel / clip$") as e:
+        read_hf_config(tmp_path, ("CLIPModel", "clip"))
     assert "\n" not in str(e.value)
+    # transformers builds the class of model_type: a BERT config keeping a Llama class name is still a BERT
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for edit in ({"model_type": "bert"}, {"architectures": ["BertModel"]}, {"model_type": None, "architectures": []}):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
+        with pytest.raises(ValueError, match=r"describes .*not LlamaForCausalLM / llama$"):
+            read_hf_config(tmp_path, llama)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         read_hf_config(tmp_path / "nothing_here")
 

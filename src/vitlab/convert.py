@@ -165,8 +165,10 @@ def _hf_dir(path: str | os.PathLike) -> Path:
 def read_hf_config(path: str | os.PathLike, architectures: tuple[str, ...] = ()) -> dict:
     """The ``config.json`` of a Hugging Face ``save_pretrained`` directory (``path``: the directory or the file).
 
-    ``architectures``: the accepted class names (``"LlamaForCausalLM"``) or model types (``"llama"``); a config
-    naming neither is refused in one line (``ValueError``). Empty: any config."""
+    ``architectures``: the accepted class names (``"LlamaForCausalLM"``) and model types (``"llama"``). As
+    transformers picks the class by ``model_type``, a config is refused in one line (``ValueError``) when its
+    ``model_type`` is not accepted, when its ``architectures`` name no accepted class, or when it has neither.
+    Empty: any config."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -178,9 +180,11 @@ def read_hf_config(path: str | os.PathLike, architectures: tuple[str, ...] = ())
     if not isinstance(cfg, dict):
         raise ValueError(f"{file} does not hold a JSON object")
     if architectures:
-        found = list(cfg.get("architectures") or []) + [cfg.get("model_type")]
-        if not set(architectures) & set(found):
-            what = ", ".join(str(a) for a in found if a) or "no architecture"
+        named, model_type = list(cfg.get("architectures") or []), cfg.get("model_type")
+        ok = set(architectures)
+        if (model_type is None and not named) or (model_type is not None and model_type not in ok) or (
+                named and not ok & set(named)):
+            what = ", ".join(str(a) for a in named + [model_type] if a) or "no architecture"
             raise ValueError(f"{file} describes {what}, not {' / '.join(architectures)}")
     return cfg
 

@@ -169,3 +169,18 @@ def test_llava_v1_prompt():
     two = q + [{"role": "assistant", "content": "A square."}, {"role": "user", "content": "And above?"}]
     assert llava_v1(two).endswith("ASSISTANT: A square.</s>USER: And above? ASSISTANT:")
     assert "<image>" not in llava_v1(q, image=False)
+
+
+def test_streamed_pieces_add_up_to_the_decoded_text(sp_model):
+    """Byte-fallback pieces of a character are held back until it is complete; what is still pending at the end
+    (an incomplete character) comes out of flush, as decode gives it."""
+    from vitlab.text import StreamDecoder
+
+    tok = load_tokenizer(sp_model)
+    ids = tok.encode("a cat 🙂 and a wörld", bos=False)
+    assert len(ids) > len(tok.encode("a cat and a world", bos=False))  # the emoji is several byte pieces
+    for seq in (ids, ids[: ids.index(tok.encode("a cat 🙂", bos=False)[-1])]):  # whole, and cut inside the emoji
+        stream = StreamDecoder(tok)
+        pieces = [stream.push(i) for i in seq]
+        assert "".join(pieces) + stream.flush() == tok.decode(seq)
+    assert "\ufffd" in tok.decode(seq) and "\ufffd" not in "".join(pieces)

@@ -68,7 +68,7 @@ def cmd_generate(args) -> int:
     out = model.generate(torch.tensor([ids], device=args.device), args.max_new_tokens, args.temperature, args.top_k,
                          args.top_p, tokenizer.eos_id, generator=generator, on_token=on_token, forward=forward,
                          vocab_size=tokenizer.vocab_size)  # spare embedding rows have no text
-    sys.stdout.write("\n")
+    sys.stdout.write(stream.flush() + "\n")
     n = out.shape[1]
     decode = f", decode {(n - 1) / (times[-1] - times[0]):.1f} tokens/s" if n > 1 else ""
     print(f"{len(ids)} prompt tokens in {times[0] - start:.2f} s, {n} new tokens{decode}", file=sys.stderr)

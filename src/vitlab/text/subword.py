@@ -225,6 +225,13 @@ class StreamDecoder:
         new, self.text = text[len(self.text):], text
         return new
 
+    def flush(self) -> str:
+        """The text held back at the end (a character whose bytes never completed decodes as U+FFFD, as
+        :meth:`Tokenizer.decode` gives it), so the streamed pieces add up to the decoded sequence."""
+        text = self.tokenizer.decode(self.ids)
+        new, self.text = text[len(self.text):], text
+        return new
+
 
 # an embedding may have spare rows: LLaVA-1.5 pads 32,001 tokens to 32,064 rows (a multiple of 64 runs faster)
 MAX_SPARE_ROWS = 128

@@ -439,7 +439,7 @@ class BLIP(nn.Module):
         """A Hugging Face ``save_pretrained`` directory of a BLIP model (architecture checked), else a file."""
         p = Path(path)
         if p.is_dir():
-            read_hf_config(p, architectures=tuple(HF_ARCHITECTURES))
+            read_hf_config(p, architectures=(*HF_ARCHITECTURES, "blip"))
             return read_hf_state_dict(p)
         return read_state_dict(p)
 
@@ -447,7 +447,7 @@ class BLIP(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike) -> BLIP:
         """A BLIP with the architecture (``config.json``) and weights of a transformers
         ``BlipForConditionalGeneration`` (the captioner) or ``BlipForImageTextRetrieval`` directory, in eval mode."""
-        model = cls(**blip_kwargs_from_hf(read_hf_config(path, architectures=tuple(HF_ARCHITECTURES))))
+        model = cls(**blip_kwargs_from_hf(read_hf_config(path, architectures=(*HF_ARCHITECTURES, "blip"))))
         return load_state_dict(model, cls.read_checkpoint(path), source=str(path)).eval()
 
     @staticmethod
