@@ -184,3 +184,22 @@ def test_streamed_pieces_add_up_to_the_decoded_text(sp_model):
         pieces = [stream.push(i) for i in seq]
         assert "".join(pieces) + stream.flush() == tok.decode(seq)
     assert "\ufffd" in tok.decode(seq) and "\ufffd" not in "".join(pieces)
+
+
+@pytest.mark.parametrize("scheme", ["first", "always"])
+def test_tokenizer_json_ids_around_special_tokens_are_the_librarys(tmp_path, scheme):
+    """A tokenizer.json text is encoded whole by ``tokenizers``: with Metaspace's prepend_scheme "first" (what
+    transformers writes for Llama with legacy=False) nothing is prepended after a special token."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme=scheme, split=False)
+    tok.decoder = tokenizers.decoders.Metaspace(prepend_scheme=scheme, split=False)
+    tok.train_from_iterator(SENTENCES, tokenizers.trainers.BpeTrainer(vocab_size=150,
+                                                                     special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ours = HFTokenizer(tmp_path / "tokenizer.json", added_tokens=["<image>"])
+    lib = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    lib.add_special_tokens([tokenizers.AddedToken("<image>", special=True, normalized=False)])
+    for text in ["USER: <image>\nHow many triangles?", "<s>[INST] What is the object? [/INST]", "a cat</s>",
+                 "<image>Is there a circle above the square?"]:
+        assert ours.encode(text, bos=False) == lib.encode(text, add_special_tokens=False).ids, text

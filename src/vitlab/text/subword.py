@@ -7,8 +7,10 @@
   named in ``tokenizer_config.json`` when there is one.
 
 Both encode a text as ``[bos] + pieces + [eos]`` (each optional) and treat the special tokens written in the text
-(``<s>``, ``</s>``, ``<image>``...) as their ids: the text is split at them and each piece between is encoded on
-its own, as Meta's Llama 2 chat code encodes each turn and LLaVA encodes the text around ``<image>``.
+(``<s>``, ``</s>``, ``<image>``...) as their ids. A SentencePiece text is split at them and each piece between is
+encoded on its own, as Meta's Llama 2 chat code encodes each turn and LLaVA encodes the text around ``<image>``;
+a ``tokenizer.json`` text goes to ``tokenizers`` whole, which splits at its added tokens itself (the ids of
+transformers' fast tokenizer and of its processors).
 :func:`load_tokenizer` picks the kind from a path; :func:`check_vocab` refuses a tokenizer whose ids do not fit a
 model's embedding.
 """
@@ -49,14 +51,19 @@ class Tokenizer(ABC):
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """Token ids of ``text``, with the beginning-of-sequence id first (``bos``) and the end one last (``eos``)."""
         ids = [self.bos_id] if bos and self.bos_id is not None else []
-        parts = self._split_re.split(text) if self._split_re is not None else [text]
-        for part in parts:
+        ids.extend(self._encode_text(text))
+        if eos and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        """The ids of a text that may hold special tokens: split at them, each piece between encoded on its own."""
+        ids: list[int] = []
+        for part in self._split_re.split(text) if self._split_re is not None else [text]:
             if part in self.specials:
                 ids.append(self.specials[part])
             elif part:
                 ids.extend(self._encode_plain(part))
-        if eos and self.eos_id is not None:
-            ids.append(self.eos_id)
         return ids
 
     def decode(self, ids, skip_special: bool = True) -> str:
@@ -187,6 +194,11 @@ class HFTokenizer(Tokenizer):
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        # the library splits at its added tokens itself, and its pre-tokenizer decides what follows one (a
+        # Metaspace with prepend_scheme "first" adds no "▁" there): the ids of transformers' fast tokenizer
+        return self._encode_plain(text)
 
     def _decode_plain(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
