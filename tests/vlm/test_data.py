@@ -1,5 +1,6 @@
-"""Vision-language data: COCO captions, VQA JSONL and LLaVA conversation files read and checked; the embedded
-scenes' ground truth agrees with their captions and answers, and the test split's templates are held out."""
+"""Vision-language data: COCO captions, CLIP's captions files, VQA JSONL and LLaVA conversation files read and
+checked; the embedded scenes' ground truth agrees with their captions and answers, and the test split's templates
+are held out."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from vitlab.vlm.data import (
     SCENE_CLASSES,
     draw_scene,
     make_scenes,
+    read_caption_rows,
     read_coco,
     read_llava,
     read_vqa,
@@ -121,6 +123,39 @@ def test_llava_conversations(tmp_path):
     file.write_text(json.dumps(d))
     with pytest.raises(DataError, match="alternate"):
         read_llava(file)
+
+
+def test_llava_missing_image_names_both_paths_tried(tmp_path):
+    _images(tmp_path / "images", ["a.png"])
+    conv = [{"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "A cat."}]
+    file = tmp_path / "llava.json"
+    file.write_text(json.dumps([{"image": "a.png", "conversations": conv}, {"image": "b.png", "conversations": conv}]))
+    with pytest.raises(DataError) as e:
+        read_llava(file)
+    assert str(e.value) == (f"{file} entry 1: image not found: {tmp_path / 'b.png'} or "
+                            f"{tmp_path / 'images' / 'b.png'}")
+
+
+def test_caption_rows_group_an_images_captions(tmp_path):
+    """CLIP's captions CSV and JSONL as caption samples: one per image with all its captions, 10% of the images
+    held out without a split column, the split column followed otherwise."""
+    _images(tmp_path, [f"{i}.png" for i in range(10)])
+    rows = [("image", "caption")] + [(f"{i}.png", f"picture {i}") for i in range(10)] + [("3.png", 'a "quoted", one')]
+    (tmp_path / "captions.csv").write_text("".join(f'{a},"{b.replace(chr(34), 2 * chr(34))}"\n' for a, b in rows))
+    s = read_caption_rows(tmp_path)
+    assert [len(s["train"]), len(s["val"])] == [9, 1] and "test" not in s
+    three = next(x for x in s["train"] + s["val"] if x.image == str(tmp_path / "3.png"))
+    assert three.refs == ["picture 3", 'a "quoted", one'] and three.turns == []
+    lines = [{"image": f"{i}.png", "caption": f"cap {i} ☃", "split": "train"} for i in range(8)]
+    lines += [{"image": "8.png", "caption": "held", "split": "val"},
+              {"image": "9.png", "caption": "t", "split": "test"}]
+    file = tmp_path / "captions.jsonl"
+    file.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in lines))
+    s = read_caption_rows(file)
+    assert [len(s[k]) for k in ("train", "val", "test")] == [8, 1, 1] and s["train"][0].refs == ["cap 0 ☃"]
+    (tmp_path / "4.png").write_bytes(b"not a png")
+    with pytest.raises(DataError, match=r"corrupt image .*4\.png"):
+        read_caption_rows(file)
 
 
 # ---------------------------------------------------------------- the scenes

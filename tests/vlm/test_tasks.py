@@ -102,9 +102,16 @@ def test_prompt_refused_by_a_task_without_questions(tmp_path, scene_png, capsys)
 
 def test_wrong_data_for_the_task(tmp_path, capsys):
     (tmp_path / "q.jsonl").write_text("")
-    _one_line_error(capsys, ["train", "--task", "caption", "--data", f"vqa:{tmp_path / 'q.jsonl'}", *TINY],
-                    "holds questions")
-    _one_line_error(capsys, ["train", "--task", "vqa", "--data", "digits", *TINY], "reads scenes")
+    captions = "reads scenes, coco:PATH or captions:PATH"
+    for task in ("caption", "blip"):  # each message names its own task and exactly the sources it reads
+        _one_line_error(capsys, ["train", "--task", task, "--data", f"vqa:{tmp_path / 'q.jsonl'}", *TINY],
+                        "holds questions", f"--task {task} {captions}")
+        err = _one_line_error(capsys, ["train", "--task", task, "--data", "digits", *TINY], f"--task {task} {captions}")
+        assert "vqa:" not in err and "llava:" not in err
+    _one_line_error(capsys, ["train", "--task", "vqa", "--data", f"captions:{tmp_path}", *TINY], "holds captions",
+                    "--task vqa reads scenes, vqa:PATH or llava:PATH")
+    err = _one_line_error(capsys, ["train", "--task", "vqa", "--data", "digits", *TINY], "reads scenes")
+    assert "coco:" not in err and "captions:" not in err
     _one_line_error(capsys, ["train", "--task", "vqa", "--stage", "1", "--task_args.freeze", "projector", *TINY],
                     "leaves nothing to train")
 
@@ -120,6 +127,64 @@ def test_corrupt_coco_image_is_one_line(tmp_path, capsys):
     _one_line_error(capsys, ["train", "--task", "caption", "--data", f"coco:{tmp_path / 'c.json'}",
                              "--output_dir", str(out), *TINY], "corrupt image", "b.png")
     assert not out.exists()
+
+
+def _pictures(folder, n):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        Image.fromarray(draw_scene(i)[0].permute(1, 2, 0).numpy()).save(folder / f"{i}.png")
+
+
+def test_the_test_split_sizes_the_context(tmp_path, capsys):
+    """A test question longer than every training one: the run trains and tests (the context holds it), and a
+    context that cannot hold it is refused before training starts."""
+    _pictures(tmp_path, 6)
+    rows = [{"image": f"{i}.png", "question": "is it red", "answer": "yes"} for i in range(6)]
+    rows.append({"image": "0.png", "question": "what colour is the small dog on the left", "answer": "red",
+                 "split": "test"})
+    (tmp_path / "q.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    data = ["--data", f"vqa:{tmp_path / 'q.jsonl'}"]
+    run = tmp_path / "run"
+    assert main(["train", "--task", "vqa", *data, "--output_dir", str(run), *TINY, "--quiet"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    # <s> user : what colour is the small dog on the left <image> assistant : red </s>
+    assert summary["context_length"] == 17 and "test_accuracy" in summary
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["questions"] == 1
+    short = tmp_path / "short"
+    _one_line_error(capsys, ["train", "--task", "vqa", *data, "--output_dir", str(short), *TINY,
+                             "--task_args.context_length", "12"], "context_length 12", "test split (17 tokens)")
+    assert not short.exists()
+
+
+def test_captions_files_train_caption_and_blip(tmp_path, capsys):
+    """CLIP's captions files (CSV and JSONL) as captioning data: one training epoch each through the command line,
+    a tenth of the images held out for validation."""
+    _pictures(tmp_path / "csv", 10)
+    (tmp_path / "csv" / "captions.csv").write_text(
+        "image,caption\n" + "".join(f'{i}.png,"scene {i}, on grass"\n{i}.png,another view\n' for i in range(10)))
+    run = tmp_path / "caption"
+    assert main(["train", "--task", "caption", "--data", f"captions:{tmp_path / 'csv'}", "--output_dir", str(run),
+                 *TINY, "--quiet"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    # one sequence per caption: <s> <image> scene 0 , on grass </s>
+    assert summary["finished"] and summary["context_length"] == 8
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval"), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["split"] == "val" and r["images"] == 1 and len(r["captions"][0]["refs"]) == 2
+    _pictures(tmp_path / "jsonl", 20)  # BLIP's ITM draws negatives among a batch's images: two or more per batch
+    file = tmp_path / "jsonl" / "captions.jsonl"
+    file.write_text("\n".join(json.dumps({"image": f"{i}.png", "caption": f"scene {i} ☃"}) for i in range(20)))
+    run = tmp_path / "blip"
+    tiny = ["--model_kwargs.vision_depth", "1", "--model_kwargs.text_depth", "1", *TINY[6:]]
+    assert main(["train", "--task", "blip", "--data", f"captions:{file}", "--output_dir", str(run), *tiny,
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval"), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["split"] == "val" and r["images"] == 2 and r["texts"] == 2
 
 
 @pytest.mark.parametrize("after", [False, True])

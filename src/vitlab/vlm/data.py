@@ -16,7 +16,10 @@ training starts (one :class:`vitlab.data.DataError`: file, line or entry).
 - ``llava:PATH`` -- LLaVA's instruction JSON (Liu et al., 2023, "Visual Instruction Tuning", Sec. 3): a list of
   ``{"image", "conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": ...}]}``;
   human and model turns alternate, the image placeholder is stripped from the text (the model puts the image
-  first).
+  first). An image is looked for beside the file, then in its ``images/`` (a missing one names both paths).
+- ``captions:PATH`` -- the image-caption rows ``--task clip`` reads (:func:`vitlab.clip.data.read_captions`: a
+  folder with ``captions.csv`` or ``captions.jsonl``, or that file; ``image`` relative to the file, ``caption``,
+  optional ``split``), one sample per image with all its captions as references, as COCO's.
 - ``scenes`` (the embedded offline set, :func:`make_scenes`): one to four real objects -- scikit-image's horse
   silhouette filled with a crop of its photographs, the head of its cat photograph in an oval, a scikit-learn
   handwritten digit drawn in ink -- each in a cell of a 2 x 2 grid on a tinted crop of its brick, grass or gravel
@@ -42,15 +45,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from vitlab.clip.data import find_captions_file, read_captions
 from vitlab.data import DataError, declare_dataset
 from vitlab.data.datasets import image_ok
 
 # read by the vision-language tasks, not vitlab.data.build
 READ_BY = "--task caption, --task vqa or --task blip"
 declare_dataset("scenes", read_by=READ_BY)
-declare_dataset("coco", read_by=READ_BY, needs_root=True)
-declare_dataset("vqa", read_by=READ_BY, needs_root=True)
-declare_dataset("llava", read_by=READ_BY, needs_root=True)
+declare_dataset("coco", read_by="--task caption or --task blip", needs_root=True)
+declare_dataset("vqa", read_by="--task vqa", needs_root=True)
+declare_dataset("llava", read_by="--task vqa", needs_root=True)
 
 VAL_FRACTION = 0.1
 HUMANS = 10  # answers per question in VQA v2
@@ -87,6 +91,14 @@ def _checked_image(path: Path, where: str) -> str:
     return str(path)
 
 
+def _find_image(candidates: list[Path], where: str) -> str:
+    """The first of ``candidates`` that is a file, checked; when none is, the error names every path tried."""
+    for path in candidates:
+        if path.is_file():
+            return _checked_image(path, where)
+    raise DataError(f"{where}: image not found: {' or '.join(map(str, dict.fromkeys(candidates)))}")
+
+
 def _read_json(path: Path):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -121,9 +133,7 @@ def read_coco_file(file: Path, image_dirs: list[Path]) -> list[VLSample]:
         raise DataError(f"{file}: no captions")
     out = []
     for image_id, caps in captions.items():
-        name = names[image_id]
-        path = next((p / name for p in image_dirs if (p / name).is_file()), image_dirs[0] / name)
-        out.append(VLSample(_checked_image(path, str(file)), refs=caps))
+        out.append(VLSample(_find_image([p / names[image_id] for p in image_dirs], str(file)), refs=caps))
     return out
 
 
@@ -226,12 +236,26 @@ def read_llava(path: str | Path) -> dict[str, list[VLSample]]:
             turns.append((q, g["value"].strip()))
         if IMAGE_TOKEN not in conv[0]["value"]:
             raise DataError(f"{where}: the first human turn has no {IMAGE_TOKEN} placeholder")
-        base = file.parent / e["image"]
-        image = base if base.is_file() else file.parent / "images" / e["image"]
-        samples.append(VLSample(_checked_image(image, where), turns, [turns[-1][1]] * HUMANS, "conversation"))
+        image = _find_image([file.parent / e["image"], file.parent / "images" / e["image"]], where)
+        samples.append(VLSample(image, turns, [turns[-1][1]] * HUMANS, "conversation"))
     if not samples:
         raise DataError(f"{file}: no conversations")
     return _hold_out(samples, str(file))
+
+
+def read_caption_rows(path: str | Path) -> dict[str, list[VLSample]]:
+    """``captions:PATH``: the image-caption rows CLIP trains on, read by :func:`vitlab.clip.data.read_captions`
+    (a CSV or JSONL of ``image``, ``caption`` and an optional ``split``; without a validation split a fixed 10% of
+    the images held out, as :func:`read_coco` does), one sample per image of a split with all its captions as
+    references (COCO's grouping, Chen et al., 2015); every image checked (a corrupt file is named)."""
+    where = str(find_captions_file(path))
+    out = {}
+    for split, rows in read_captions(path).items():
+        refs: dict[str, list[str]] = {}
+        for image, caption in rows:
+            refs.setdefault(image, []).append(caption)
+        out[split] = [VLSample(_checked_image(Path(image), where), refs=caps) for image, caps in refs.items()]
+    return out
 
 
 # ---------------------------------------------------------------- the embedded scenes

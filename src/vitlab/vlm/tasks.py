@@ -16,8 +16,10 @@ Freezing follows LLaVA's two stages (Sec. 4.2): ``stage 1`` trains the projector
 stage 1) or a checkpoint of the model. ``blind`` replaces every image by zeros: the same model trained and
 scored without seeing, the baseline that measures what the image adds.
 
-Data (:mod:`vitlab.vlm.data`): ``scenes`` (the embedded offline set; the default), ``coco:PATH``, ``vqa:PATH``
-and ``llava:PATH``. Text is tokenized into words over the training texts' vocabulary.
+Data (:mod:`vitlab.vlm.data`): ``scenes`` (the embedded offline set; the default), captions from ``coco:PATH`` or
+``captions:PATH`` (caption, blip), questions from ``vqa:PATH`` or ``llava:PATH`` (vqa). Text is tokenized into
+words over the training texts' vocabulary; the context holds the longest sequence of every split (test
+included), and an explicit ``context_length`` shorter than that is refused before training.
 
 The run record (model, tokenizer vocabulary, sequence length, image preprocessing) rebuilds the model for
 ``vitlab eval`` (the metrics above on a split) and ``vitlab predict`` (a caption, or the answer to ``--prompt``).
@@ -51,6 +53,7 @@ from vitlab.vlm.data import (
     VLSample,
     make_scenes,
     objects_phrase,
+    read_caption_rows,
     read_coco,
     read_llava,
     read_vqa,
@@ -177,6 +180,20 @@ def build_tokenizer(texts: list[str]) -> WordTokenizer:
     return WordTokenizer.from_texts([*texts, " ".join(PROMPT_WORDS)])
 
 
+def fit_context(longest: dict[str, int], explicit: int | None) -> int:
+    """The context length: the longest sequence over every part of the data that is trained or scored
+    (``longest``: {'train split': tokens, 'val split': ..., 'test split': ..., ...}), or ``explicit`` when every
+    part fits in it. Checked when the task is built, so a sequence that cannot fit is refused before training
+    rather than when the final test reaches it."""
+    where, need = max(longest.items(), key=lambda kv: kv[1], default=("data", 0))
+    if explicit is None:
+        return need
+    if need > explicit:
+        raise DataError(f"--task_args.context_length {explicit} is shorter than the longest sequence of the "
+                        f"{where} ({need} tokens); raise it or leave it unset (the longest of every split)")
+    return explicit
+
+
 # ---------------------------------------------------------------- data
 
 
@@ -195,10 +212,23 @@ class VLSplits:
                                                                                    for r in s.refs]
 
 
+# the file sources of each kind of sample (the scenes give both)
+SOURCES = {"caption": ("coco", "captions"), "vqa": ("vqa", "llava")}
+READERS = {"coco": read_coco, "captions": read_caption_rows, "vqa": read_vqa, "llava": read_llava}
+
+
+def sources(kind: str) -> str:
+    """What a task of ``kind`` reads, for its messages: 'scenes, coco:PATH or captions:PATH'."""
+    names = ["scenes", *(f"{n}:PATH" for n in SOURCES[kind])]
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def read_splits(data: DataConfig, kind: str, scenes_train: int | None = None,
-                scenes_eval: int | None = None) -> VLSplits:
-    """The samples of ``data`` for ``kind`` ('caption' or 'vqa')."""
+                scenes_eval: int | None = None, task: str | None = None) -> VLSplits:
+    """The samples of ``data`` for ``kind`` ('caption' or 'vqa'); ``task`` (default ``kind``) is the task named in
+    a refusal."""
     name, path = data.name, data.path
+    task = task or kind
     if name == "scenes":
         sizes = {"train": scenes_train, "val": scenes_eval, "test": 2 * scenes_eval if scenes_eval else None}
         sets = {s: make_scenes(s, data.seed, sizes[s]) for s in SCENE_SPLITS}
@@ -207,14 +237,13 @@ def read_splits(data: DataConfig, kind: str, scenes_train: int | None = None,
         train = pick(sets["train"]) if kind == "caption" else [VLSample(i) for i in range(len(sets["train"].scenes))]
         return VLSplits(train, pick(sets["val"]), pick(sets["test"]),
                         {s: v.images for s, v in sets.items()}, {s: v.scenes for s, v in sets.items()})
-    readers = {"coco": read_coco, "vqa": read_vqa, "llava": read_llava}
-    if name not in readers:
-        raise DataError(f"--task {kind} reads scenes, coco:PATH, vqa:PATH or llava:PATH, not "
-                        f"{data.dataset!r}")
-    if (kind == "caption") != (name == "coco"):
-        raise DataError(f"{data.dataset!r} holds {'captions' if name == 'coco' else 'questions'}; "
-                        f"--task {kind} needs {'captions' if kind == 'caption' else 'questions'}")
-    s = readers[name](path)
+    if name not in SOURCES[kind]:
+        other = next((k for k, names in SOURCES.items() if name in names), None)
+        if other:
+            raise DataError(f"{data.dataset!r} holds {'captions' if other == 'caption' else 'questions'}; "
+                            f"--task {task} reads {sources(kind)}")
+        raise DataError(f"--task {task} reads {sources(kind)}, not {data.dataset!r}")
+    s = READERS[name](path)
     return VLSplits(s["train"], s["val"], s.get("test"), {k: None for k in ("train", "val", "test")})
 
 
@@ -391,18 +420,27 @@ class _VLTask(_ScoredTask):
         mcfg = get_model_config(cfg.model)
         img_size = int(cfg.data.img_size or cfg.model_kwargs.get("img_size", mcfg.input_size[-1]))
         kind = "vqa" if self.instruct else "caption"
-        self.splits = read_splits(cfg.data, kind, a.scenes_train, a.scenes_eval)
-        texts = self.splits.texts() + (scenes_vocabulary() if cfg.data.name == "scenes" else [])
+        self.splits = sp = read_splits(cfg.data, kind, a.scenes_train, a.scenes_eval, task=self.name)
+        texts = sp.texts() + (scenes_vocabulary() if cfg.data.name == "scenes" else [])
         self.tokenizer = build_tokenizer(texts)
         probe = Sequences(self.tokenizer, 10 ** 6, self.instruct, a.image_after_question)
-        longest = max(len(probe.encode(s.turns or [(None, r) for r in s.refs])[0])
-                      for s in self.splits.train + self.splits.val)
+
+        def sequences(samples):  # a conversation is one sequence; a caption sample one per reference
+            for s in samples:
+                yield from [s.turns] if s.turns else ([(None, r)] for r in s.refs)
+
+        # every split that is trained or scored: the final test (and vitlab eval) reads the test split's
+        # questions and references through the same context
+        longest = {f"{split} split": max((len(probe.encode(t)[0]) for t in sequences(getattr(sp, split) or [])),
+                                         default=0) for split in ("train", "val", "test")}
         if cfg.data.name == "scenes":  # every template's longest question or caption, the held-out ones too
             t = scene_texts()
-            turn = max(len(probe.encode([(q, "bottom right")])[0]) - 2 for q in t["question"])
-            longest = max(longest, 2 + a.scenes_turns * turn) if self.instruct \
-                else max(longest, *(len(probe.encode([(None, c)])[0]) for c in t["caption"]))
-        context = a.context_length or longest
+            if self.instruct:  # a training conversation asks at most one question of each kind
+                turn = max(len(probe.encode([(q, "bottom right")])[0]) - 2 for q in t["question"])
+                longest["scenes' templates"] = 2 + min(a.scenes_turns, len(TRAINING_KINDS)) * turn
+            else:
+                longest["scenes' templates"] = max(len(probe.encode([(None, c)])[0]) for c in t["caption"])
+        context = fit_context(longest, a.context_length)
         self.seqs = Sequences(self.tokenizer, context, self.instruct, a.image_after_question)
         mean, std = channel_stats(mcfg.mean, 3), channel_stats(mcfg.std, 3)
         tf = eval_transform(img_size, crop_pct=1.0, mean=mean, std=std)
@@ -497,10 +535,11 @@ class _VLTask(_ScoredTask):
         by_len: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             by_len.setdefault(len(p), []).append(i)
+        if by_len and max(by_len) >= seqs.length:  # refused before any generation, not at the longest prompt
+            raise DataError(f"a prompt of {max(by_len)} tokens leaves no room to answer in the run's context of "
+                            f"{seqs.length} tokens")
         for n, idx in sorted(by_len.items()):
             room = min(max_new, seqs.length - n)
-            if room < 1:
-                raise ValueError(f"the prompt ({n} tokens) leaves no room to answer in the context of {seqs.length}")
             for k in range(0, len(idx), batch_size):
                 chunk = idx[k:k + batch_size]
                 x = images[chunk].to(device)
@@ -521,7 +560,7 @@ class _VLTask(_ScoredTask):
         a = record.task_args
         cfg = DataConfig(**{**record.data, "dataset": data}) if data else DataConfig(**record.data)
         return read_splits(cfg, "vqa" if self.instruct else "caption", 1 if cfg.name == "scenes" else None,
-                           a.get("scenes_eval"))
+                           a.get("scenes_eval"), task=self.name)
 
     def _images(self, record: RunRecord, splits: VLSplits, split: str, samples: list[VLSample]) -> torch.Tensor:
         tf = self._transform(record)
@@ -728,13 +767,15 @@ class BlipTask(_ScoredTask):
         a: BlipArgs = self.args
         mcfg = get_model_config(cfg.model)
         img_size = int(cfg.data.img_size or cfg.model_kwargs.get("img_size", mcfg.input_size[-1]))
-        self.splits = sp = read_splits(cfg.data, "caption", a.scenes_train, a.scenes_eval)
+        self.splits = sp = read_splits(cfg.data, "caption", a.scenes_train, a.scenes_eval, task=self.name)
         texts = sp.texts() + (scenes_vocabulary() if cfg.data.name == "scenes" else [])
         self.tokenizer = tok = WordTokenizer.from_texts(texts)
-        longest = max(len(tok.encode(r)) + 2 for s in sp.train + sp.val for r in s.refs)
+        # [CLS] caption [SEP] of every split: retrieval on the test split encodes all its captions
+        longest = {f"{split} split": max((len(tok.encode(r)) + 2 for s in getattr(sp, split) or [] for r in s.refs),
+                                         default=0) for split in ("train", "val", "test")}
         if cfg.data.name == "scenes":
-            longest = max(longest, *(len(tok.encode(c)) + 2 for c in scene_texts()["caption"]))
-        context = a.context_length or longest
+            longest["scenes' templates"] = max(len(tok.encode(c)) + 2 for c in scene_texts()["caption"])
+        context = fit_context(longest, a.context_length)
         mean, std = channel_stats(mcfg.mean, 3), channel_stats(mcfg.std, 3)
         tf = eval_transform(img_size, crop_pct=1.0, mean=mean, std=std)
         self.data = _Data(
@@ -848,7 +889,7 @@ class BlipTask(_ScoredTask):
         'val' when the data has none); writes ``eval-<split>.json`` to ``out_dir``."""
         cfg = DataConfig(**{**record.data, "dataset": data}) if data else DataConfig(**record.data)
         splits = read_splits(cfg, "caption", 1 if cfg.name == "scenes" else None,
-                             record.task_args.get("scenes_eval"))
+                             record.task_args.get("scenes_eval"), task=self.name)
         if split == "test" and splits.test is None:
             split = "val"
         result = {"task": self.name, "split": split, **self.score(model, record, splits, split, batch_size, device)}
