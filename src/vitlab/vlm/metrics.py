@@ -10,16 +10,21 @@
   penalty (sigma 6), averaged over references and n, times 10.
 - :func:`vqa_accuracy` -- VQA v2's accuracy (Goyal et al., 2017, "Making the V in VQA Matter", Sec. 3; Antol et
   al., 2015, "VQA: Visual Question Answering", Sec. 2): ``min(#humans who gave the answer / 3, 1)`` averaged over
-  the 10 leave-one-out subsets of 9 human answers, after the official script's answer normalisation
-  (punctuation, number words to digits, articles dropped, contractions restored), applied to the prediction
-  and the human answers alike (VQA v2 releases its answers normalised, so on them this is the official
-  computation).
+  the 10 leave-one-out subsets of 9 human answers, as the official ``vqaEval.py`` computes it: the prediction and
+  the human answers are stripped, and normalised (punctuation, number words to digits, articles dropped,
+  contractions restored) only when the humans gave more than one distinct answer; ten identical answers are
+  matched as given.
 
-Both caption metrics take tokenized text (words joined by spaces). :func:`tokenize_caption` is what the COCO
-toolkit does with Stanford's PTB tokenizer (a Java program), in Python: lower-case, split clitics ("n't", "'s",
-"'re", "'ve", "'ll", "'d", "'m") and punctuation off the words, drop the punctuation tokens. For plain English
-captions it gives the PTB tokenizer's words; the scores are then those of ``pycocoevalcap``'s ``Bleu(4)`` and
-``Cider`` on the same tokens.
+Both caption metrics take tokenized text (words joined by spaces). :func:`tokenize_caption` is the COCO
+toolkit's tokenization step (``pycocoevalcap``'s ``PTBTokenizer``: Stanford CoreNLP 3.4.1's PTB tokenizer, a Java
+program, run with ``-preserveLines -lowerCase``, then its punctuation tokens dropped) in Python: a longest-match
+scanner over PTBLexer's token classes (Penn Treebank conventions: hyphenated words, numbers such as 3.5, 1,000
+and 5:00, abbreviations such as u.s. and mr. kept whole; clitics split: is n't, dog 's, can not, gon na;
+brackets as -lrb- -rrb-, which the toolkit keeps). It reproduces the Java tokenizer on every caption of
+``tests/vlm/data/ptb_captions.json``; the scores are then those of ``pycocoevalcap``'s ``Bleu(4)`` and ``Cider``.
+One known difference: PTB sometimes splits the period off a single-letter initial, depending on the text
+around it ("a." before a capitalised word in "dogs a. A a", "c." in "A B C." as the last caption of a batch, while
+"plan b. And" keeps it); here an initial always keeps its period.
 """
 
 from __future__ import annotations
@@ -31,18 +36,112 @@ from collections.abc import Iterable, Mapping, Sequence
 
 # ---------------------------------------------------------------- tokenization (COCO's PTB step, in Python)
 
-# the tokens the COCO toolkit removes after PTB tokenization
-PTB_PUNCTUATION = frozenset(["''", "'", "``", "`", "-lrb-", "-rrb-", "-lcb-", "-rcb-", ".", "?", "!", ",", ":",
+# the tokens pycocoevalcap's PTBTokenizer removes after tokenizing (its PUNCTUATIONS, verbatim). The bracket
+# names are upper-case there while the Java tokenizer runs with -lowerCase, so "-lrb-" and the like survive.
+PTB_PUNCTUATION = frozenset(["''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-", ".", "?", "!", ",", ":",
                              "-", "--", "...", ";"])
-_CLITIC = re.compile(r"(?i)(n't|'s|'re|'ve|'ll|'d|'m)\b")
-_PUNCT = re.compile(r"(\.\.\.|--|[^\w\s'])")
+
+# characters PTBLexer rewrites (CoreNLP 3.4.1 defaults: PTB3 escaping, LaTeX quotes, ptb3Dashes, ptb3Ellipsis,
+# currency symbols). Quotes become ` ' `` '' and dashes -- -- all dropped later, so only their role matters here;
+# the right single quote is also the apostrophe of "don’t" and "it’s", which PTB writes as "'".
+_REWRITE = str.maketrans({
+    "\u2019": "'", "\u201b": "'", "\u2018": " ` ", "\u201c": ' " ', "\u201d": ' " ', "\u00ab": ' " ',
+    "\u00bb": ' " ', "\u2039": " ` ", "\u203a": " ' ", "\u2013": " -- ", "\u2014": " -- ", "\u2015": " -- ",
+    "\u2026": " ... ", "\u20ac": " $ ", "\u00a3": " # ", "\u00a2": " cents ", "\u00bc": " 1/4 ",
+    "\u00bd": " 1/2 ", "\u00be": " 3/4 ",
+})
+# what PTBLexer cannot tokenize and deletes (its default "firstDelete"): characters outside the Basic
+# Multilingual Plane (emoji: the lexer sees two UTF-16 surrogates), emoji variation selectors, zero-width joiners
+_UNTOKENIZABLE = re.compile("[\U00010000-\U0010ffff\ufe00-\ufe0f\u200b-\u200d]")
+
+_A = r"[^\W_]"  # a letter or digit
+_L = r"[^\W\d_]"  # a letter
+_END = r"(?![^\W_])"  # not followed by a letter or digit
+# abbreviations PTBLexer keeps with their period (its ABMONTH, ABDAYS, ABSTATE, ABCOMP, ABNUM, ABPTIT, ABTITLE
+# lists, caseless), those it only knows capitalised (state names that are also words: "Ill." but "ill ."), and
+# those it only keeps before a number ("No. 5", "fig. 3", "ca. 1900")
+_ABBREV = ("mrs?|ms|drs?|profs?|sens?|reps?|attys?|lt|col|gen|messrs|govs?|adm|rev|maj|sgt|cpl|pvt|capt|ste?|ave|"
+           "pres|lieut|hon|brig|co?mdr|pfc|spc|supts?|det|mt|ft|adj|adv|asst|assoc|ens|insp|mlle|mme|msgr|sfc|"
+           "jan|feb|mar|apr|jun|jul|aug|sept?|oct|nov|dec|mon|tues?|wed|thu|thurs|fri|"
+           "ala|ariz|az|ark|calif|colo|conn|ct|dak|fla|ga|ind|kans?|ky|md|mich|minn|mo|mont|neb|nev|okla|penn|"
+           "tenn|va|vt|wisc?|wyo|inc|cos?|corp|pp?t[ye]s?|ltd|plc|rt|bancorp|dept|bhd|assn|univ|intl|sys|"
+           r"tel|est|ext|sq|jr|sr|bros|esq|blvd|rd|etc|al|seq|bldg|vs|alex|wm|jos|cie|cf|treas|ph\.d|ed\.d")
+_ABBREV_CAPITALISED = "Del|Ill|La|Mass|Miss|Ore|Pa|Tex|Wash"
+_ABBREV_BEFORE_NUMBER = "ca|figs?|art|op|pp|nos?"
+_BRACKETS = {"(": "-LRB-", ")": "-RRB-", "[": "-LSB-", "]": "-RSB-", "{": "-LCB-", "}": "-RCB-"}
+
+
+def _rule(pattern: str, emit=None):
+    return re.compile(pattern), emit
+
+
+# PTBLexer's token classes (CoreNLP 3.4.1, PTBLexer.flex), most specific first. As in the JFlex lexer, the
+# longest match wins and a tie goes to the earlier rule; ``emit`` turns the matched text into tokens (default:
+# the text itself).
+_RULES = [
+    _rule(r"</?[A-Za-z!?][^>\r\n]*>"),  # SGML/HTML tags stay whole
+    _rule(r"https?://[^\s\"<>|()]*[^\s\"<>|.!?(){},-]"),  # URLs, e-mail addresses, @names, #tags stay whole
+    _rule(r"(?:www\.)?(?:[^\s\"`'<>|.!?(){},\-_$]+\.)+(?:com|net|org|edu)"
+          r"(?:/[^\s\"<>|()]*[^\s\"<>|.!?(){},-])?"),
+    _rule(r"[A-Za-z0-9][^\s\"<>|()]*@(?:[^\s\"<>|().]+\.)*[^\s\"<>|().]+"),
+    _rule(r"@[A-Za-z_]\w*|#" + _L + _A + "*"),
+    _rule(r"[A-Za-z](?:\.[A-Za-z])+\.?"),  # acronyms: u.s. t.v. p.m. e.g. a.k.a.
+    _rule(rf"(?i:{_ABBREV}|[a-z])\.|(?:{_ABBREV_CAPITALISED})\."),  # mr. st. etc. and initials: c.
+    _rule(rf"(?i:{_ABBREV_BEFORE_NUMBER})\.(?=\s+\d)"),
+    # words PTB splits in two: "cannot" -> can not, "gonna" -> gon na, "'tis" -> 't is ...
+    _rule(rf"(?i:(can)(not)|(gon|wan)(na)|(got)(ta)|(lem|gim)(me)){_END}", lambda m: [g for g in m.groups() if g]),
+    _rule(r"(?i:('t)(is|was))" + _END, lambda m: list(m.groups())),
+    # clitics split off their word: is n't, ca n't, dog 's, i 'm, we 're, they 've, it 'll, she 'd
+    # (a word before n't must not end in "n": "mann't" stays apart, as PTB's SWORD/SREDAUX)
+    _rule(rf"(?i:([a-z]*[a-mo-z])(n't)){_END}", lambda m: list(m.groups())),
+    _rule(rf"(?i:({_A}+(?:-{_A}+)*)('(?:s|m|d|re|ve|ll))){_END}", lambda m: list(m.groups())),
+    _rule(rf"(?i:n't|'(?:s|m|d|re|ve|ll)){_END}"),
+    # apostrophes inside a word PTB keeps: o'clock, c'mon, ma'am, 'n', 'em, 'cause, '90s, y'(all), ol', li'l
+    _rule(rf"(?i:'n'|'n{_END})|(?i:'em|'cause|'till?|'\d0s|[a-hj-xz]'{_L}{{2,}}|ol'|li'l|y')"
+          rf"|{_L}*[aeiouyAEIOUY]'[aeiouA-Z]{_L}*"),
+    _rule(r"[-+]?\d*(?:[.:,]\d+)+|[-+]?\d+"),  # numbers: 3.5 1,000 5:00 .5 -5
+    _rule(rf"{_A}+(?:[-/]{_A}+|_{_A}+)*"),  # words, hyphenated words, x/y, 1/2, snake_case
+    _rule(rf"{_L}{_A}*(?:[.!?]{_L}{_A}*)+"),  # dog.cat (no space after the period)
+    _rule(rf"{_A}[A-Za-z0-9.,]*(?:-[A-Za-z0-9]+)+"),  # 2.5-inch
+    _rule(r"[A-Z]+(?:&[A-Z]+)+"),  # AT&T, R&B
+    _rule(r"(?i:c\+\+)"),
+    _rule(r"[A-Z]*\$"),  # $, US$
+    _rule(r"``|''|[\"`']", lambda m: []),  # quotes (PTB's `` '' ` ', all dropped)
+    _rule(r"[:;]-?[()]", lambda m: [m.group()[:-1] + _BRACKETS[m.group()[-1]]]),  # emoticons :) ;-(
+    _rule(r"[()\[\]{}]", lambda m: [_BRACKETS[m.group()]]),
+    _rule(r"\.\.\.+", lambda m: ["..."]),  # ptb3Ellipsis
+    _rule(r"[.,;:]"),
+    _rule(r"[?!]+"),  # ?! and !!! are tokens
+    _rule(r"-+", lambda m: [m.group()] if len(m.group()) > 4 else ["--"]),  # ptb3Dashes: up to 4 hyphens
+    _rule(r"_+"),
+    _rule(r"\S"),  # any other symbol (& % * + = ° ...) is a token of its own
+]
+
+
+def _ptb_tokens(text: str) -> list[str]:
+    """``text`` split into PTB tokens (before lower-casing and punctuation removal)."""
+    text = _UNTOKENIZABLE.sub(" ", text.translate(_REWRITE))
+    tokens: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        if text[i].isspace():
+            i += 1
+            continue
+        best, emit = None, None
+        for pattern, rule_emit in _RULES:
+            m = pattern.match(text, i)
+            if m is not None and m.end() > i and (best is None or m.end() > best.end()):
+                best, emit = m, rule_emit
+        tokens.extend(emit(best) if emit is not None else [best.group()])
+        i = best.end()
+    return tokens
 
 
 def tokenize_caption(text: str) -> str:
-    """``text`` lower-cased and PTB-tokenized with punctuation tokens removed, words joined by single spaces."""
-    text = _CLITIC.sub(r" \1", text.lower())
-    text = _PUNCT.sub(r" \1 ", text)
-    return " ".join(w for w in text.split() if w not in PTB_PUNCTUATION)
+    """``text`` as pycocoevalcap's ``PTBTokenizer`` returns it: Stanford CoreNLP 3.4.1's PTB tokenizer (Penn
+    Treebank conventions, ``-preserveLines -lowerCase``), then the tokens of :data:`PTB_PUNCTUATION` dropped;
+    words joined by single spaces."""
+    return " ".join(w for w in (t.lower() for t in _ptb_tokens(text)) if w not in PTB_PUNCTUATION)
 
 
 def _ngrams(words: Sequence[str], n: int) -> Counter:
@@ -207,28 +306,42 @@ def _digits_articles(text: str) -> str:
 
 
 def normalize_answer(answer: str) -> str:
-    """An answer as the official VQA script compares it: newlines and tabs to spaces, stripped, lower-cased,
-    punctuation removed or spaced, number words as digits, articles dropped, contractions restored."""
+    """An answer as the official VQA script normalises it when the human answers differ (processPunctuation,
+    then processDigitArticle): newlines and tabs to spaces, stripped, lower-cased, punctuation removed or spaced,
+    number words as digits, articles dropped, contractions restored."""
     text = answer.replace("\n", " ").replace("\t", " ").strip().lower()
     return _digits_articles(_punctuation(text))
 
 
-def vqa_score(prediction: str, answers: Sequence[str]) -> float:
+def _strip(answer: str) -> str:
+    return answer.replace("\n", " ").replace("\t", " ").strip()
+
+
+def vqa_score(prediction: str, answers: Sequence[str], always_normalize: bool = False) -> float:
     """VQA accuracy of one answer against the human ``answers`` (10 in VQA v2): for each answer left out, the
-    share ``min(#matches among the other answers / 3, 1)``, averaged over the leave-one-out subsets."""
+    share ``min(#matches among the other answers / 3, 1)``, averaged over the leave-one-out subsets.
+
+    As the official ``vqaEval.py`` (Antol et al., 2015; Goyal et al., 2017): newlines and tabs become spaces and
+    both sides are stripped; the prediction and the answers are normalised (:func:`normalize_answer`) only when
+    the humans gave more than one distinct answer. When all answers are the same string, the prediction must
+    equal it as given ("Two" scores 0 against ten "2"). ``always_normalize=True`` normalises both sides in every
+    case (for answers not written in the answer vocabulary's form, such as one free-form answer repeated)."""
     if not answers:
         raise ValueError("a question needs at least one reference answer")
-    pred = normalize_answer(prediction)
-    gts = [normalize_answer(a) for a in answers]
+    pred = _strip(prediction)
+    gts = [_strip(a) for a in answers]
+    if always_normalize or len(set(gts)) > 1:
+        pred = normalize_answer(pred)
+        gts = [normalize_answer(g) for g in gts]
     accs = [min(1.0, sum(g == pred for j, g in enumerate(gts) if j != i) / 3.0) for i in range(len(gts))]
     return sum(accs) / len(accs)
 
 
 def vqa_accuracy(predictions: Iterable[str], answers: Iterable[Sequence[str]],
-                 kinds: Iterable[str] | None = None) -> dict[str, float]:
-    """VQA accuracy in percent: ``overall`` and, with ``kinds`` (one per question: count, presence, ...), one
-    entry per kind (``acc_<kind>``)."""
-    scores = [vqa_score(p, a) for p, a in zip(predictions, answers, strict=True)]
+                 kinds: Iterable[str] | None = None, always_normalize: bool = False) -> dict[str, float]:
+    """VQA accuracy in percent (:func:`vqa_score` per question): ``overall`` and, with ``kinds`` (one per question:
+    count, presence, ...), one entry per kind (``acc_<kind>``)."""
+    scores = [vqa_score(p, a, always_normalize) for p, a in zip(predictions, answers, strict=True)]
     if not scores:
         raise ValueError("no questions to score")
     out = {"overall": 100.0 * sum(scores) / len(scores)}
