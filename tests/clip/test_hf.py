@@ -112,3 +112,27 @@ def test_create_model_reads_a_save_pretrained_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path / "empty"), **shrunk)
+
+
+@pytest.mark.parametrize("cls", ["CLIPVisionModel", "CLIPVisionModelWithProjection", "CLIPModel"])
+def test_registered_image_tower_reads_a_save_pretrained_directory(tmp_path, cls):
+    """``create_model("vit_base_patch32_clip_quickgelu_224", checkpoint_path=DIR)`` (OpenAI's ViT-B/32 image tower,
+    shrunk by keyword): ``pooler_output`` and every block's tokens of a transformers directory's image tower."""
+    vision = dict(image_size=64, patch_size=32, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4)  # quick_gelu and eps 1e-5: transformers' defaults, OpenAI's
+    if cls == "CLIPModel":
+        ref = _perturbed(transformers.CLIPModel(transformers.CLIPConfig(text_config=TEXT, vision_config=vision)))
+    else:
+        ref = _perturbed(getattr(transformers, cls)(transformers.CLIPVisionConfig(**vision, projection_dim=24)))
+    ref.save_pretrained(tmp_path)
+    ours = vitlab.create_model("vit_base_patch32_clip_quickgelu_224", checkpoint_path=str(tmp_path), img_size=64,
+                               embed_dim=64, depth=2, num_heads=4).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        out = (ref.vision_model if cls == "CLIPModel" else ref)(pixel_values=x, output_hidden_states=True)
+        if cls != "CLIPVisionModelWithProjection":  # with a projection, its output is image_embeds
+            torch.testing.assert_close(ours(x), out.pooler_output, rtol=1e-4, atol=1e-4)
+        feats = ours.forward_intermediates(x, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True)
+        for i, (patches, prefix) in enumerate(feats):
+            torch.testing.assert_close(torch.cat([prefix, patches], 1), out.hidden_states[i + 1],
+                                       rtol=1e-4, atol=1e-4)

@@ -11,7 +11,7 @@ timm = pytest.importorskip("timm")
 
 VIT_DEIT = [n for n in vitlab.list_models(["vit_*", "deit_*"], task="classify") if n in timm.list_models()]  # in timm
 # base and larger: full widths, two blocks deep by default; full depth under -m slow
-BIG = {n for n in VIT_DEIT if "base" in n} | {"vit_large_patch16_224", "vit_huge_patch14_224",
+BIG = {n for n in VIT_DEIT if "base" in n or "large" in n} | {"vit_large_patch16_224", "vit_huge_patch14_224",
                                               "vit_giant_patch14_224", "vit_gigantic_patch14_224"}
 
 
@@ -20,8 +20,8 @@ def _timm_equal(name: str, tmp_path, img_size=None, **kw) -> float:
     ref = timm.create_model(name, pretrained=False, num_classes=1000, **kw).eval()
     path = tmp_path / "timm.pth"
     torch.save(ref.state_dict(), path)
-    ours = vitlab.create_model(name, checkpoint_path=str(path), **kw).eval()
-    size = img_size or 224
+    ours = vitlab.create_model(name, checkpoint_path=str(path), num_classes=1000, **kw).eval()
+    size = img_size or vitlab.get_model_config(name).input_size[-1]
     x = torch.randn(2, 3, size, size)
     with torch.no_grad():
         return (ours(x) - ref(x)).abs().max().item()

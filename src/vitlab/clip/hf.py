@@ -38,10 +38,12 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from vitlab.clip.model import CLIP, OPENAI_MEAN, OPENAI_STD, ImageTower, build_clip
+from vitlab.clip.model import CLIP, ImageTower, build_clip
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict
 from vitlab.models import (
     HF_CLIP_VISION_DEFAULTS,
+    OPENAI_MEAN,
+    OPENAI_STD,
     clip_vision_transformer,
     convert_hf_clip_state_dict,
     convert_hf_clip_vision_state_dict,

@@ -44,8 +44,6 @@ from vitlab.models import (
 )
 from vitlab.registry import create_model, get_model_config
 
-OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's image normalisation (open_clip's OPENAI_DATASET_*)
-OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 # the tiny text tower (tests, the offline digits demo): 2 layers of width 64 over a word-level vocabulary (the task
 # sets its size)
 PICO_TEXT = dict(vocab_size=64, context_length=16, width=64, depth=2, num_heads=4)

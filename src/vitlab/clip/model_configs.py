@@ -7,7 +7,8 @@ digits demo. :mod:`vitlab.registry` imports this module on its first listing or 
 
 from __future__ import annotations
 
-from vitlab.clip.model import CLIP, OPENAI_MEAN, OPENAI_STD, PICO_TEXT, build_clip, clip_vit_kwargs
+from vitlab.clip.model import CLIP, PICO_TEXT, build_clip, clip_vit_kwargs
+from vitlab.models import OPENAI_MEAN, OPENAI_STD
 from vitlab.registry import ModelConfig, register_model
 
 _PAPER = "Radford et al., Learning Transferable Visual Models From Natural Language Supervision, ICML 2021"

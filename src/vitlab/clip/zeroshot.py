@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from vitlab.clip.data import HELD_OUT_TEMPLATES, CaptionStream, build_clip_data
-from vitlab.clip.model import CLIP, OPENAI_MEAN, OPENAI_STD, clip_for_task, clip_from_openclip
+from vitlab.clip.model import CLIP, clip_for_task, clip_from_openclip
 from vitlab.clip.tokenizer import ClipTokenizer, tokenizer_from_dict
 from vitlab.convert import load_state_dict
 from vitlab.data import DataBundle, DataConfig, build
+from vitlab.models import OPENAI_MEAN, OPENAI_STD
 from vitlab.train import checkpoint as ck
 from vitlab.train.task import RunRecord, TaskError
 

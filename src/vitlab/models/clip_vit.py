@@ -23,18 +23,32 @@ transformers (``vision_model.`` optional)              vitlab
 
 With ``num_classes=0`` the ViT's output is ``CLIPVisionModel``'s ``pooler_output`` (the post-LayerNorm [CLS]
 token), and ``forward_intermediates`` gives its ``hidden_states[i + 1]`` (the tokens after block i).
+
+OpenAI's four image towers are registered under timm's names (``vit_base_patch32_clip_quickgelu_224``,
+``vit_base_patch16_clip_quickgelu_224``, ``vit_large_patch14_clip_quickgelu_224`` and
+``vit_large_patch14_clip_quickgelu_336``, the last LLaVA-1.5's tower; Radford et al., 2021, Table 20), pooled
+features by default (``num_classes=0``). ``create_model(name, checkpoint_path=...)`` loads a transformers
+``CLIPVisionModel`` / ``CLIPVisionModelWithProjection`` / ``CLIPModel`` directory (its image tower; the projection
+is CLIP's, not the ViT's) or a timm state dict of the same tower (timm's ``norm_pre`` is the pre-norm).
 """
 
 from __future__ import annotations
 
 import re
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from vitlab.convert import read_hf_state_dict, read_state_dict
 from vitlab.layers import PatchEmbed, get_norm_layer
-from vitlab.registry import create_model
+from vitlab.models.vision_transformer import VisionTransformer
+from vitlab.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
+from vitlab.registry import ModelConfig, register_model
+
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's image normalisation (open_clip's OPENAI_DATASET_*)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 
 # transformers' activation names -> vitlab's (``gelu_new`` and ``gelu_pytorch_tanh`` are both the tanh form)
 HF_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -93,13 +107,34 @@ def hf_clip_vision_kwargs(vision_config: dict) -> dict:
             "norm_layer": hf_layernorm(c["layer_norm_eps"])}
 
 
-def clip_vision_transformer(vision_config: dict | None = None, **kwargs) -> nn.Module:
+class CLIPVisionTransformer(VisionTransformer):
+    """CLIP's image tower: a :class:`VisionTransformer` whose ``pos_drop`` is followed by the pre-norm
+    (:class:`PreNorm`). It reads a transformers CLIP directory or a timm CLIP ViT state dict as well as its own."""
+
+    def __init__(self, norm_layer="layernorm_eps5", **kwargs):
+        super().__init__(norm_layer=norm_layer, **kwargs)
+        self.pos_drop = PreNorm(self.pos_drop, self.embed_dim, norm_layer)
+
+    @staticmethod
+    def read_checkpoint(path) -> dict[str, torch.Tensor]:
+        """A ``save_pretrained`` directory (every tensor, by transformers' names) or one weights file."""
+        return read_hf_state_dict(path) if Path(path).is_dir() else read_state_dict(path)
+
+    @staticmethod
+    def checkpoint_filter_fn(state_dict: dict, model: VisionTransformer) -> dict:
+        """transformers' names (:func:`convert_hf_clip_vision_state_dict`) or timm's (``norm_pre`` -> the
+        pre-norm) -> ours, then the ViT's own adaptation (position embedding resampled to the model's grid)."""
+        if is_hf_clip_state_dict(state_dict):
+            state_dict = convert_hf_clip_vision_state_dict(state_dict)
+        state_dict = {("pos_drop.norm." + k[len("norm_pre."):] if k.startswith("norm_pre.") else k): v
+                      for k, v in state_dict.items()}
+        return vit_checkpoint_filter_fn(state_dict, model)
+
+
+def clip_vision_transformer(vision_config: dict | None = None, **kwargs) -> CLIPVisionTransformer:
     """CLIP's ViT image tower with its pre-norm, ``num_classes=0`` (pooled output: ``pooler_output``), sized by a
     transformers ``CLIPVisionConfig`` dict; ``kwargs`` override the ViT arguments (``drop_path_rate=0.1``)."""
-    kw = {**hf_clip_vision_kwargs(vision_config or {}), "num_classes": 0, **kwargs}
-    trunk = create_model("vit_base_patch16_224", **kw)
-    trunk.pos_drop = PreNorm(trunk.pos_drop, trunk.embed_dim, kw["norm_layer"])
-    return trunk
+    return CLIPVisionTransformer(**{**hf_clip_vision_kwargs(vision_config or {}), "num_classes": 0, **kwargs})
 
 
 def _fuse_qkv(sd: dict, src: str, dst: str) -> dict:
@@ -179,3 +214,44 @@ def convert_hf_clip_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.T
         elif not k.startswith(("vision_model.", "text_model.")):
             out[k] = v
     return out
+
+
+# ---- OpenAI's image towers (Radford et al., 2021, Table 20), timm's names ----------------------------------------
+
+_CLIP_PAPER = "Radford et al., Learning Transferable Visual Models From Natural Language Supervision, ICML 2021"
+
+
+def _tower_cfg(size: int, patch: int) -> ModelConfig:
+    return ModelConfig(family="vit", paper=_CLIP_PAPER, input_size=(3, size, size), mean=OPENAI_MEAN, std=OPENAI_STD,
+                       crop_pct=1.0, num_classes=0, extra={"patch_size": patch},
+                       smoke_kwargs={"img_size": 2 * patch, "depth": 2})
+
+
+def _tower(size: int, patch: int, width: int, depth: int, heads: int, kwargs: dict) -> CLIPVisionTransformer:
+    return clip_vision_transformer({"image_size": size, "patch_size": patch, "hidden_size": width,
+                                    "intermediate_size": 4 * width, "num_hidden_layers": depth,
+                                    "num_attention_heads": heads, "hidden_act": "quick_gelu"}, **kwargs)
+
+
+@register_model(config=_tower_cfg(224, 32))
+def vit_base_patch32_clip_quickgelu_224(**kwargs) -> CLIPVisionTransformer:
+    """CLIP ViT-B/32's image tower (width 768, 12 blocks, QuickGELU)."""
+    return _tower(224, 32, 768, 12, 12, kwargs)
+
+
+@register_model(config=_tower_cfg(224, 16))
+def vit_base_patch16_clip_quickgelu_224(**kwargs) -> CLIPVisionTransformer:
+    """CLIP ViT-B/16's image tower (width 768, 12 blocks, QuickGELU)."""
+    return _tower(224, 16, 768, 12, 12, kwargs)
+
+
+@register_model(config=_tower_cfg(224, 14))
+def vit_large_patch14_clip_quickgelu_224(**kwargs) -> CLIPVisionTransformer:
+    """CLIP ViT-L/14's image tower (width 1024, 24 blocks, QuickGELU)."""
+    return _tower(224, 14, 1024, 24, 16, kwargs)
+
+
+@register_model(config=_tower_cfg(336, 14))
+def vit_large_patch14_clip_quickgelu_336(**kwargs) -> CLIPVisionTransformer:
+    """CLIP ViT-L/14 at 336 px (LLaVA-1.5's image tower)."""
+    return _tower(336, 14, 1024, 24, 16, kwargs)

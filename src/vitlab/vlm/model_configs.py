@@ -15,20 +15,19 @@ lookup, so ``vitlab.create_model("blip_base")`` works after a bare ``import vitl
 
 from __future__ import annotations
 
+from vitlab.models import OPENAI_MEAN, OPENAI_STD
 from vitlab.registry import ModelConfig, register_model
 from vitlab.vlm.blip import BLIP, build_blip
 from vitlab.vlm.llava import LLaVA, build_llava
 
 _BLIP_PAPER = "Li et al., BLIP: Bootstrapping Language-Image Pre-training for Unified Vision-Language Understanding " \
               "and Generation, ICML 2022"
-_OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # BLIP's image normalisation (CLIP's)
-_OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 _BLIP_SMOKE = {"img_size": 32, "vision_depth": 1, "text_depth": 1}
 
 
 def _blip_cfg(task: str = "blip", **kw) -> ModelConfig:
-    base = dict(family="blip", task=task, paper=_BLIP_PAPER, input_size=(3, 384, 384), mean=_OPENAI_MEAN,
-                std=_OPENAI_STD, crop_pct=1.0, num_classes=0, smoke_kwargs=_BLIP_SMOKE)
+    base = dict(family="blip", task=task, paper=_BLIP_PAPER, input_size=(3, 384, 384), mean=OPENAI_MEAN,
+                std=OPENAI_STD, crop_pct=1.0, num_classes=0, smoke_kwargs=_BLIP_SMOKE)
     return ModelConfig(**{**base, **kw})
 
 
@@ -88,8 +87,8 @@ _LLAVA_PAPER = "Liu et al., Improved Baselines with Visual Instruction Tuning (L
 
 
 def _llava_cfg(**kw) -> ModelConfig:
-    base = dict(family="llava", task="caption", paper=_LLAVA_PAPER, input_size=(3, 336, 336), mean=_OPENAI_MEAN,
-                std=_OPENAI_STD, crop_pct=1.0, num_classes=0)
+    base = dict(family="llava", task="caption", paper=_LLAVA_PAPER, input_size=(3, 336, 336), mean=OPENAI_MEAN,
+                std=OPENAI_STD, crop_pct=1.0, num_classes=0)
     return ModelConfig(**{**base, **kw})
 
 
