@@ -108,6 +108,10 @@ def test_three_objectives_train_and_hard_negatives():
     torch.testing.assert_close(seen[0][4], image[2])  # rows 4..7: (negative image, text); text 0's is image 2
     with pytest.raises(ValueError, match="at least two different images"):
         model.losses(x[:1], ids[:1])
+    # a validation split of one image: ITM has no negative and scores 0, the other objectives as usual
+    lone = model.losses(x[:1], ids[:1], lone_image_itm=True)
+    assert lone["itm"].item() == 0.0 and lone["lm"].item() > 0
+    torch.testing.assert_close(lone["loss"], lone["itc"] + lone["lm"])
     with pytest.raises(ValueError, match="no LM head"):
         vitlab.create_model("blip_tiny_retrieval").generate_caption(x)
 
@@ -178,3 +182,12 @@ def test_blip_base_caption_equal_transformers_base():
     x, ids = torch.randn(1, 3, 384, 384), torch.tensor([[30522, 1037, 3861, 1997, 102]])
     with torch.no_grad():
         torch.testing.assert_close(ours(x, ids)[0], ref(pixel_values=x, input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_profile_inputs_fit_a_short_text_context():
+    """The profiler's caption fits a decoder of fewer than 32 positions (a run's context plus its answer budget)."""
+    model = vitlab.create_model("blip_tiny", text_max_len=20).eval()
+    inputs = model.profile_inputs(torch.randn(1, 3, 32, 32))
+    assert inputs[1].shape[1] == 20
+    with torch.no_grad():
+        model(*inputs)

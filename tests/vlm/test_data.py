@@ -123,6 +123,20 @@ def test_llava_conversations(tmp_path):
     file.write_text(json.dumps(d))
     with pytest.raises(DataError, match="alternate"):
         read_llava(file)
+    # one image per entry: a second placeholder is refused, not stripped
+    d[1]["conversations"] = [{"from": "human", "value": "<image>\nwhat <image> color is it"},
+                             {"from": "gpt", "value": "red"}]
+    file.write_text(json.dumps(d))
+    with pytest.raises(DataError, match="entry 1: 2 <image> placeholders in turn 0"):
+        read_llava(file)
+
+
+def test_captions_source_names_every_task_that_reads_it():
+    from vitlab.data.registry import dataset_spec
+
+    with pytest.raises(DataError) as e:
+        dataset_spec("captions")
+    assert "--task clip, --task caption or --task blip" in str(e.value)
 
 
 def test_llava_missing_image_names_both_paths_tried(tmp_path):

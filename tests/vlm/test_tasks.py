@@ -75,6 +75,87 @@ def test_vqa_bad_questions(vqa_run, scene_png, capsys):
     long = " ".join(["cat"] * 100)
     _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", long],
                     "does not fit the context")
+    # one image: a second placeholder is refused, not stripped; one is taken out of the question
+    _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt",
+                             "<image> is there a horse <image>"], "2 <image> placeholders", "is there a horse")
+    assert main(["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", "<image> is there a horse"]) == 0
+
+
+def test_answers_get_the_whole_budget_or_the_prompt_is_refused(vqa_run):
+    """A prompt that nearly fills the context still gets max_new_tokens to answer in (never an answer cut short
+    without a word); one longer than the context is refused."""
+    from vitlab.data import DataError
+    from vitlab.train.evaluate import load_model
+    from vitlab.train.task import create_task
+
+    model, record, _ = load_model(vqa_run / "last", device="cpu")
+    task = create_task("vqa")
+    n = record.extra["context_length"]
+    budgets = []
+    orig = model.generate
+    model.generate = lambda *a, **k: budgets.append(k["max_new_tokens"]) or orig(*a, **k)
+    x = torch.zeros(1, 3, record.img_size, record.img_size)
+    task.generate(model, record, x, [[2, 4] + [1] * (n - 3)], 8, "cpu")  # one token short of the context
+    assert budgets == [4]  # TINY's max_new_tokens
+    with pytest.raises(DataError, match=f"a prompt of {n + 1} tokens exceeds the run's context of {n} tokens"):
+        task.generate(model, record, x, [[2, 4] + [1] * (n - 1)], 8, "cpu")
+
+
+def test_eval_train_split_is_the_runs_training_scenes(vqa_run, caption_run, tmp_path, capsys):
+    """--split train scores the scenes the run trained on, drawn as training drew them: fixed questions of the
+    training templates (vqa), every scene's captions (caption)."""
+    from vitlab.vlm.data import make_scenes
+
+    train = make_scenes("train", 0, 16)  # TINY's scenes_train, drawn as training drew them
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(vqa_run), "--split", "train", "--output-dir", str(tmp_path / "v"),
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["split"] == "train" and r["questions"] == len(train.questions)
+    assert [a["question"] for a in r["answers"]] == [s.turns[-1][0] for s in train.questions]
+    assert main(["eval", "--checkpoint", str(caption_run), "--split", "train", "--output-dir", str(tmp_path / "c"),
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["split"] == "train" and r["images"] == 16
+    assert [c["refs"] for c in r["captions"]] == [s.refs for s in train.captions]
+
+
+def test_init_maps_the_vocabulary_by_word(vqa_run, tmp_path, capsys):
+    """A run whose data brings new words starts from another run: the rows of the words both know are copied to
+    their new ids (stage 1 keeps the language model as loaded), the log says how many were mapped and new."""
+    from vitlab.train.evaluate import load_model
+
+    _pictures(tmp_path, 6)
+    rows = [{"image": f"{i}.png", "question": "is there a zebra", "answer": "maybe"} for i in range(6)]
+    (tmp_path / "q.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--task", "vqa", "--data", f"vqa:{tmp_path / 'q.jsonl'}", "--output_dir", str(run), *TINY,
+                 "--stage", "1", "--init", str(vqa_run)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("--init")]
+    assert len(lines) == 1 and lines[0].endswith("6 words mapped, 2 new"), lines  # zebra, maybe
+    (old, old_rec, _), (new, new_rec, _) = (load_model(r / "last", device="cpu") for r in (vqa_run, run))
+    old_tok, new_tok = (WordTokenizer(r.extra["tokenizer"]["words"]) for r in (old_rec, new_rec))
+    assert old_tok.encoder["user"] != new_tok.encoder["user"]  # the ids moved
+    for w in ("<s>", "<image>", "is", "there", "a", "user", ":", "assistant"):
+        for part in ("embed_tokens", "lm_head"):
+            torch.testing.assert_close(getattr(new.language_model, part).weight[new_tok.encoder[w]],
+                                       getattr(old.language_model, part).weight[old_tok.encoder[w]], msg=w)
+
+
+def test_init_from_an_imported_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    out = tmp_path / "run"
+    tiny_blip = ["--model_kwargs.vision_depth", "1", "--model_kwargs.text_depth", "1", *TINY[6:]]
+    for task, flags in (("vqa", TINY), ("blip", tiny_blip)):
+        _one_line_error(capsys, ["train", "--task", task, "--init", str(hf), "--output_dir", str(out), *flags],
+                        f"{hf} has no tokenizer.json or tokenizer.model: its embedding rows cannot be matched to words")
+        assert not out.exists()
+    (hf / "tokenizer.json").write_text("{}")
+    _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(hf), "--output_dir", str(out), *TINY],
+                    "an imported checkpoint's tokenizer cannot be trained with yet")
 
 
 def test_caption_train_eval_predict(caption_run, scene_png, tmp_path, capsys):
@@ -174,17 +255,18 @@ def test_captions_files_train_caption_and_blip(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval"), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["split"] == "val" and r["images"] == 1 and len(r["captions"][0]["refs"]) == 2
-    _pictures(tmp_path / "jsonl", 20)  # BLIP's ITM draws negatives among a batch's images: two or more per batch
+    # 12 images: validation holds one, where BLIP's ITM has no negative to draw (it scores 0, with a note)
+    _pictures(tmp_path / "jsonl", 12)
     file = tmp_path / "jsonl" / "captions.jsonl"
-    file.write_text("\n".join(json.dumps({"image": f"{i}.png", "caption": f"scene {i} ☃"}) for i in range(20)))
+    file.write_text("\n".join(json.dumps({"image": f"{i}.png", "caption": f"scene {i} ☃"}) for i in range(12)))
     run = tmp_path / "blip"
     tiny = ["--model_kwargs.vision_depth", "1", "--model_kwargs.text_depth", "1", *TINY[6:]]
-    assert main(["train", "--task", "blip", "--data", f"captions:{file}", "--output_dir", str(run), *tiny,
-                 "--quiet"]) == 0
-    capsys.readouterr()
+    assert main(["train", "--task", "blip", "--data", f"captions:{file}", "--output_dir", str(run), *tiny]) == 0
+    assert "no ITM negative to draw, val_itm is 0" in capsys.readouterr().out
+    assert read_metrics(run, "epoch")[-1]["val_itm"] == 0.0
     assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval"), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["split"] == "val" and r["images"] == 2 and r["texts"] == 2
+    assert r["split"] == "val" and r["images"] == 1 and r["texts"] == 1
 
 
 @pytest.mark.parametrize("after", [False, True])
@@ -279,6 +361,10 @@ def test_blip_three_objectives_retrieval_and_captions(tmp_path, scene_png, capsy
     summary = json.loads((run / "summary.json").read_text())
     assert {"test_i2t_r1", "test_t2i_r5", "test_i2t_itm_r1", "test_cider"} <= set(summary)
     capsys.readouterr()
+    # --split train: the run's 16 training scenes (TINY), not one
+    assert main(["eval", "--checkpoint", str(run), "--split", "train", "--output-dir", str(tmp_path / "e"),
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["images"] == 16
     assert main(["predict", "--checkpoint", str(run), str(scene_png), "--prompt", "a picture of", "--json"]) == 0
     row, = json.loads(capsys.readouterr().out)
     assert row["output"].startswith("a picture of")

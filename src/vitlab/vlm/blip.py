@@ -317,14 +317,15 @@ class BLIP(nn.Module):
 
     def losses(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                *, image_ids: torch.Tensor | None = None, prompt_length: int = 0,
-               generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+               generator: torch.Generator | None = None, lone_image_itm: bool = False) -> dict[str, torch.Tensor]:
         """The objectives of this model's heads on a batch of matched (image, caption) pairs: ``{"itc", "itm",
         "lm", "loss"}`` (``loss``: their sum, BLIP's equal weighting).
 
         ``input_ids`` (B, N) start with [CLS] (BERT's tokenizer); ITM and LM swap in [ENC] and [DEC].
         ``image_ids`` (B,): captions of the same image are all positives for ITC and never ITM negatives (COCO
         has five per image). ``prompt_length``: leading caption tokens not scored by LM. ``generator``: the draws
-        of the hard negatives."""
+        of the hard negatives. ``lone_image_itm``: a batch of one image (or group) has no negative to draw, and
+        its ITM loss is then 0 instead of a ``ValueError`` (a validation split of one image)."""
         image = self.encode_image(pixel_values)
         out: dict[str, torch.Tensor] = {}
         b = image.shape[0]
@@ -341,7 +342,10 @@ class BLIP(nn.Module):
                 out["itc"] = (torch.sum(-F.log_softmax(sim_i2t, 1) * targets, 1).mean()
                               + torch.sum(-F.log_softmax(sim_i2t.T, 1) * targets, 1).mean()) / 2
             if "itm" in self.heads:
-                out["itm"] = self._itm_loss(image, input_ids, attention_mask, sim_i2t, same, generator)
+                if lone_image_itm and (b < 2 or bool(same.all())):
+                    out["itm"] = image.sum() * 0.0  # nothing to tell apart; zero keeps the graph whole
+                else:
+                    out["itm"] = self._itm_loss(image, input_ids, attention_mask, sim_i2t, same, generator)
         if "lm" in self.heads:
             ids, labels = self.caption_labels(input_ids, attention_mask, prompt_length)
             out["lm"] = self(input_ids=ids, attention_mask=attention_mask, labels=labels, image_embeds=image)[1]
@@ -410,9 +414,10 @@ class BLIP(nn.Module):
         return ids
 
     def profile_inputs(self, image: torch.Tensor) -> tuple:
-        """What :mod:`vitlab.profile` runs: :meth:`forward` on one image and a 32-token caption (the image encoder
-        and the decoder; a retrieval model's encoder with cross-attention)."""
-        ids = torch.zeros(image.shape[0], 32, dtype=torch.long, device=image.device)
+        """What :mod:`vitlab.profile` runs: :meth:`forward` on one image and a 32-token caption, shorter where the
+        text has fewer positions (the image encoder and the decoder; a retrieval model's encoder with
+        cross-attention)."""
+        ids = torch.zeros(image.shape[0], min(32, self.text_config.max_len), dtype=torch.long, device=image.device)
         return (image, ids)
 
     def shard_units(self) -> list[nn.Module]:

@@ -15,8 +15,9 @@ training starts (one :class:`vitlab.data.DataError`: file, line or entry).
   al., 2015, "VQA: Visual Question Answering": scored against the human answers).
 - ``llava:PATH`` -- LLaVA's instruction JSON (Liu et al., 2023, "Visual Instruction Tuning", Sec. 3): a list of
   ``{"image", "conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": ...}]}``;
-  human and model turns alternate, the image placeholder is stripped from the text (the model puts the image
-  first). An image is looked for beside the file, then in its ``images/`` (a missing one names both paths).
+  human and model turns alternate, the first human turn holds the one image placeholder (more than one is
+  refused: an entry has one image), which is taken out of the text (the task places the image itself). An
+  image is looked for beside the file, then in its ``images/`` (a missing one names both paths).
 - ``captions:PATH`` -- the image-caption rows ``--task clip`` reads (:func:`vitlab.clip.data.read_captions`: a
   folder with ``captions.csv`` or ``captions.jsonl``, or that file; ``image`` relative to the file, ``caption``,
   optional ``split``), one sample per image with all its captions as references, as COCO's.
@@ -230,6 +231,9 @@ def read_llava(path: str | Path) -> dict[str, list[VLSample]]:
                                 f"'value'")
             if j and IMAGE_TOKEN in h["value"]:
                 raise DataError(f"{where}: {IMAGE_TOKEN} in turn {j}; the image goes in the first turn only")
+            if h["value"].count(IMAGE_TOKEN) > 1:  # one image per entry: each placeholder stands for an image
+                raise DataError(f"{where}: {h['value'].count(IMAGE_TOKEN)} {IMAGE_TOKEN} placeholders in turn {j} "
+                                f"for the entry's one image; keep one")
             q = h["value"].replace(IMAGE_TOKEN, "").strip()
             if not q or not g["value"].strip():
                 raise DataError(f"{where}: empty text in turn {j} or {j + 1}")

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from vitlab._console import say
 from vitlab.data import DataConfig, DataError, load_image
 from vitlab.data.transforms import channel_stats, eval_transform
 from vitlab.registry import create_model, get_model_config
@@ -224,9 +225,11 @@ def sources(kind: str) -> str:
 
 
 def read_splits(data: DataConfig, kind: str, scenes_train: int | None = None,
-                scenes_eval: int | None = None, task: str | None = None) -> VLSplits:
+                scenes_eval: int | None = None, task: str | None = None, scored_train: bool = False) -> VLSplits:
     """The samples of ``data`` for ``kind`` ('caption' or 'vqa'); ``task`` (default ``kind``) is the task named in
-    a refusal."""
+    a refusal. ``scored_train``: the scenes' training split as fixed questions (one of each kind a scene has, the
+    training templates), what ``vitlab eval --split train`` scores, rather than one sample per scene that draws a
+    fresh conversation each time it is read."""
     name, path = data.name, data.path
     task = task or kind
     if name == "scenes":
@@ -234,7 +237,8 @@ def read_splits(data: DataConfig, kind: str, scenes_train: int | None = None,
         sets = {s: make_scenes(s, data.seed, sizes[s]) for s in SCENE_SPLITS}
         pick = (lambda s: s.captions) if kind == "caption" else (lambda s: s.questions)
         # training draws a fresh question about each scene every time it is read: one sample per scene
-        train = pick(sets["train"]) if kind == "caption" else [VLSample(i) for i in range(len(sets["train"].scenes))]
+        train = (pick(sets["train"]) if kind == "caption" or scored_train
+                 else [VLSample(i) for i in range(len(sets["train"].scenes))])
         return VLSplits(train, pick(sets["val"]), pick(sets["test"]),
                         {s: v.images for s, v in sets.items()}, {s: v.scenes for s, v in sets.items()})
     if name not in SOURCES[kind]:
@@ -245,6 +249,16 @@ def read_splits(data: DataConfig, kind: str, scenes_train: int | None = None,
         raise DataError(f"--task {task} reads {sources(kind)}, not {data.dataset!r}")
     s = READERS[name](path)
     return VLSplits(s["train"], s["val"], s.get("test"), {k: None for k in ("train", "val", "test")})
+
+
+def eval_splits(record: RunRecord, data: str | None, split: str, kind: str, task: str) -> VLSplits:
+    """The splits ``vitlab eval`` scores: ``data`` (default: the record's). On the scenes the training split is
+    the run's own (its ``scenes_train`` scenes, drawn as training drew them) when ``split`` is 'train', and a
+    single unread scene otherwise."""
+    a = record.task_args
+    cfg = DataConfig(**{**record.data, "dataset": data}) if data else DataConfig(**record.data)
+    scenes_train = (a.get("scenes_train") if split == "train" else 1) if cfg.name == "scenes" else None
+    return read_splits(cfg, kind, scenes_train, a.get("scenes_eval"), task=task, scored_train=split == "train")
 
 
 class VLDataset(Dataset):
@@ -327,9 +341,42 @@ def apply_freezing(model: nn.Module, args: VLArgs) -> list[str]:
     return sorted(frozen)
 
 
-def init_from(model: nn.Module, source: str) -> str:
-    """Weights from ``source``: a CLIP run gives the image tower, a caption / vqa run or a checkpoint of this
-    model everything. Returns what was loaded."""
+# the parameters whose rows are indexed by token id: the input embeddings and the output head (Llama's
+# embed_tokens / lm_head, BLIP's word_embeddings and its LM head's decoder)
+VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight", "word_embeddings.weight", "lm_head.decoder.weight",
+              "lm_head.decoder.bias")
+
+
+def map_vocabulary(model: nn.Module, sd: dict, old: WordTokenizer, new: WordTokenizer,
+                   source: str) -> tuple[dict, int, int]:
+    """``sd`` (a run trained with the word vocabulary ``old``) with its token rows (:data:`VOCAB_ROWS`) re-indexed
+    to ``new``: the row of each word both vocabularies hold is copied to the word's new id; a word ``old`` never
+    saw keeps ``model``'s fresh row. Returns (state dict, words mapped, words new). The rows follow the words,
+    not the ids, as a vocabulary extended for a second training stage must (LLaVA's stage 2 adds its
+    instruction data's words to those of stage 1's captions; Liu et al., 2023, Sec. 4.2)."""
+    own = model.state_dict()
+    src = [old.encoder.get(w) for w in new.vocab]  # each new id's row in ``old`` (None: a new word)
+    rows = torch.tensor([i if i is not None else 0 for i in src])
+    known = torch.tensor([i is not None for i in src])
+    out = dict(sd)
+    for k, v in sd.items():
+        if not k.endswith(VOCAB_ROWS) or k not in own:
+            continue
+        if v.shape[0] != old.vocab_size:
+            raise ValueError(f"{source}: {k} has {v.shape[0]} rows but the run's vocabulary {old.vocab_size} words")
+        fresh = own[k].clone()
+        fresh[known] = v[rows[known]].to(fresh.dtype)
+        out[k] = fresh
+    words = len(new.vocab) - len(new.SPECIALS)
+    mapped = int(known[len(new.SPECIALS):].sum())
+    return out, mapped, words - mapped
+
+
+def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
+    """Weights from ``source``: a CLIP run gives the image tower, a caption / vqa (or blip) run or a checkpoint of
+    this model everything. A run's token rows are mapped to ``tokenizer`` by word (:func:`map_vocabulary`). An
+    imported checkpoint directory (transformers' ``config.json``) is refused: its rows belong to its own
+    tokenizer, which these tasks do not train with. Returns what was loaded, for the run's log."""
     from vitlab.convert import load_checkpoint, load_state_dict
 
     p = Path(source)
@@ -338,11 +385,32 @@ def init_from(model: nn.Module, source: str) -> str:
         if meta.get("task") == "clip":  # CLIP's image tower is the ViT under visual.trunk
             trunk = {k.removeprefix("visual.trunk."): v for k, v in sd.items() if k.startswith("visual.trunk.")}
             load_state_dict(model.vision_tower, trunk, source=source)
-            return "vision_tower"
+            return "the image tower"
+        old = meta.get("tokenizer")
+        if not (isinstance(old, dict) and old.get("kind") == "word"):
+            load_state_dict(model, sd, source=source)
+            return "the whole model"
+        sd, mapped, new = map_vocabulary(model, sd, WordTokenizer(old["words"]), tokenizer, source)
         load_state_dict(model, sd, source=source)
-        return "all"
-    load_checkpoint(model, source)  # a checkpoint of the model (a transformers directory, a state dict file)
-    return "all"
+        return f"the whole model; vocabulary mapped by word: {mapped} words mapped, {new} new"
+    if p.is_dir():
+        if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+            raise DataError(f"--init {source} has no tokenizer.json or tokenizer.model: its embedding rows cannot "
+                            f"be matched to words")
+        raise DataError(f"--init {source}: an imported checkpoint's tokenizer cannot be trained with yet (these "
+                        f"tasks build a word vocabulary from the data); start from a vitlab run or a CLIP run")
+    load_checkpoint(model, source)  # a state dict file of this model
+    return "the whole model"
+
+
+def _init(model: nn.Module, source: str | None, tokenizer: WordTokenizer, cfg) -> str | None:
+    """:func:`init_from` when ``source`` is given, what it loaded said in one line of the run's log."""
+    if not source:
+        return None
+    loaded = init_from(model, source, tokenizer)
+    if not cfg.quiet:
+        say(f"--init {source}: {loaded}")
+    return loaded
 
 
 def with_coords(x: torch.Tensor) -> torch.Tensor:
@@ -358,9 +426,11 @@ def with_coords(x: torch.Tensor) -> torch.Tensor:
 
 
 def build_vl_model(name: str, kwargs: dict, vocab_size: int, image_token_id: int, img_size: int,
-                   context_length: int) -> nn.Module:
+                   context_length: int, max_new_tokens: int) -> nn.Module:
+    """The LLaVA model of a run: its language model holds the context and ``max_new_tokens`` more, so any prompt
+    the context holds gets the run's whole answer budget (as BLIP's text decoder is sized; Li et al., 2022)."""
     return create_model(name, **{"vocab_size": vocab_size, "image_token_id": image_token_id, "img_size": img_size,
-                                 "max_seq_len": context_length, **kwargs})
+                                 "max_seq_len": context_length + max_new_tokens, **kwargs})
 
 
 # ---------------------------------------------------------------- the tasks
@@ -453,8 +523,8 @@ class _VLTask(_ScoredTask):
         if a.coord_channels:
             kwargs["in_chans"] = 5  # the image's 3 and the coordinates' 2
         model = build_vl_model(cfg.model, kwargs, self.tokenizer.vocab_size, self.seqs.image_id, img_size,
-                               context)
-        self.loaded = init_from(model, a.init) if a.init else None
+                               context, a.max_new_tokens)
+        self.loaded = _init(model, a.init, self.tokenizer, cfg)
         self.frozen = apply_freezing(model, a)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = self.module = prepare_model(model, cfg, device)
@@ -507,13 +577,15 @@ class _VLTask(_ScoredTask):
         return {"model": self.cfg.model, "dataset": self.cfg.data.dataset, "params_m": self.num_params / 1e6,
                 "img_size": self._record.img_size, "train_images": len(self.data.train),
                 "val_images": len(self.data.val), "vocab_size": self.tokenizer.vocab_size,
-                "context_length": self.seqs.length, "frozen": self.frozen, "blind": self.args.blind}
+                "context_length": self.seqs.length, "frozen": self.frozen, "blind": self.args.blind,
+                **({"init": self.loaded} if self.loaded else {})}
 
     # ---- the run record ------------------------------------------------------------------------------
     def load(self, record: RunRecord) -> nn.Module:
         tok = WordTokenizer(record.extra["tokenizer"]["words"])
         return build_vl_model(record.model, record.model_kwargs, tok.vocab_size, tok.image_id,
-                              record.img_size, record.extra["context_length"])
+                              record.img_size, record.extra["context_length"],
+                              int(record.task_args.get("max_new_tokens", 24)))
 
     def _record_seqs(self, record: RunRecord) -> Sequences:
         tok = WordTokenizer(record.extra["tokenizer"]["words"])
@@ -527,7 +599,9 @@ class _VLTask(_ScoredTask):
     def generate(self, model: nn.Module, record: RunRecord, images: torch.Tensor, prompts: list[list[int]],
                  batch_size: int, device) -> list[str]:
         """Greedy continuations of ``prompts`` (token ids) for ``images`` (normalised); prompts of one length are
-        batched together, so no padding is needed."""
+        batched together, so no padding is needed. Every answer may run to the run's ``max_new_tokens`` (the model
+        holds the context and that many more); a prompt longer than the context is refused, never an answer
+        cut short."""
         seqs = self._record_seqs(record)
         blind = bool(record.task_args.get("blind"))
         max_new = int(record.task_args.get("max_new_tokens", 24))
@@ -535,11 +609,10 @@ class _VLTask(_ScoredTask):
         by_len: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             by_len.setdefault(len(p), []).append(i)
-        if by_len and max(by_len) >= seqs.length:  # refused before any generation, not at the longest prompt
-            raise DataError(f"a prompt of {max(by_len)} tokens leaves no room to answer in the run's context of "
-                            f"{seqs.length} tokens")
-        for n, idx in sorted(by_len.items()):
-            room = min(max_new, seqs.length - n)
+        if by_len and max(by_len) > seqs.length:  # refused before any generation, not at the longest prompt
+            raise DataError(f"a prompt of {max(by_len)} tokens exceeds the run's context of {seqs.length} tokens "
+                            f"(its answers get {max_new} more)")
+        for _, idx in sorted(by_len.items()):
             for k in range(0, len(idx), batch_size):
                 chunk = idx[k:k + batch_size]
                 x = images[chunk].to(device)
@@ -548,7 +621,7 @@ class _VLTask(_ScoredTask):
                 if record.task_args["coord_channels"]:
                     x = with_coords(x)
                 ids = torch.tensor([prompts[i] for i in chunk], device=device)
-                new = model.generate(ids, x, max_new_tokens=room, eos_token_id=seqs.eos)
+                new = model.generate(ids, x, max_new_tokens=max_new, eos_token_id=seqs.eos)
                 for i, row in zip(chunk, new.tolist(), strict=True):
                     out[i] = seqs.tok.decode(row)
         return out
@@ -556,11 +629,8 @@ class _VLTask(_ScoredTask):
     def score(self, model, record, splits: VLSplits, split: str, batch_size: int, device) -> dict:
         raise NotImplementedError
 
-    def _eval_splits(self, record: RunRecord, data: str | None) -> VLSplits:
-        a = record.task_args
-        cfg = DataConfig(**{**record.data, "dataset": data}) if data else DataConfig(**record.data)
-        return read_splits(cfg, "vqa" if self.instruct else "caption", 1 if cfg.name == "scenes" else None,
-                           a.get("scenes_eval"), task=self.name)
+    def _eval_splits(self, record: RunRecord, data: str | None, split: str) -> VLSplits:
+        return eval_splits(record, data, split, "vqa" if self.instruct else "caption", self.name)
 
     def _images(self, record: RunRecord, splits: VLSplits, split: str, samples: list[VLSample]) -> torch.Tensor:
         tf = self._transform(record)
@@ -573,7 +643,7 @@ class _VLTask(_ScoredTask):
                  batch_size: int = 256, device: str = "cpu", optimize: bool = True) -> dict:
         """The task's metrics on ``data`` (default: the record's) ``split`` ('test' falls back to 'val' when the
         data has none); writes ``eval-<split>.json`` (with every generated output) to ``out_dir``."""
-        splits = self._eval_splits(record, data)
+        splits = self._eval_splits(record, data, split)
         if split == "test" and splits.test is None:
             split = "val"
         if getattr(splits, split) is None or split == "train" and not getattr(splits, split):
@@ -592,6 +662,9 @@ class _VLTask(_ScoredTask):
         if self.instruct:
             if prompt is None or not prompt.strip():
                 raise ValueError("empty question: pass --prompt \"...\"")
+            if prompt.count(IMAGE_TOKEN) > 1:  # one image per prompt: a second placeholder has nothing to stand for
+                raise ValueError(f"the prompt {prompt!r} holds {prompt.count(IMAGE_TOKEN)} {IMAGE_TOKEN} "
+                                 f"placeholders for one image; keep at most one")
             text = prompt.replace(IMAGE_TOKEN, " ").strip()
             if not text:
                 raise ValueError("empty question: the prompt holds only the image placeholder")
@@ -600,7 +673,7 @@ class _VLTask(_ScoredTask):
             if prompt is not None:
                 raise ValueError("a caption run answers no question; drop --prompt (or use a vqa run)")
             p = seqs.prompt()
-        if len(p) >= seqs.length:
+        if len(p) > seqs.length:
             raise ValueError(f"the question ({len(p)} tokens with the image) does not fit the context of "
                              f"{seqs.length} tokens")
         tf = self._transform(record)
@@ -706,14 +779,15 @@ class BlipCaptions(Dataset):
 
 
 class BlipObjectives(nn.Module):
-    """What the strategy wraps: ``forward`` is BLIP's three objectives on a batch (:meth:`BLIP.losses`)."""
+    """What the strategy wraps: ``forward`` is BLIP's three objectives on a batch (:meth:`BLIP.losses`); a batch
+    of one image (a validation split's last, or a split of one image) scores ITM as 0, having no negative."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, x, ids, mask, groups) -> dict[str, torch.Tensor]:
-        return self.model.losses(x, ids, mask, image_ids=groups)
+        return self.model.losses(x, ids, mask, image_ids=groups, lone_image_itm=True)
 
 
 def _groups(splits: VLSplits, split: str, samples: list[VLSample]) -> list[int]:
@@ -781,10 +855,12 @@ class BlipTask(_ScoredTask):
         self.data = _Data(
             BlipCaptions(sp.train, sp.images["train"], tf, tok, context, True, a.blind, _groups(sp, "train", sp.train)),
             BlipCaptions(sp.val, sp.images["val"], tf, tok, context, False, a.blind, _groups(sp, "val", sp.val)))
+        if len(set(self.data.val.groups)) < 2 and not cfg.quiet:
+            say(f"note: the validation split has {len(sp.val)} image(s) of one content: no ITM negative to draw, "
+                f"val_itm is 0")
         kwargs = model_kwargs(cfg)
         model = self._model(cfg.model, kwargs, tok, img_size, context + a.max_new_tokens)
-        if a.init:
-            init_from(model, a.init)
+        self.loaded = _init(model, a.init, tok, cfg)
         for part in a.freeze:
             for p in getattr(model, part).parameters():
                 p.requires_grad_(False)
@@ -826,7 +902,8 @@ class BlipTask(_ScoredTask):
         return {"model": self.cfg.model, "dataset": self.cfg.data.dataset, "params_m": self.num_params / 1e6,
                 "img_size": self._record.img_size, "train_images": len(self.data.train),
                 "val_images": len(self.data.val), "vocab_size": self.tokenizer.vocab_size,
-                "context_length": self._record.extra["context_length"], "blind": self.args.blind}
+                "context_length": self._record.extra["context_length"], "blind": self.args.blind,
+                **({"init": self.loaded} if self.loaded else {})}
 
     # ---- the run record ------------------------------------------------------------------------------
     def load(self, record: RunRecord) -> nn.Module:
@@ -887,9 +964,7 @@ class BlipTask(_ScoredTask):
                  batch_size: int = 256, device: str = "cpu", optimize: bool = True) -> dict:
         """Retrieval (and captioning) scores on ``data`` (default: the record's) ``split`` ('test' falls back to
         'val' when the data has none); writes ``eval-<split>.json`` to ``out_dir``."""
-        cfg = DataConfig(**{**record.data, "dataset": data}) if data else DataConfig(**record.data)
-        splits = read_splits(cfg, "caption", 1 if cfg.name == "scenes" else None,
-                             record.task_args.get("scenes_eval"), task=self.name)
+        splits = eval_splits(record, data, split, "caption", self.name)
         if split == "test" and splits.test is None:
             split = "val"
         result = {"task": self.name, "split": split, **self.score(model, record, splits, split, batch_size, device)}
