@@ -383,3 +383,23 @@ def test_language_model_learning_rate_is_scaled():
         inside = {id(p) in lm for p in g["params"]}
         assert len(inside) == 1 and g.get("lr_scale", 1.0) == (0.1 if inside == {True} else 1.0)
     assert sum(len(g["params"]) for g in groups) == len(list(task.model.parameters()))
+
+
+def test_blip_rows_follow_the_words():
+    """BLIP's token rows -- both text embeddings and the LM head's decoder, weight and bias -- are re-indexed by
+    word; the rest of the state dict passes as it is."""
+    from vitlab.vlm.tasks import VOCAB_ROWS, BlipTask, map_vocabulary
+
+    old, new = WordTokenizer(["a", "cat", "dog"]), WordTokenizer(["a", "bird", "cat"])
+    torch.manual_seed(0)
+    src, dst = (BlipTask._model("blip_tiny", {"text_depth": 1, "vision_depth": 1}, t, 32, 16) for t in (old, new))
+    sd = src.state_dict()
+    out, mapped, fresh = map_vocabulary(dst, sd, old, new, "src")
+    assert (mapped, fresh) == (2, 1)
+    rows = [k for k in sd if k.endswith(VOCAB_ROWS)]
+    assert {"text_encoder.word_embeddings.weight", "lm_head.decoder.bias"} <= set(rows)
+    for k in rows:
+        for w in ("<s>", "[DEC]", "a", "cat"):
+            torch.testing.assert_close(out[k][new.encoder[w]], sd[k][old.encoder[w]], msg=f"{k} {w}")
+        torch.testing.assert_close(out[k][new.encoder["bird"]], dst.state_dict()[k][new.encoder["bird"]])
+    dst.load_state_dict(out)
