@@ -13,8 +13,9 @@ from PIL import Image
 
 from tests.train.test_distributed import world_of_one  # noqa: F401  (the fixture, shared)
 from vitlab.cli import main
-from vitlab.clip.data import DIGIT_WORDS, HELD_OUT_TEMPLATES, read_captions
+from vitlab.clip.data import DIGIT_WORDS, HELD_OUT_TEMPLATES
 from vitlab.clip.tasks import ClipArgs
+from vitlab.data.captions import read_captions
 from vitlab.train import TrainConfig, evaluate, fit, predict
 
 TINY = ["--model", "clip_vit_pico_patch8", "--model_kwargs.image_depth", "1", "--model_kwargs.text_depth", "1",

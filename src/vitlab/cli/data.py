@@ -18,7 +18,7 @@ def cmd_pack(args) -> int:
     from vitlab.data.wds import pack, pack_pairs
 
     if args.dataset.startswith("captions:"):  # image-text pairs, for --task clip: the caption as txt
-        from vitlab.clip.data import read_captions
+        from vitlab.data.captions import read_captions
 
         r = pack_pairs(read_captions(args.dataset.partition(":")[2]), args.out, shard_size=args.shard_size,
                        seed=args.seed)

@@ -29,7 +29,6 @@ from vitlab.clip.data import (
     HELD_OUT_TEMPLATES,
     build_clip_data,
     digit_captions,
-    read_captions,
     training_texts,
 )
 from vitlab.clip.loss import clip_loss
@@ -49,6 +48,7 @@ from vitlab.clip.zeroshot import (
     zeroshot_split,
 )
 from vitlab.data import DataBundle
+from vitlab.data.captions import read_captions
 from vitlab.registry import create_model, get_model_config
 from vitlab.train.common import model_in_chans, model_kwargs, prepare_model
 from vitlab.train.config import to_plain

@@ -18,7 +18,7 @@ training starts (one :class:`vitlab.data.DataError`: file, line or entry).
   human and model turns alternate, the first human turn holds the one image placeholder (more than one is
   refused: an entry has one image), which is taken out of the text (the task places the image itself). An
   image is looked for beside the file, then in its ``images/`` (a missing one names both paths).
-- ``captions:PATH`` -- the image-caption rows ``--task clip`` reads (:func:`vitlab.clip.data.read_captions`: a
+- ``captions:PATH`` -- the image-caption rows ``--task clip`` reads (:func:`vitlab.data.captions.read_captions`: a
   folder with ``captions.csv`` or ``captions.jsonl``, or that file; ``image`` relative to the file, ``caption``,
   optional ``split``), one sample per image with all its captions as references, as COCO's.
 - ``scenes`` (the embedded offline set, :func:`make_scenes`): one to four real objects -- scikit-image's horse
@@ -46,8 +46,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vitlab.clip.data import find_captions_file, read_captions
 from vitlab.data import DataError, declare_dataset
+from vitlab.data.captions import find_captions_file, read_captions
 from vitlab.data.datasets import image_ok
 
 # read by the vision-language tasks, not vitlab.data.build
@@ -248,7 +248,7 @@ def read_llava(path: str | Path) -> dict[str, list[VLSample]]:
 
 
 def read_caption_rows(path: str | Path) -> dict[str, list[VLSample]]:
-    """``captions:PATH``: the image-caption rows CLIP trains on, read by :func:`vitlab.clip.data.read_captions`
+    """``captions:PATH``: the image-caption rows CLIP trains on, read by :func:`vitlab.data.captions.read_captions`
     (a CSV or JSONL of ``image``, ``caption`` and an optional ``split``; without a validation split a fixed 10% of
     the images held out, as :func:`read_coco` does), one sample per image of a split with all its captions as
     references (COCO's grouping, Chen et al., 2015); every image checked (a corrupt file is named)."""
