@@ -143,6 +143,28 @@ def test_init_maps_the_vocabulary_by_word(vqa_run, tmp_path, capsys):
                                        getattr(old.language_model, part).weight[old_tok.encoder[w]], msg=w)
 
 
+def test_init_from_a_transformers_clip_directory_gives_the_image_tower(tmp_path):
+    """LLaVA's recipe: the image tower from a pretrained CLIP (here transformers' CLIPVisionModel of llava_tiny's
+    tower, random weights), stage 1 training the projector only, so the tower stays the CLIP's."""
+    transformers = pytest.importorskip("transformers")
+    from vitlab.models import convert_hf_clip_vision_state_dict
+    from vitlab.train.evaluate import load_model
+
+    ref = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
+        image_size=32, patch_size=8, hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4))
+    ref.save_pretrained(tmp_path / "clip")
+    run = tmp_path / "run"
+    assert main(["train", "--task", "vqa", "--model", "llava_tiny", "--task_args.coord_channels", "false",
+                 "--task_args.scenes_train", "16", "--task_args.scenes_eval", "6", "--epochs", "1", "--batch_size",
+                 "8", "--task_args.max_new_tokens", "4", "--stage", "1", "--init", str(tmp_path / "clip"),
+                 "--output_dir", str(run)]) == 0
+    model, _, _ = load_model(run / "last", device="cpu")
+    want = convert_hf_clip_vision_state_dict(ref.state_dict())
+    got = model.vision_tower.state_dict()
+    for k in ("patch_embed.proj.weight", "blocks.2.attn.qkv.weight", "pos_drop.norm.weight", "norm.bias"):
+        torch.testing.assert_close(got[k], want[k], msg=k)
+
+
 def test_init_from_an_imported_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -403,3 +425,18 @@ def test_blip_rows_follow_the_words():
             torch.testing.assert_close(out[k][new.encoder[w]], sd[k][old.encoder[w]], msg=f"{k} {w}")
         torch.testing.assert_close(out[k][new.encoder["bird"]], dst.state_dict()[k][new.encoder["bird"]])
     dst.load_state_dict(out)
+
+
+def test_vqa_scores_answers_in_the_annotations_own_form(vqa_run, scene_png, tmp_path, capsys, monkeypatch):
+    """A file's answer "Yes." (ten agreeing annotators) against the word tokenizer's "yes .": both sides are
+    normalised (the official script would compare the agreeing answers as written and score 0)."""
+    from vitlab.vlm.tasks import VQATask
+
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"image": str(scene_png), "question": f"is it {w}",
+                                                          "answer": "Yes.", "split": split}) + "\n"
+                                              for w in ("red", "blue", "green") for split in ("train", "val", "test")))
+    monkeypatch.setattr(VQATask, "generate", lambda self, model, record, x, prompts, *a, **k: ["yes ."] * len(prompts))
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(vqa_run), "--data", f"vqa:{tmp_path / 'q.jsonl'}", "--output-dir",
+                 str(tmp_path / "out"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["accuracy"] == 100.0

@@ -373,11 +373,12 @@ def map_vocabulary(model: nn.Module, sd: dict, old: WordTokenizer, new: WordToke
 
 
 def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
-    """Weights from ``source``: a CLIP run gives the image tower, a caption / vqa (or blip) run or a checkpoint of
-    this model everything. A run's token rows are mapped to ``tokenizer`` by word (:func:`map_vocabulary`). An
-    imported checkpoint directory (transformers' ``config.json``) is refused: its rows belong to its own
-    tokenizer, which these tasks do not train with. Returns what was loaded, for the run's log."""
-    from vitlab.convert import load_checkpoint, load_state_dict
+    """Weights from ``source``: a CLIP run or a transformers CLIP directory (``CLIPModel`` / ``CLIPVisionModel``)
+    gives the image tower, a caption / vqa (or blip) run or a checkpoint of this model everything. A run's token
+    rows are mapped to ``tokenizer`` by word (:func:`map_vocabulary`). Another imported checkpoint directory
+    (transformers' ``config.json``) is refused: its rows belong to its own tokenizer, which these tasks do not
+    train with. Returns what was loaded, for the run's log."""
+    from vitlab.convert import load_checkpoint, load_state_dict, read_hf_config, read_hf_state_dict
 
     p = Path(source)
     if (p.is_dir() and not (p / "config.json").is_file()) or p.suffix == ".safetensors":  # a vitlab run
@@ -393,6 +394,11 @@ def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
         sd, mapped, new = map_vocabulary(model, sd, WordTokenizer(old["words"]), tokenizer, source)
         load_state_dict(model, sd, source=source)
         return f"the whole model; vocabulary mapped by word: {mapped} words mapped, {new} new"
+    if p.is_dir() and read_hf_config(p).get("model_type") in ("clip", "clip_vision_model"):
+        # an imported CLIP (CLIPModel / CLIPVisionModel): its image tower, through the tower's own key map (a CLIP
+        # ViT tower reads transformers' names; another tower is refused in one line naming the keys)
+        load_state_dict(model.vision_tower, read_hf_state_dict(p), source=source)
+        return "the image tower (transformers' CLIP)"
     if p.is_dir():
         if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
             raise DataError(f"--init {source} has no tokenizer.json or tokenizer.model: its embedding rows cannot "
@@ -725,7 +731,10 @@ class VQATask(_VLTask):
         # a conversation is scored on its last answer, its earlier turns given
         prompts = [seqs.prompt(s.turns[-1][0], s.turns[:-1]) for s in samples]
         outs = self.generate(model, record, x, prompts, batch_size, device)
-        r = vqa_accuracy(outs, [s.refs for s in samples], [s.kind or "all" for s in samples])
+        # the answers come out of the run's word tokenizer (lower case, punctuation split off), not in the
+        # annotations' own form: both sides are normalised, also where the humans agree (the official script
+        # compares those as written, expecting answers already in VQA's normalised form)
+        r = vqa_accuracy(outs, [s.refs for s in samples], [s.kind or "all" for s in samples], always_normalize=True)
         return {"accuracy": r.pop("overall"), **r, "questions": len(samples),
                 "answers": [{"image": str(s.image), "question": s.turns[-1][0], "output": o, "refs": s.refs,
                              "kind": s.kind} for s, o in zip(samples, outs)]}
