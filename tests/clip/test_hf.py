@@ -136,3 +136,16 @@ def test_registered_image_tower_reads_a_save_pretrained_directory(tmp_path, cls)
         for i, (patches, prefix) in enumerate(feats):
             torch.testing.assert_close(torch.cat([prefix, patches], 1), out.hidden_states[i + 1],
                                        rtol=1e-4, atol=1e-4)
+
+
+def test_registered_image_tower_refuses_a_directory_of_another_activation(tmp_path):
+    """The weights cannot tell GELU (LAION's CLIPs) from QuickGELU (OpenAI's): config.json decides, in one line."""
+    vision = dict(image_size=64, patch_size=32, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, hidden_act="gelu")
+    transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**vision)).save_pretrained(tmp_path)
+    kw = dict(img_size=64, embed_dim=64, depth=2, num_heads=4)
+    with pytest.raises(ValueError, match=r"its image tower uses hidden_act 'gelu' .* create it with "
+                                         r"act_layer='gelu'") as e:
+        vitlab.create_model("vit_base_patch32_clip_quickgelu_224", checkpoint_path=str(tmp_path), **kw)
+    assert "\n" not in str(e.value)
+    vitlab.create_model("vit_base_patch32_clip_quickgelu_224", checkpoint_path=str(tmp_path), act_layer="gelu", **kw)

@@ -290,7 +290,9 @@ def test_grad_checkpointing_gives_the_same_gradients():
 
 def test_tied_embeddings_and_a_truncated_meta_file(tmp_path):
     ref = _hf_model(tmp_path / "tied", tie_word_embeddings=True)
-    assert "lm_head.weight" not in Llama.read_checkpoint(tmp_path / "tied")  # save_pretrained drops a tied head
+    from vitlab.convert import read_hf_state_dict
+
+    assert "lm_head.weight" not in read_hf_state_dict(tmp_path / "tied")  # save_pretrained drops a tied head
     ours = Llama.from_pretrained(tmp_path / "tied")
     assert ours.lm_head.weight is ours.embed_tokens.weight
     ids = torch.randint(0, 512, (1, 7))
@@ -302,6 +304,11 @@ def test_tied_embeddings_and_a_truncated_meta_file(tmp_path):
                                       tie_word_embeddings=tie).eval()
             assert (reg.lm_head.weight is reg.embed_tokens.weight) == tie
             torch.testing.assert_close(reg(ids), ref(ids).logits, atol=1e-4, rtol=1e-4)
+    # an untied checkpoint that lost its head is not given the embedding: the missing key is named
+    cfg = json.loads((tmp_path / "tied" / "config.json").read_text())
+    (tmp_path / "tied" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    with pytest.raises(CheckpointError, match=r"missing keys \['lm_head.weight'\]"):
+        vitlab.create_model("llama_tiny", checkpoint_path=str(tmp_path / "tied"))
     meta = tmp_path / "meta"
     meta.mkdir()
     (meta / "params.json").write_text(json.dumps({"dim": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 512}))

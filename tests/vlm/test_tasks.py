@@ -74,7 +74,7 @@ def test_vqa_bad_questions(vqa_run, scene_png, capsys):
     _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png)], "empty question")
     long = " ".join(["cat"] * 100)
     _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", long],
-                    "does not fit the context")
+                    "tokens exceeds the run's context of")
     # one image: a second placeholder is refused, not stripped; one is taken out of the question
     _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt",
                              "<image> is there a horse <image>"], "2 <image> placeholders", "is there a horse")
@@ -173,11 +173,14 @@ def test_init_from_an_imported_checkpoint_is_refused_in_one_line(tmp_path, capsy
     tiny_blip = ["--model_kwargs.vision_depth", "1", "--model_kwargs.text_depth", "1", *TINY[6:]]
     for task, flags in (("vqa", TINY), ("blip", tiny_blip)):
         _one_line_error(capsys, ["train", "--task", task, "--init", str(hf), "--output_dir", str(out), *flags],
-                        f"{hf} has no tokenizer.json or tokenizer.model: its embedding rows cannot be matched to words")
+                        f"{hf}: an imported checkpoint other than a CLIP image tower cannot start these tasks")
         assert not out.exists()
-    (hf / "tokenizer.json").write_text("{}")
+    # a CLIP directory of OpenAI's activation for the scenes' tower (GELU, a convolutional stem): refused by the
+    # tower's own check of config.json
+    (hf / "config.json").write_text(json.dumps({"model_type": "clip_vision_model"}))
     _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(hf), "--output_dir", str(out), *TINY],
-                    "an imported checkpoint's tokenizer cannot be trained with yet")
+                    f"{hf}: its image tower uses hidden_act 'quick_gelu'")
+    assert not out.exists()
 
 
 def test_caption_train_eval_predict(caption_run, scene_png, tmp_path, capsys):
@@ -217,6 +220,10 @@ def test_wrong_data_for_the_task(tmp_path, capsys):
     assert "coco:" not in err and "captions:" not in err
     _one_line_error(capsys, ["train", "--task", "vqa", "--stage", "1", "--task_args.freeze", "projector", *TINY],
                     "leaves nothing to train")
+    from vitlab.data import DataConfig, DataError
+
+    with pytest.raises(DataError, match="dataset captions needs a path: captions:PATH"):  # declared by vitlab.data
+        DataConfig(dataset="captions")
 
 
 def test_corrupt_coco_image_is_one_line(tmp_path, capsys):
@@ -277,15 +284,16 @@ def test_captions_files_train_caption_and_blip(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval"), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["split"] == "val" and r["images"] == 1 and len(r["captions"][0]["refs"]) == 2
-    # 12 images: validation holds one, where BLIP's ITM has no negative to draw (it scores 0, with a note)
+    # 12 images: validation holds one, where BLIP's ITM has no negative to draw (no val_itm, with a note)
     _pictures(tmp_path / "jsonl", 12)
     file = tmp_path / "jsonl" / "captions.jsonl"
     file.write_text("\n".join(json.dumps({"image": f"{i}.png", "caption": f"scene {i} ☃"}) for i in range(12)))
     run = tmp_path / "blip"
     tiny = ["--model_kwargs.vision_depth", "1", "--model_kwargs.text_depth", "1", *TINY[6:]]
     assert main(["train", "--task", "blip", "--data", f"captions:{file}", "--output_dir", str(run), *tiny]) == 0
-    assert "no ITM negative to draw, val_itm is 0" in capsys.readouterr().out
-    assert read_metrics(run, "epoch")[-1]["val_itm"] == 0.0
+    assert "no ITM negative to draw, no val_itm (val_loss is ITC + LM)" in capsys.readouterr().out
+    last = read_metrics(run, "epoch")[-1]
+    assert "val_itm" not in last and last["val_loss"] == pytest.approx(last["val_itc"] + last["val_lm"])
     assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval"), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["split"] == "val" and r["images"] == 1 and r["texts"] == 1
@@ -440,3 +448,19 @@ def test_vqa_scores_answers_in_the_annotations_own_form(vqa_run, scene_png, tmp_
     assert main(["eval", "--checkpoint", str(vqa_run), "--data", f"vqa:{tmp_path / 'q.jsonl'}", "--output-dir",
                  str(tmp_path / "out"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["accuracy"] == 100.0
+
+
+def test_blip_validation_leaves_lone_image_batches_out_of_itm():
+    """A validation batch of one image scores ITM 0 (no negative to draw): it counts for ITC and LM, not for the
+    ITM mean, and val_loss is the sum of the objectives' means."""
+    from vitlab.vlm.tasks import BlipTask
+
+    task = BlipTask.__new__(BlipTask)
+    task.device = "cpu"
+    sums = {}
+    for n, groups, itm in ((4, [0, 1, 2, 3], 2.0), (2, [5, 5], 0.0)):
+        batch = (torch.zeros(n, 3, 8, 8), torch.zeros(n, 4), torch.ones(n, 4), torch.tensor(groups))
+        out = {"itc": torch.tensor(1.0), "itm": torch.tensor(itm), "lm": torch.tensor(3.0)}
+        step = task.validation_step(batch, lambda *b, out=out: {**out, "loss": sum(out.values())})
+        sums = {k: sums.get(k, 0) + v for k, v in step.items()}
+    assert task.validation_metrics(sums) == pytest.approx({"itc": 1.0, "itm": 2.0, "lm": 3.0, "loss": 6.0})

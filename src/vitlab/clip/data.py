@@ -34,15 +34,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, IterableDataset
 
-from vitlab.data import DataBundle, DataConfig, DataError, build, declare_dataset, load_image
+from vitlab.data import DataBundle, DataConfig, DataError, build, load_image
 from vitlab.data.captions import read_captions
 from vitlab.data.datasets import as_uint8
 from vitlab.data.streaming import StreamImages
 from vitlab.data.transforms import channel_stats, eval_transform, train_transform
-
-# read by build_clip_data and vitlab.vlm's caption and blip tasks, not vitlab.data.build: a classifier given this
-# name is sent to these tasks
-declare_dataset("captions", read_by="--task clip, --task caption or --task blip", needs_root=True)
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 # {w}: the number word, {d}: the numeral

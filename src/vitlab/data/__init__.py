@@ -21,7 +21,7 @@ label) with ``classes``, or None for a split it lacks (see ``vitlab.data.registr
     def pets(split, root, **options): ...       # DataConfig("pets:~/data/pets") / --data pets:~/data/pets
 """
 
-from vitlab.data import hf, wds  # noqa: F401  (registers wds: and hf:; their packages load on first use)
+from vitlab.data import captions, hf, wds  # noqa: F401  (declares captions:, registers wds: and hf:)
 from vitlab.data.core import PRESETS, DataBundle, DataConfig, build, check_num_classes
 from vitlab.data.datasets import DIGITS_SPLIT, check_image_files, load_image
 from vitlab.data.registry import DataError, declare_dataset, list_datasets, register_dataset

@@ -13,7 +13,11 @@ import json
 import random
 from pathlib import Path
 
-from vitlab.data.registry import DataError
+from vitlab.data.registry import DataError, declare_dataset
+
+# read by CLIP's task and the caption and blip tasks, not vitlab.data.build: a classifier given this name is sent
+# to them
+declare_dataset("captions", read_by="--task clip, --task caption or --task blip", needs_root=True)
 
 CAPTION_FILES = ("captions.csv", "captions.jsonl")
 VAL_FRACTION = 0.1
@@ -41,6 +45,17 @@ def _rows_jsonl(path: Path) -> list[tuple[int, dict]]:
             raise DataError(f"{path} line {i}: expected an object with 'image' and 'caption'")
         rows.append((i, row))
     return rows
+
+
+def held_out_images(images, what: str) -> set[str]:
+    """The images held out for validation when a file names no validation split: a fixed 10% of them (at least
+    one; the same choice on every read). ``what`` names the file in the refusal of a single image."""
+    images = sorted(images)
+    held = set(random.Random(0).sample(images, max(1, round(VAL_FRACTION * len(images)))))
+    if len(held) == len(images):
+        raise DataError(f"{what}: one image cannot give both a training and a validation split; add a 'split' "
+                        f"column or more images")
+    return held
 
 
 def find_captions_file(path: str | Path) -> Path:
@@ -79,12 +94,8 @@ def read_captions(path: str | Path) -> dict[str, list[tuple[str, str]]]:
         splits.setdefault(split, []).append((str(img), caption.strip()))
     if not splits.get("train"):
         raise DataError(f"{file}: no training rows")
-    if "val" not in splits:  # hold out whole images (all their captions), a fixed choice
-        images = sorted({img for img, _ in splits["train"]})
-        held = set(random.Random(0).sample(images, max(1, round(VAL_FRACTION * len(images)))))
-        if len(held) == len(images):
-            raise DataError(f"{file}: one image cannot give both a training and a validation split; add a "
-                            f"'split' column or more images")
+    if "val" not in splits:  # hold out whole images (all their captions)
+        held = held_out_images({img for img, _ in splits["train"]}, str(file))
         splits["val"] = [r for r in splits["train"] if r[0] in held]
         splits["train"] = [r for r in splits["train"] if r[0] not in held]
     return splits

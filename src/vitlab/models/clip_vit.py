@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from vitlab.convert import read_hf_state_dict, read_state_dict
+from vitlab.convert import read_hf_config, read_hf_state_dict, read_state_dict
 from vitlab.layers import PatchEmbed, get_norm_layer
 from vitlab.models.vision_transformer import VisionTransformer
 from vitlab.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
@@ -56,6 +56,8 @@ HF_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh", 
 HF_CLIP_VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                                num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu",
                                layer_norm_eps=1e-5)
+# transformers' CLIP classes and model types whose directories hold a CLIP image tower
+HF_CLIP_ARCHITECTURES = ("CLIPModel", "clip", "CLIPVisionModel", "CLIPVisionModelWithProjection", "clip_vision_model")
 _LAYER = [("layer_norm1.", "norm1."), ("layer_norm2.", "norm2."), ("self_attn.out_proj.", "attn.proj."),
           ("mlp.fc1.", "mlp.fc1."), ("mlp.fc2.", "mlp.fc2.")]
 
@@ -111,14 +113,25 @@ class CLIPVisionTransformer(VisionTransformer):
     """CLIP's image tower: a :class:`VisionTransformer` whose ``pos_drop`` is followed by the pre-norm
     (:class:`PreNorm`). It reads a transformers CLIP directory or a timm CLIP ViT state dict as well as its own."""
 
-    def __init__(self, norm_layer="layernorm_eps5", **kwargs):
-        super().__init__(norm_layer=norm_layer, **kwargs)
+    def __init__(self, norm_layer="layernorm_eps5", act_layer="quick_gelu", **kwargs):
+        super().__init__(norm_layer=norm_layer, act_layer=act_layer, **kwargs)
         self.pos_drop = PreNorm(self.pos_drop, self.embed_dim, norm_layer)
+        self.act_name = act_layer if isinstance(act_layer, str) else None  # what a config.json is checked against
 
-    @staticmethod
-    def read_checkpoint(path) -> dict[str, torch.Tensor]:
-        """A ``save_pretrained`` directory (every tensor, by transformers' names) or one weights file."""
-        return read_hf_state_dict(path) if Path(path).is_dir() else read_state_dict(path)
+    def read_checkpoint(self, path) -> dict[str, torch.Tensor]:
+        """A ``save_pretrained`` directory (every tensor, by transformers' names) or one weights file. A directory's
+        ``config.json`` must describe a CLIP whose image tower computes this one's function: the weights cannot
+        tell QuickGELU from GELU, or the LayerNorm's eps."""
+        if not Path(path).is_dir():
+            return read_state_dict(path)
+        cfg = read_hf_config(path, HF_CLIP_ARCHITECTURES)
+        vision = {**HF_CLIP_VISION_DEFAULTS, **cfg.get("vision_config", cfg)}
+        act, eps = hf_act(vision["hidden_act"]), vision["layer_norm_eps"]
+        if (self.act_name is not None and act != self.act_name) or abs(eps - self.norm.eps) > 1e-12:
+            raise ValueError(f"{path}: its image tower uses hidden_act {vision['hidden_act']!r} and LayerNorm eps "
+                             f"{eps:g}, this model {self.act_name} and {self.norm.eps:g}: create it with "
+                             f"act_layer={act!r}, norm_layer=vitlab.models.hf_layernorm({eps:g})")
+        return read_hf_state_dict(path)
 
     @staticmethod
     def checkpoint_filter_fn(state_dict: dict, model: VisionTransformer) -> dict:

@@ -322,6 +322,9 @@ class Llama(nn.Module):
         Prompt plus ``max_new_tokens`` must fit the context (``config.max_seq_len``): otherwise ``ValueError``.
         """
         _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        if vocab_size is not None and not 0 < vocab_size <= self.config.vocab_size:
+            raise ValueError(f"vocab_size must be in 1..{self.config.vocab_size} (the embedding's rows), "
+                             f"got {vocab_size}")
         prompt = inputs_embeds if inputs_embeds is not None else input_ids
         if prompt is None:
             raise ValueError("pass input_ids or inputs_embeds")
@@ -342,9 +345,6 @@ class Llama(nn.Module):
             self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0))
         forward = self if forward is None else forward
         cache = self.new_cache(b, n + max_new_tokens)
-        if vocab_size is not None and not 0 < vocab_size <= self.config.vocab_size:
-            raise ValueError(f"vocab_size must be in 1..{self.config.vocab_size} (the embedding's rows), "
-                             f"got {vocab_size}")
         logits = forward(input_ids if inputs_embeds is None else None, inputs_embeds=inputs_embeds,
                          attention_mask=None if full_mask is None else full_mask[:, :n], cache=cache,
                          logits_to_keep=1)[:, -1, :vocab_size]
@@ -380,7 +380,11 @@ class Llama(nn.Module):
         path = Path(path)
         if path.is_dir() and not (path / "config.json").is_file() and sorted(path.glob("consolidated.*.pth")):
             return read_meta_state_dict(path)
-        return read_hf_state_dict(path)
+        sd = read_hf_state_dict(path)
+        if path.is_dir():
+            sd = fill_tied_head(sd, read_hf_config(path, HF_ARCHITECTURES), "model.embed_tokens.weight",
+                                "lm_head.weight")
+        return sd
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None,
@@ -412,6 +416,16 @@ class Llama(nn.Module):
         return model.eval()
 
 
+def fill_tied_head(sd: dict[str, torch.Tensor], hf_config: dict, embed: str, head: str) -> dict[str, torch.Tensor]:
+    """``sd`` with the embedding ``embed`` as the output head ``head`` when the checkpoint's ``config.json`` ties
+    them (``tie_word_embeddings``, top level or its ``text_config``): ``save_pretrained`` leaves a tied head out of
+    the file. A checkpoint of untied weights without its head stays so (its load names the missing key)."""
+    tied = hf_config.get("tie_word_embeddings") or (hf_config.get("text_config") or {}).get("tie_word_embeddings")
+    if tied and head not in sd and embed in sd:
+        return {**sd, head: sd[embed]}
+    return sd
+
+
 def load_llama(spec: str | os.PathLike, dtype: torch.dtype | None = None) -> Llama:
     """A Llama from a checkpoint directory (Hugging Face or Meta, :meth:`Llama.from_pretrained`) or a registered
     language model's name (random weights)."""
@@ -435,11 +449,10 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tenso
 
 def hf_to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """A Hugging Face ``LlamaForCausalLM`` state dict -> ours: q/k/v packed into ``qkv`` (q and k rows back in
-    RoPE's pair order), gate/up packed into ``mlp.fc1``, down -> ``mlp.fc2``. A checkpoint saved with tied
-    embeddings has no ``lm_head.weight``: the head is the embedding (for a model with or without tied weights)."""
+    RoPE's pair order), gate/up packed into ``mlp.fc1``, down -> ``mlp.fc2``."""
     out = {"embed_tokens.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
-    # save_pretrained leaves a tied head out of the file: the embedding is the head
-    out["lm_head.weight"] = sd.get("lm_head.weight", out["embed_tokens.weight"])
+    if "lm_head.weight" in sd:
+        out["lm_head.weight"] = sd["lm_head.weight"]
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         q = _unpermute_rope(sd[p + "self_attn.q_proj.weight"], cfg.n_heads, cfg.head_dim)

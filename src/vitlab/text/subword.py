@@ -10,7 +10,8 @@ Both encode a text as ``[bos] + pieces + [eos]`` (each optional) and treat the s
 (``<s>``, ``</s>``, ``<image>``...) as their ids. A SentencePiece text is split at them and each piece between is
 encoded on its own, as Meta's Llama 2 chat code encodes each turn and LLaVA encodes the text around ``<image>``;
 a ``tokenizer.json`` text goes to ``tokenizers`` whole, which splits at its added tokens itself (the ids of
-transformers' fast tokenizer and of its processors).
+transformers' fast tokenizer and of its processors): a special token is read as its id there when the file (or
+``added_tokens``) has it as an added token, as Llama's and LLaVA's files have ``<s>``, ``</s>`` and ``<image>``.
 :func:`load_tokenizer` picks the kind from a path; :func:`check_vocab` refuses a tokenizer whose ids do not fit a
 model's embedding.
 """

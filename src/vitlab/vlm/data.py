@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from vitlab.data import DataError, declare_dataset
-from vitlab.data.captions import find_captions_file, read_captions
+from vitlab.data.captions import find_captions_file, held_out_images, read_captions
 from vitlab.data.datasets import image_ok
 
 # read by the vision-language tasks, not vitlab.data.build
@@ -57,7 +57,6 @@ declare_dataset("coco", read_by="--task caption or --task blip", needs_root=True
 declare_dataset("vqa", read_by="--task vqa", needs_root=True)
 declare_dataset("llava", read_by="--task vqa", needs_root=True)
 
-VAL_FRACTION = 0.1
 HUMANS = 10  # answers per question in VQA v2
 IMAGE_TOKEN = "<image>"
 
@@ -74,12 +73,8 @@ class VLSample:
 
 
 def _hold_out(samples: list[VLSample], what: str) -> dict[str, list[VLSample]]:
-    """A fixed 10% of the images (all their samples) as validation."""
-    images = sorted({str(s.image) for s in samples})
-    held = set(random.Random(0).sample(images, max(1, round(VAL_FRACTION * len(images)))))
-    if len(held) == len(images):
-        raise DataError(f"{what}: one image cannot give both a training and a validation split; add a split or "
-                        f"more images")
+    """A fixed 10% of the images (all their samples) as validation (:func:`held_out_images`)."""
+    held = held_out_images({str(s.image) for s in samples}, what)
     return {"train": [s for s in samples if str(s.image) not in held],
             "val": [s for s in samples if str(s.image) in held]}
 

@@ -39,6 +39,7 @@ from vitlab.models import (
     Llama,
     clip_vision_transformer,
     convert_hf_clip_vision_state_dict,
+    fill_tied_head,
     hf_act,
     llama_config_from_hf,
     set_grad_checkpointing,
@@ -245,10 +246,14 @@ class LLaVA(nn.Module):
     def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         """A transformers ``save_pretrained`` directory of a LLaVA model (architecture checked), else a file."""
         p = Path(path)
-        if p.is_dir():
-            read_hf_config(p, architectures=HF_ARCHITECTURES)
-            return read_hf_state_dict(p)
-        return read_state_dict(p)
+        if not p.is_dir():
+            return read_state_dict(p)
+        cfg, sd = read_hf_config(p, architectures=HF_ARCHITECTURES), read_hf_state_dict(p)
+        # a tied head is left out of the file: the saved layout (transformers 4) or the in-memory one (5)
+        for embed, head in (("language_model.model.embed_tokens.weight", "language_model.lm_head.weight"),
+                            ("model.language_model.embed_tokens.weight", "lm_head.weight")):
+            sd = fill_tied_head(sd, cfg, embed, head)
+        return sd
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> LLaVA:

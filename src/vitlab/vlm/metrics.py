@@ -305,16 +305,15 @@ def _digits_articles(text: str) -> str:
     return " ".join(CONTRACTIONS.get(w, w) for w in words)
 
 
+def _strip(answer: str) -> str:
+    return answer.replace("\n", " ").replace("\t", " ").strip()
+
+
 def normalize_answer(answer: str) -> str:
     """An answer as the official VQA script normalises it when the human answers differ (processPunctuation,
     then processDigitArticle): newlines and tabs to spaces, stripped, lower-cased, punctuation removed or spaced,
     number words as digits, articles dropped, contractions restored."""
-    text = answer.replace("\n", " ").replace("\t", " ").strip().lower()
-    return _digits_articles(_punctuation(text))
-
-
-def _strip(answer: str) -> str:
-    return answer.replace("\n", " ").replace("\t", " ").strip()
+    return _digits_articles(_punctuation(_strip(answer).lower()))
 
 
 def vqa_score(prediction: str, answers: Sequence[str], always_normalize: bool = False) -> float:

@@ -42,6 +42,7 @@ from torch.utils.data import Dataset
 from vitlab._console import say
 from vitlab.data import DataConfig, DataError, load_image
 from vitlab.data.transforms import channel_stats, eval_transform
+from vitlab.models import CLIPVisionTransformer
 from vitlab.registry import create_model, get_model_config
 from vitlab.train import checkpoint as ck
 from vitlab.train.common import model_kwargs, prepare_model
@@ -68,6 +69,7 @@ PARTS = ("vision_tower", "projector", "language_model")
 STAGE_FROZEN = {1: {"vision_tower", "language_model"}, 2: {"vision_tower"}}  # LLaVA's two stages (Sec. 4.2)
 PROMPT_WORDS = ("user", ":", "assistant")
 IGNORE = -100
+MAX_NEW_TOKENS = 24  # the answer budget of eval and predict when a run's record names none (runs made before it did)
 
 
 @dataclass
@@ -79,7 +81,7 @@ class VLArgs:
     freeze: list[str] = field(default_factory=list)  # parts kept frozen: vision_tower, projector, language_model
     init: str | None = None            # a CLIP run (image tower), a caption / vqa run or a checkpoint (whole model)
     context_length: int | None = None  # tokens per sequence, image placeholder included (None: the longest)
-    max_new_tokens: int = 24           # generation bound of eval and predict
+    max_new_tokens: int = MAX_NEW_TOKENS  # generation bound of eval and predict
     scenes_train: int | None = None    # scenes: training scenes (None: 4000)
     scenes_eval: int | None = None     # scenes: validation and test scenes (None: 200 and 400)
     scenes_turns: int = 5              # scenes (vqa): questions per training conversation, of different kinds
@@ -378,7 +380,7 @@ def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
     rows are mapped to ``tokenizer`` by word (:func:`map_vocabulary`). Another imported checkpoint directory
     (transformers' ``config.json``) is refused: its rows belong to its own tokenizer, which these tasks do not
     train with. Returns what was loaded, for the run's log."""
-    from vitlab.convert import load_checkpoint, load_state_dict, read_hf_config, read_hf_state_dict
+    from vitlab.convert import load_checkpoint, load_state_dict, read_hf_config
 
     p = Path(source)
     if (p.is_dir() and not (p / "config.json").is_file()) or p.suffix == ".safetensors":  # a vitlab run
@@ -395,16 +397,16 @@ def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
         load_state_dict(model, sd, source=source)
         return f"the whole model; vocabulary mapped by word: {mapped} words mapped, {new} new"
     if p.is_dir() and read_hf_config(p).get("model_type") in ("clip", "clip_vision_model"):
-        # an imported CLIP (CLIPModel / CLIPVisionModel): its image tower, through the tower's own key map (a CLIP
-        # ViT tower reads transformers' names; another tower is refused in one line naming the keys)
-        load_state_dict(model.vision_tower, read_hf_state_dict(p), source=source)
+        # an imported CLIP (CLIPModel / CLIPVisionModel): its image tower, read and checked by a CLIP ViT tower
+        if not isinstance(model.vision_tower, CLIPVisionTransformer):
+            raise DataError(f"--init {source} is a CLIP image tower, this run's is not a CLIP ViT "
+                            f"({type(model.vision_tower).__name__}): use a model with one (e.g. --model llava_tiny "
+                            f"--task_args.coord_channels false)")
+        load_checkpoint(model.vision_tower, source)
         return "the image tower (transformers' CLIP)"
-    if p.is_dir():
-        if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-            raise DataError(f"--init {source} has no tokenizer.json or tokenizer.model: its embedding rows cannot "
-                            f"be matched to words")
-        raise DataError(f"--init {source}: an imported checkpoint's tokenizer cannot be trained with yet (these "
-                        f"tasks build a word vocabulary from the data); start from a vitlab run or a CLIP run")
+    if p.is_dir():  # its token rows belong to its own tokenizer, which these tasks do not train with
+        raise DataError(f"--init {source}: an imported checkpoint other than a CLIP image tower cannot start these "
+                        f"tasks (they build a word vocabulary from the data); start from a vitlab run or a CLIP")
     load_checkpoint(model, source)  # a state dict file of this model
     return "the whole model"
 
@@ -591,7 +593,7 @@ class _VLTask(_ScoredTask):
         tok = WordTokenizer(record.extra["tokenizer"]["words"])
         return build_vl_model(record.model, record.model_kwargs, tok.vocab_size, tok.image_id,
                               record.img_size, record.extra["context_length"],
-                              int(record.task_args.get("max_new_tokens", 24)))
+                              int(record.task_args.get("max_new_tokens", MAX_NEW_TOKENS)))
 
     def _record_seqs(self, record: RunRecord) -> Sequences:
         tok = WordTokenizer(record.extra["tokenizer"]["words"])
@@ -610,7 +612,7 @@ class _VLTask(_ScoredTask):
         cut short."""
         seqs = self._record_seqs(record)
         blind = bool(record.task_args.get("blind"))
-        max_new = int(record.task_args.get("max_new_tokens", 24))
+        max_new = int(record.task_args.get("max_new_tokens", MAX_NEW_TOKENS))
         out: list[str] = [""] * len(prompts)
         by_len: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
@@ -679,10 +681,7 @@ class _VLTask(_ScoredTask):
             if prompt is not None:
                 raise ValueError("a caption run answers no question; drop --prompt (or use a vqa run)")
             p = seqs.prompt()
-        if len(p) > seqs.length:
-            raise ValueError(f"the question ({len(p)} tokens with the image) does not fit the context of "
-                             f"{seqs.length} tokens")
-        tf = self._transform(record)
+        tf = self._transform(record)  # a prompt longer than the context is refused by generate
         x = torch.stack([tf(load_image(f, 3)) for f in inputs])
         texts = self.generate(model, record, x, [p] * len(inputs), 64, device)
         return [{"image": str(f), "prompt": prompt, "output": t, "line": f"{f}: {t}"}
@@ -751,7 +750,7 @@ class BlipArgs:
     freeze: list[str] = field(default_factory=list)  # parts kept frozen: vision_tower, text_encoder, text_decoder
     init: str | None = None            # a CLIP run (image tower), a blip run or a checkpoint (transformers' BLIP)
     context_length: int | None = None  # caption tokens with [CLS] and [SEP] (None: the longest)
-    max_new_tokens: int = 24           # generation bound of eval and predict
+    max_new_tokens: int = MAX_NEW_TOKENS  # generation bound of eval and predict
     rerank: int = 16                   # ITM re-ranks the contrastive top-k texts of each image (BLIP's k)
     scenes_train: int | None = None    # scenes: training scenes (None: 4000)
     scenes_eval: int | None = None     # scenes: validation and test scenes (None: 200 and 400)
@@ -789,7 +788,8 @@ class BlipCaptions(Dataset):
 
 class BlipObjectives(nn.Module):
     """What the strategy wraps: ``forward`` is BLIP's three objectives on a batch (:meth:`BLIP.losses`); a batch
-    of one image (a validation split's last, or a split of one image) scores ITM as 0, having no negative."""
+    of one image (a validation split's last, or a split of one image) scores ITM as 0, having no negative (the
+    validation mean leaves such batches out of ``val_itm``)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -866,7 +866,7 @@ class BlipTask(_ScoredTask):
             BlipCaptions(sp.val, sp.images["val"], tf, tok, context, False, a.blind, _groups(sp, "val", sp.val)))
         if len(set(self.data.val.groups)) < 2 and not cfg.quiet:
             say(f"note: the validation split has {len(sp.val)} image(s) of one content: no ITM negative to draw, "
-                f"val_itm is 0")
+                f"no val_itm (val_loss is ITC + LM)")
         kwargs = model_kwargs(cfg)
         model = self._model(cfg.model, kwargs, tok, img_size, context + a.max_new_tokens)
         self.loaded = _init(model, a.init, tok, cfg)
@@ -899,13 +899,18 @@ class BlipTask(_ScoredTask):
     def validation_step(self, batch, forward) -> dict[str, torch.Tensor]:
         b = self._batch(batch)
         out = forward(*b)
-        n = b[0].shape[0]
-        return {**{k: (v.detach() * n).double().cpu() for k, v in out.items()},
-                "n": torch.tensor(float(n), dtype=torch.float64)}
+        n = float(b[0].shape[0])
+        # a batch of one image (or content group) has no ITM negative: its ITM (0) stays out of the mean
+        n_itm = n if len(torch.unique(b[3])) > 1 else 0.0
+        sums = {k: (v.detach() * (n_itm if k == "itm" else n)).double().cpu() for k, v in out.items() if k != "loss"}
+        return {**sums, "n": torch.tensor(n, dtype=torch.float64), "n_itm": torch.tensor(n_itm, dtype=torch.float64)}
 
     def validation_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        n = max(sums["n"].item(), 1.0)
-        return {k: v.item() / n for k, v in sums.items() if k != "n"}
+        """Each objective's mean over the batches that have it, and their sum (``loss``)."""
+        n, n_itm = max(sums["n"].item(), 1.0), sums["n_itm"].item()
+        out = {k: v.item() / (n_itm if k == "itm" else n) for k, v in sums.items()
+               if k not in ("n", "n_itm") and (k != "itm" or n_itm)}
+        return {**out, "loss": sum(out.values())}
 
     def summary(self) -> dict:
         return {"model": self.cfg.model, "dataset": self.cfg.data.dataset, "params_m": self.num_params / 1e6,
@@ -918,7 +923,7 @@ class BlipTask(_ScoredTask):
     def load(self, record: RunRecord) -> nn.Module:
         tok = WordTokenizer(record.extra["tokenizer"]["words"])
         return self._model(record.model, record.model_kwargs, tok, record.img_size,
-                           record.extra["context_length"] + int(record.task_args.get("max_new_tokens", 24)))
+                           record.extra["context_length"] + int(record.task_args.get("max_new_tokens", MAX_NEW_TOKENS)))
 
     def score(self, model, record: RunRecord, splits: VLSplits, split: str, batch_size: int, device) -> dict:
         """Retrieval over the split's images and distinct captions (a caption matches the images of its group);
@@ -959,9 +964,9 @@ class BlipTask(_ScoredTask):
                 best = top.gather(1, itm.argmax(1, keepdim=True))
                 out["i2t_itm_r1"] = 100.0 * hit.gather(1, best).float().mean().item()
         if "lm" in model.heads:
-            caps = []
+            caps, budget = [], int(a.get("max_new_tokens", MAX_NEW_TOKENS))
             for i in range(0, len(images), batch_size):
-                new = model.generate_caption(images[i:i + batch_size], max_new_tokens=int(a.get("max_new_tokens", 24)))
+                new = model.generate_caption(images[i:i + batch_size], max_new_tokens=budget)
                 caps += [tok.decode(row[1:]) for row in new.tolist()]
             r = caption_scores(dict(enumerate(caps)), {i: s.refs for i, s in enumerate(samples)})
             out.update({"bleu4": 100.0 * r["bleu4"], "cider": 100.0 * r["cider"]})
@@ -995,7 +1000,7 @@ class BlipTask(_ScoredTask):
             x = torch.zeros_like(x)
         start = [tok.dec_id, *tok.encode(prompt or "")]
         ids = torch.tensor([start] * len(inputs), device=device)
-        new = model.generate_caption(x, ids, max_new_tokens=int(record.task_args.get("max_new_tokens", 24)))
+        new = model.generate_caption(x, ids, max_new_tokens=int(record.task_args.get("max_new_tokens", MAX_NEW_TOKENS)))
         texts = [tok.decode(row[1:]) for row in new.tolist()]
         return [{"image": str(f), "prompt": prompt, "output": t, "line": f"{f}: {t}"}
                 for f, t in zip(inputs, texts, strict=True)]
