@@ -41,6 +41,8 @@ import torch.nn as nn
 from vitlab.clip.model import CLIP, ImageTower, build_clip
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict
 from vitlab.models import (
+    CLIP_ARCHITECTURES,
+    CLIP_VISION_ARCHITECTURES,
     HF_CLIP_VISION_DEFAULTS,
     OPENAI_MEAN,
     OPENAI_STD,
@@ -54,8 +56,6 @@ from vitlab.models import (
 from vitlab.registry import ModelConfig
 
 _PAPER = "Radford et al., Learning Transferable Visual Models From Natural Language Supervision, ICML 2021"
-CLIP_ARCHITECTURES = ("CLIPModel", "clip")  # class names and transformers' model_type
-CLIP_VISION_ARCHITECTURES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "clip_vision_model")
 # transformers' CLIPTextConfig defaults (openai/clip-vit-base-patch32), for keys a config.json leaves out
 _TEXT_DEFAULTS = dict(vocab_size=49408, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
                       num_attention_heads=8, max_position_embeddings=77, hidden_act="quick_gelu",

@@ -56,8 +56,11 @@ HF_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh", 
 HF_CLIP_VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                                num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu",
                                layer_norm_eps=1e-5)
-# transformers' CLIP classes and model types whose directories hold a CLIP image tower
-HF_CLIP_ARCHITECTURES = ("CLIPModel", "clip", "CLIPVisionModel", "CLIPVisionModelWithProjection", "clip_vision_model")
+# transformers' class names and model_type of a CLIP, of its image tower alone, and of either (a directory holding
+# a CLIP image tower)
+CLIP_ARCHITECTURES = ("CLIPModel", "clip")
+CLIP_VISION_ARCHITECTURES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "clip_vision_model")
+HF_CLIP_ARCHITECTURES = CLIP_ARCHITECTURES + CLIP_VISION_ARCHITECTURES
 _LAYER = [("layer_norm1.", "norm1."), ("layer_norm2.", "norm2."), ("self_attn.out_proj.", "attn.proj."),
           ("mlp.fc1.", "mlp.fc1."), ("mlp.fc2.", "mlp.fc2.")]
 

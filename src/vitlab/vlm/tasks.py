@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 from vitlab._console import say
 from vitlab.data import DataConfig, DataError, load_image
 from vitlab.data.transforms import channel_stats, eval_transform
-from vitlab.models import CLIPVisionTransformer
+from vitlab.models import HF_CLIP_ARCHITECTURES, CLIPVisionTransformer
 from vitlab.registry import create_model, get_model_config
 from vitlab.train import checkpoint as ck
 from vitlab.train.common import model_kwargs, prepare_model
@@ -396,7 +396,7 @@ def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
         sd, mapped, new = map_vocabulary(model, sd, WordTokenizer(old["words"]), tokenizer, source)
         load_state_dict(model, sd, source=source)
         return f"the whole model; vocabulary mapped by word: {mapped} words mapped, {new} new"
-    if p.is_dir() and read_hf_config(p).get("model_type") in ("clip", "clip_vision_model"):
+    if p.is_dir() and read_hf_config(p).get("model_type") in HF_CLIP_ARCHITECTURES:
         # an imported CLIP (CLIPModel / CLIPVisionModel): its image tower, read and checked by a CLIP ViT tower
         if not isinstance(model.vision_tower, CLIPVisionTransformer):
             raise DataError(f"--init {source} is a CLIP image tower, this run's is not a CLIP ViT "
