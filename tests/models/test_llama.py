@@ -239,6 +239,21 @@ def test_generate_checks_and_eos():
     assert torch.equal(torch.stack(streamed, 1), greedy[:, :4])
 
 
+def test_generate_refills_a_given_cache():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**TINY)).eval()
+    ids, mask = _padded_batch()
+    cache = model.new_cache(3, 24)
+    for prompt, m in ((ids, mask), (torch.randint(3, 512, (3, 4)), None), (ids, mask)):  # refilled each time
+        want = model.generate(prompt, max_new_tokens=6, attention_mask=m)
+        assert torch.equal(model.generate(prompt, max_new_tokens=6, attention_mask=m, cache=cache), want)
+        assert cache.length == prompt.shape[1] + 5  # the last token is returned, never fed back
+    with pytest.raises(ValueError, match=r"the cache holds 3 rows of 24 positions; this call needs 2 rows of 11"):
+        model.generate(ids[:2], max_new_tokens=2, cache=cache)
+    with pytest.raises(ValueError, match=r"this call needs 3 rows of 25"):
+        model.generate(ids, max_new_tokens=16, cache=cache)
+
+
 def test_generate_never_picks_the_spare_rows_past_vocab_size():
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**TINY)).eval()

@@ -49,6 +49,28 @@ def test_optimize_picks_the_language_model_compile_without_compiling_yet():
     assert llava.language_model.module is lm
 
 
+def test_compiled_llama_keeps_its_cache_between_calls():
+    torch.manual_seed(0)
+    model = vitlab.create_model("llama_tiny").eval()
+    fast = CompiledLlama(model, model)  # the eager forward in the compiled one's place: the cache logic alone
+    ids = torch.randint(3, 512, (2, 7))
+    assert torch.equal(fast.generate(ids, 6), model.generate(ids, 6))
+    kept = fast.cache
+    assert kept is not None and kept.max_len == 13
+    shorter = torch.randint(3, 512, (2, 4))
+    assert torch.equal(fast.generate(shorter, max_new_tokens=6), model.generate(shorter, 6))
+    assert fast.cache is kept  # it fits: refilled, not reallocated
+    assert torch.equal(fast.generate(ids, 6), model.generate(ids, 6))
+    wider = torch.randint(3, 512, (3, 7))
+    assert torch.equal(fast.generate(wider, 6), model.generate(wider, 6))
+    assert fast.cache is not kept and fast.cache.k[0].shape[0] == 3
+    with pytest.raises(ValueError, match="exceed the context"):  # refused before a cache of that size is made
+        fast.generate(ids, 300)
+    assert fast.cache.max_len == 13
+    fast.release_cache()
+    assert fast.cache is None
+
+
 @pytest.mark.slow  # Inductor compiles C++ (a minute or two on two cores)
 def test_optimized_llama_and_llava_generate_as_eager():
     torch._dynamo.reset()

@@ -303,7 +303,8 @@ class Llama(nn.Module):
                  *, attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                  pad_token_id: int | None = None, generator: torch.Generator | None = None,
                  on_token: Callable[[torch.Tensor], None] | None = None,
-                 forward: Callable[..., torch.Tensor] | None = None, vocab_size: int | None = None) -> torch.Tensor:
+                 forward: Callable[..., torch.Tensor] | None = None, vocab_size: int | None = None,
+                 cache: KVCache | None = None) -> torch.Tensor:
         """Continue a batch of prompts by up to ``max_new_tokens`` tokens; returns only the new tokens
         (B, n_new).
 
@@ -318,6 +319,9 @@ class Llama(nn.Module):
           one from :func:`vitlab.optimize.llama.compile_llama` is faster).
         - ``vocab_size``: only ids below it are generated, for a tokenizer smaller than the embedding (LLaVA-1.5
           pads its 32,001 tokens to 32,064 rows): the spare rows have no text, so they are never chosen.
+        - ``cache``: a :class:`KVCache` to fill from its first position (default: a new one), of this batch size
+          and at least prompt plus ``max_new_tokens`` long; reusing one across calls saves allocating it (and
+          the operating system's first touch of its pages) per call.
 
         Prompt plus ``max_new_tokens`` must fit the context (``config.max_seq_len``): otherwise ``ValueError``.
         """
@@ -344,7 +348,12 @@ class Llama(nn.Module):
         pad = pad_token_id if pad_token_id is not None else (
             self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0))
         forward = self if forward is None else forward
-        cache = self.new_cache(b, n + max_new_tokens)
+        if cache is None:
+            cache = self.new_cache(b, n + max_new_tokens)
+        elif cache.k[0].shape[0] != b or cache.max_len < n + max_new_tokens:
+            raise ValueError(f"the cache holds {cache.k[0].shape[0]} rows of {cache.max_len} positions; this call "
+                             f"needs {b} rows of {n + max_new_tokens}")
+        cache.length = 0
         logits = forward(input_ids if inputs_embeds is None else None, inputs_embeds=inputs_embeds,
                          attention_mask=None if full_mask is None else full_mask[:, :n], cache=cache,
                          logits_to_keep=1)[:, -1, :vocab_size]
