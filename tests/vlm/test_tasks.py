@@ -165,16 +165,153 @@ def test_init_from_a_transformers_clip_directory_gives_the_image_tower(tmp_path)
         torch.testing.assert_close(got[k], want[k], msg=k)
 
 
+def _subword_tokenizer(folder, vocab_size=100):
+    """A byte-pair tokenizer.json trained on the scenes' words (Llama's layout: Metaspace spaces, <unk>, <s>, </s>
+    and <image> as special tokens), small enough that some words are split into pieces."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from vitlab.vlm.data import scenes_vocabulary
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tok.decoder = tokenizers.decoders.Metaspace()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", "<image>"])
+    tok.train_from_iterator(scenes_vocabulary() * 3, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["llava", "llama"])
+def test_init_from_a_transformers_llava_or_llama_carries_the_rows_through_its_tokenizer(kind, tmp_path, capsys):
+    """An imported LLaVA (the whole model) or Llama (the language model: LLaVA's Vicuna) with its own subword
+    tokenizer: every tensor but the token rows as saved, each word's rows the mean of its pieces' rows (one piece:
+    a copy), the special tokens' by text; stage 1 keeps them as loaded."""
+    transformers = pytest.importorskip("transformers")
+    from vitlab.models.llama import hf_to_llama_state_dict
+    from vitlab.train.evaluate import load_model
+    from vitlab.vlm.llava import convert_hf_llava_state_dict
+
+    text = dict(vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    if kind == "llava":
+        ref = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+            vision_config=transformers.CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=48,
+                                                        intermediate_size=96, num_hidden_layers=3,
+                                                        num_attention_heads=4),
+            text_config=transformers.LlamaConfig(**text), image_token_index=3))
+    else:
+        ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**text))
+    ref.save_pretrained(tmp_path / "hf")
+    sub = _subword_tokenizer(tmp_path / "hf")
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--task", "vqa", "--model", "llava_tiny", "--task_args.coord_channels", "false",
+                 "--task_args.scenes_train", "16", "--task_args.scenes_eval", "6", "--epochs", "1", "--batch_size",
+                 "8", "--task_args.max_new_tokens", "4", "--stage", "1", "--init", str(tmp_path / "hf"),
+                 "--output_dir", str(run)]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("--init")]
+    assert len(line) == 1 and ("the whole model (transformers' LLaVA)" if kind == "llava" else
+                               "the language model (transformers' Llama)") in line[0], line
+    model, rec, _ = load_model(run / "last", device="cpu")
+    words = WordTokenizer(rec.extra["tokenizer"]["words"])
+    unk = sub.token_to_id("<unk>")  # a character the tokenizer never saw: its unknown piece is left out
+    pieces = {w: [i for i in sub.encode(w, add_special_tokens=False).ids if i != unk] for w in words.words}
+    whole, split = sum(len(p) == 1 for p in pieces.values()), sum(len(p) > 1 for p in pieces.values())
+    assert whole and split and line[0].endswith(f"{whole} words whole, {split} as the mean of their pieces, 0 new")
+    ours = model.language_model
+    if kind == "llava":  # transformers' keys through the converter its own test checks against transformers
+        converted = convert_hf_llava_state_dict(ref.state_dict(), model)
+        mine = model.state_dict()
+        for k in [k for k in converted if k.startswith("vision_tower.")]:  # stage 1 trains the projector
+            torch.testing.assert_close(mine[k], converted[k], msg=k)
+        want = {k.removeprefix("language_model."): v for k, v in converted.items() if k.startswith("language_model.")}
+    else:
+        want = hf_to_llama_state_dict(ref.state_dict(), ours.config)
+    embed, head = want["embed_tokens.weight"], want["lm_head.weight"]
+    for w, ids in pieces.items():
+        torch.testing.assert_close(ours.embed_tokens.weight[words.encoder[w]], embed[ids].mean(0), msg=w)
+        torch.testing.assert_close(ours.lm_head.weight[words.encoder[w]], head[ids].mean(0), msg=w)
+    for w, t in (("<s>", "<s>"), ("</s>", "</s>"), ("<unk>", "<unk>"), ("<image>", "<image>")):
+        torch.testing.assert_close(ours.embed_tokens.weight[words.encoder[w]], embed[sub.token_to_id(t)], msg=w)
+    got = ours.state_dict()
+    for k in ("layers.1.attn.qkv.weight", "layers.0.mlp.fc2.weight", "norm.weight"):
+        torch.testing.assert_close(got[k], want[k], msg=k)
+
+
+def test_init_from_a_transformers_blip_captioner(tmp_path, capsys):
+    """transformers' BLIP captioner with its WordPiece tokenizer starts a blip run: the image tower and the text
+    decoder as saved (its position table cut to the run's context), each word's rows through the tokenizer, the
+    retrieval parts it does not hold fresh, said in the log."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from vitlab.train.evaluate import load_model
+    from vitlab.vlm.blip import convert_hf_blip_state_dict
+    from vitlab.vlm.data import scenes_vocabulary
+
+    text = dict(vocab_size=100, hidden_size=32, encoder_hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=40)
+    vision = dict(image_size=64, patch_size=8, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4)
+    torch.manual_seed(0)
+    ref = transformers.BlipForConditionalGeneration(transformers.BlipConfig(
+        text_config=text, vision_config=vision, image_text_hidden_size=16))
+    ref.save_pretrained(tmp_path / "hf")
+    sub = tokenizers.Tokenizer(tokenizers.models.WordPiece(unk_token="[UNK]"))
+    sub.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+    sub.train_from_iterator(scenes_vocabulary() * 3, tokenizers.trainers.WordPieceTrainer(
+        vocab_size=90, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[DEC]", "[ENC]"]))
+    sub.save(str(tmp_path / "hf" / "tokenizer.json"))
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--task", "blip", "--model", "blip_tiny", "--task_args.scenes_train", "16",
+                 "--task_args.scenes_eval", "6", "--epochs", "1", "--batch_size", "8", "--task_args.freeze",
+                 "vision_tower,text_decoder",
+                 "--task_args.max_new_tokens", "4", "--init", str(tmp_path / "hf"), "--output_dir", str(run)]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("--init")]
+    assert len(line) == 1 and "transformers' BLIP, " in line[0] and "tensors it lacks fresh" in line[0], line
+    model, rec, _ = load_model(run / "last", device="cpu")
+    words = WordTokenizer(rec.extra["tokenizer"]["words"])
+    want = convert_hf_blip_state_dict(ref.state_dict())
+    got = model.state_dict()
+    rows = got["text_decoder.position_embeddings.weight"].shape[0]
+    assert rows < 40
+    torch.testing.assert_close(got["text_decoder.position_embeddings.weight"],
+                               want["text_decoder.position_embeddings.weight"][:rows])
+    for k in [k for k in want if k.startswith("vision_tower.")][:6]:
+        torch.testing.assert_close(got[k], want[k], msg=k)
+    embed = want["text_decoder.word_embeddings.weight"]
+    for w in words.words:
+        ids = [i for i in sub.encode(w, add_special_tokens=False).ids if i != sub.token_to_id("[UNK]")]
+        torch.testing.assert_close(got["text_decoder.word_embeddings.weight"][words.encoder[w]], embed[ids].mean(0),
+                                   msg=w)
+    for w, t in (("<pad>", "[PAD]"), ("<s>", "[CLS]"), ("</s>", "[SEP]"), ("[DEC]", "[DEC]")):
+        torch.testing.assert_close(got["text_decoder.word_embeddings.weight"][words.encoder[w]],
+                                   embed[sub.token_to_id(t)], msg=w)
+
+
 def test_init_from_an_imported_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    (hf / "config.json").write_text(json.dumps({"model_type": "bert"}))
     out = tmp_path / "run"
     tiny_blip = ["--model_kwargs.vision_depth", "1", "--model_kwargs.text_depth", "1", *TINY[6:]]
-    for task, flags in (("vqa", TINY), ("blip", tiny_blip)):
+    for task, flags, model in (("vqa", TINY, "LLaVA"), ("blip", tiny_blip, "BLIP")):
         _one_line_error(capsys, ["train", "--task", task, "--init", str(hf), "--output_dir", str(out), *flags],
-                        f"{hf}: an imported checkpoint other than a CLIP image tower cannot start these tasks")
+                        f"{hf}: a transformers 'bert' checkpoint cannot start a {model}")
         assert not out.exists()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(hf), "--output_dir", str(out), *TINY],
+                    f"{hf}: no tokenizer.json or tokenizer.model beside its weights")
+    _subword_tokenizer(hf)  # a tokenizer but weights of another size: the shapes named
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    ).save_pretrained(hf)
+    capsys.readouterr()  # transformers' own progress lines
+    _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(hf), "--output_dir", str(out), *TINY],
+                    f"{hf}: shape mismatch for")
+    assert not out.exists()
     # a CLIP directory of OpenAI's activation for the scenes' tower (GELU, a convolutional stem): refused by the
     # tower's own check of config.json
     (hf / "config.json").write_text(json.dumps({"model_type": "clip_vision_model"}))

@@ -31,12 +31,13 @@ IMAGE_TOKEN = "<image>"
 
 class Tokenizer(ABC):
     """What the language models need of a tokenizer: ``encode`` / ``decode``, the special ids (``bos_id``,
-    ``eos_id``, ``pad_id``; None where the tokenizer has none), ``vocab_size`` (every id, added tokens included),
-    ``specials`` (special token text -> id) and a batch call that left-pads for generation."""
+    ``eos_id``, ``pad_id``, ``unk_id``; None where the tokenizer has none), ``vocab_size`` (every id, added tokens
+    included), ``specials`` (special token text -> id) and a batch call that left-pads for generation."""
 
     def __init__(self, specials: dict[str, int], bos_id: int | None, eos_id: int | None, pad_id: int | None,
-                 vocab_size: int):
+                 vocab_size: int, unk_id: int | None = None):
         self.specials, self.bos_id, self.eos_id, self.pad_id = specials, bos_id, eos_id, pad_id
+        self.unk_id = unk_id  # what a text the vocabulary cannot spell becomes (None: byte fallback or none)
         self.vocab_size = vocab_size
         names = sorted(specials, key=len, reverse=True)  # the longest first, so '<image>' wins over a prefix
         self._split_re = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
@@ -133,7 +134,7 @@ class SentencePieceTokenizer(Tokenizer):
         specials = {self.sp.id_to_piece(i): i for i in (bos, eos, pad) if i is not None}
         new = [t for t in added_tokens if self.sp.piece_to_id(t) == self.sp.unk_id() and t not in specials]
         specials.update({t: n + k for k, t in enumerate(new)})
-        super().__init__(specials, bos, eos, pad, n + len(new))
+        super().__init__(specials, bos, eos, pad, n + len(new), unk_id=special(self.sp.unk_id()))
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -154,6 +155,7 @@ class HFTokenizer(Tokenizer):
     _BOS = ("<s>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
     _EOS = ("</s>", "<|end_of_text|>", "<|endoftext|>", "[SEP]")
     _PAD = ("<pad>", "[PAD]", "<|pad|>")
+    _UNK = ("<unk>", "[UNK]")
 
     def __init__(self, path: str | os.PathLike, added_tokens: tuple[str, ...] | list[str] = ()):
         from tokenizers import AddedToken
@@ -191,7 +193,8 @@ class HFTokenizer(Tokenizer):
             return None
 
         bos, eos, pad = find("bos_token", self._BOS), find("eos_token", self._EOS), find("pad_token", self._PAD)
-        super().__init__(specials, bos, eos, pad, self.tok.get_vocab_size(with_added_tokens=True))
+        super().__init__(specials, bos, eos, pad, self.tok.get_vocab_size(with_added_tokens=True),
+                         unk_id=find("unk_token", self._UNK))
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

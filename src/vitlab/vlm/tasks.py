@@ -13,7 +13,8 @@ Eq. 2 masks every token but the assistant's):
 Freezing follows LLaVA's two stages (Sec. 4.2): ``stage 1`` trains the projector only (feature alignment),
 ``stage 2`` the projector and the language model (the image tower stays frozen); ``freeze`` names further parts.
 ``init`` starts from a CLIP run (its image tower), another caption / vqa run (its whole model: stage 2 after
-stage 1) or a checkpoint of the model. ``blind`` replaces every image by zeros: the same model trained and
+stage 1), an imported transformers checkpoint (CLIP, Llama, LLaVA, BLIP; the token rows carried over to the run's
+words through its own tokenizer) or a checkpoint of the model. ``blind`` replaces every image by zeros: the same model trained and
 scored without seeing, the baseline that measures what the image adds.
 
 Data (:mod:`vitlab.vlm.data`): ``scenes`` (the embedded offline set; the default), captions from ``coco:PATH`` or
@@ -44,6 +45,7 @@ from vitlab.data import DataConfig, DataError, load_image
 from vitlab.data.transforms import channel_stats, eval_transform
 from vitlab.models import HF_CLIP_ARCHITECTURES, CLIPVisionTransformer
 from vitlab.registry import create_model, get_model_config
+from vitlab.text.subword import Tokenizer, load_tokenizer
 from vitlab.train import checkpoint as ck
 from vitlab.train.common import model_kwargs, prepare_model
 from vitlab.train.config import to_plain
@@ -79,7 +81,8 @@ class VLArgs:
     blind: bool = False                # images replaced by zeros: the baseline without sight
     stage: int = 0                     # LLaVA's stages: 1 trains the projector only, 2 projector + language model
     freeze: list[str] = field(default_factory=list)  # parts kept frozen: vision_tower, projector, language_model
-    init: str | None = None            # a CLIP run (image tower), a caption / vqa run or a checkpoint (whole model)
+    init: str | None = None            # a CLIP run / directory (image tower), a caption / vqa run, a transformers
+    #                                    Llama (language model) or LLaVA directory, or a checkpoint (whole model)
     context_length: int | None = None  # tokens per sequence, image placeholder included (None: the longest)
     max_new_tokens: int = MAX_NEW_TOKENS  # generation bound of eval and predict
     scenes_train: int | None = None    # scenes: training scenes (None: 4000)
@@ -349,6 +352,25 @@ VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight", "word_embeddings.weight",
               "lm_head.decoder.bias")
 
 
+def carry_rows(model: nn.Module, sd: dict, sources: list[list[int]], source: str) -> dict:
+    """``sd`` with its token rows (:data:`VOCAB_ROWS`) re-indexed to ``model``'s ids: row ``i`` becomes the mean of
+    ``sd``'s rows ``sources[i]`` (one row: a copy), or keeps ``model``'s fresh row where ``sources[i]`` is empty."""
+    own = model.state_dict()
+    need = max((i for ids in sources for i in ids), default=-1) + 1
+    out = dict(sd)
+    for k, v in sd.items():
+        if not k.endswith(VOCAB_ROWS) or k not in own or v.shape[1:] != own[k].shape[1:]:
+            continue  # another width: the load names the mismatch
+        if v.shape[0] < need:
+            raise DataError(f"--init {source}: {k} has {v.shape[0]} rows, its tokenizer's ids reach {need - 1}")
+        fresh = own[k].clone()
+        for i, ids in enumerate(sources):
+            if ids:
+                fresh[i] = v[ids].mean(0).to(fresh.dtype)
+        out[k] = fresh
+    return out
+
+
 def map_vocabulary(model: nn.Module, sd: dict, old: WordTokenizer, new: WordTokenizer,
                    source: str) -> tuple[dict, int, int]:
     """``sd`` (a run trained with the word vocabulary ``old``) with its token rows (:data:`VOCAB_ROWS`) re-indexed
@@ -356,30 +378,87 @@ def map_vocabulary(model: nn.Module, sd: dict, old: WordTokenizer, new: WordToke
     saw keeps ``model``'s fresh row. Returns (state dict, words mapped, words new). The rows follow the words,
     not the ids, as a vocabulary extended for a second training stage must (LLaVA's stage 2 adds its
     instruction data's words to those of stage 1's captions; Liu et al., 2023, Sec. 4.2)."""
-    own = model.state_dict()
-    src = [old.encoder.get(w) for w in new.vocab]  # each new id's row in ``old`` (None: a new word)
-    rows = torch.tensor([i if i is not None else 0 for i in src])
-    known = torch.tensor([i is not None for i in src])
-    out = dict(sd)
     for k, v in sd.items():
-        if not k.endswith(VOCAB_ROWS) or k not in own:
-            continue
-        if v.shape[0] != old.vocab_size:
-            raise ValueError(f"{source}: {k} has {v.shape[0]} rows but the run's vocabulary {old.vocab_size} words")
-        fresh = own[k].clone()
-        fresh[known] = v[rows[known]].to(fresh.dtype)
-        out[k] = fresh
+        if k.endswith(VOCAB_ROWS) and v.shape[0] != old.vocab_size:
+            raise DataError(f"--init {source}: {k} has {v.shape[0]} rows but the run's vocabulary "
+                            f"{old.vocab_size} words")
+    sources = [[old.encoder[w]] if w in old.encoder else [] for w in new.vocab]
     words = len(new.vocab) - len(new.SPECIALS)
-    mapped = int(known[len(new.SPECIALS):].sum())
-    return out, mapped, words - mapped
+    mapped = sum(bool(ids) for ids in sources[len(new.SPECIALS):])
+    return carry_rows(model, sd, sources, source), mapped, words - mapped
+
+
+# the source tokenizer's text of each special token of the word vocabulary, in order of preference
+_SPECIAL_TEXTS = {"<pad>": ("<pad>", "[PAD]"), "<unk>": ("<unk>", "[UNK]"), "<s>": ("<s>", "[CLS]"),
+                  "</s>": ("</s>", "[SEP]"), IMAGE_TOKEN: (IMAGE_TOKEN,), "[DEC]": ("[DEC]",), "[ENC]": ("[ENC]",)}
+
+
+def transfer_vocabulary(model: nn.Module, sd: dict, tok: Tokenizer, new: WordTokenizer,
+                        source: str) -> tuple[dict, int, int, int]:
+    """``sd`` (an imported checkpoint whose rows belong to the subword tokenizer ``tok``) with its token rows
+    re-indexed to the word vocabulary ``new``, by fast vocabulary transfer (Gee et al., 2022, "Fast Vocabulary
+    Transfer for Language Model Compression", Sec. 3): a word ``tok`` spells as one token gets that token's row,
+    a word it splits into pieces the mean of the pieces' rows (an unknown piece, a character it never saw, left
+    out), a word it cannot spell at all ``model``'s fresh row. Special tokens follow their texts (``<s>`` / ``[CLS]``...) where ``tok`` has them.
+    Returns (state dict, words whole, words from pieces, words new)."""
+    named = {**tok.specials, **{t: i for t, i in (("<s>", tok.bos_id), ("</s>", tok.eos_id), ("<pad>", tok.pad_id),
+                                                  ("<unk>", tok.unk_id)) if i is not None}}
+    sources = [next(([named[t]] for t in _SPECIAL_TEXTS[w] if t in named), []) for w in new.SPECIALS]
+    for w in new.words:
+        ids = [i for i in tok.encode(w, bos=False) if i != tok.unk_id]
+        sources.append(ids)
+    words = sources[len(new.SPECIALS):]
+    whole, pieces = sum(len(ids) == 1 for ids in words), sum(len(ids) > 1 for ids in words)
+    return carry_rows(model, sd, sources, source), whole, pieces, len(words) - whole - pieces
+
+
+def import_checkpoint(model: nn.Module, path: Path, tokenizer: WordTokenizer) -> str:
+    """An imported transformers directory into a run's model: a Llama (``LlamaForCausalLM``, e.g. Vicuna) into a
+    LLaVA-style model's language model, a LLaVA into the whole model (LLaVA's stage-2 fine-tuning), a BLIP
+    (``BlipForConditionalGeneration`` or ``...ForImageTextRetrieval``) into a BLIP, the parts it holds. The token
+    rows go through the directory's own tokenizer (``tokenizer.json`` or ``tokenizer.model``) to the run's words
+    (:func:`transfer_vocabulary`), a learned position table gives the run's context its first rows; every other
+    tensor must fit the run's model as it is (``--model`` and its ``--model_kwargs`` name the same architecture).
+    Returns what was loaded, for the run's log."""
+    from vitlab.convert import load_state_dict, read_hf_config
+    from vitlab.vlm.blip import BLIP
+    from vitlab.vlm.llava import LLaVA
+
+    kind = read_hf_config(path).get("model_type")
+    if kind == "llama" and isinstance(model, LLaVA):
+        target, what = model.language_model, "the language model (transformers' Llama)"
+    elif kind == "llava" and isinstance(model, LLaVA):
+        target, what = model, "the whole model (transformers' LLaVA)"
+    elif kind == "blip" and isinstance(model, BLIP):
+        target, what = model, "transformers' BLIP"
+    else:
+        raise DataError(f"--init {path}: a transformers {kind!r} checkpoint cannot start a {type(model).__name__} "
+                        f"(caption and vqa runs start from a CLIP, Llama or LLaVA directory, blip runs from a BLIP "
+                        f"one)")
+    file = next((path / f for f in ("tokenizer.json", "tokenizer.model") if (path / f).is_file()), None)
+    if file is None:
+        raise DataError(f"--init {path}: no tokenizer.json or tokenizer.model beside its weights; its token rows "
+                        f"reach this run's words through its tokenizer")
+    sd = target.checkpoint_filter_fn(target.read_checkpoint(path), target)
+    sd, whole, pieces, new = transfer_vocabulary(target, sd, load_tokenizer(file), tokenizer, str(path))
+    own = target.state_dict()
+    for k, v in sd.items():  # BERT's learned positions: the run's context needs the first rows only
+        if k.endswith("position_embeddings.weight") and k in own and v.shape[1:] == own[k].shape[1:]:
+            sd[k] = v[:own[k].shape[0]] if v.shape[0] >= own[k].shape[0] else v
+    fresh = [k for k in own if k not in sd]
+    # a BLIP checkpoint holds the captioner or the retrieval heads, not both: the other part starts fresh
+    load_state_dict(target, sd, strict=not isinstance(model, BLIP), source=str(path))
+    return (f"{what}" + (f", {len(fresh)} tensors it lacks fresh" if fresh else "")
+            + f"; vocabulary through its tokenizer: {whole} words whole, {pieces} as the mean of their pieces, "
+              f"{new} new")
 
 
 def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
     """Weights from ``source``: a CLIP run or a transformers CLIP directory (``CLIPModel`` / ``CLIPVisionModel``)
     gives the image tower, a caption / vqa (or blip) run or a checkpoint of this model everything. A run's token
-    rows are mapped to ``tokenizer`` by word (:func:`map_vocabulary`). Another imported checkpoint directory
-    (transformers' ``config.json``) is refused: its rows belong to its own tokenizer, which these tasks do not
-    train with. Returns what was loaded, for the run's log."""
+    rows are mapped to ``tokenizer`` by word (:func:`map_vocabulary`), an imported Llama, LLaVA or BLIP
+    directory's through its own tokenizer (:func:`import_checkpoint`). Returns what was loaded, for the run's
+    log."""
     from vitlab.convert import load_checkpoint, load_state_dict, read_hf_config
 
     p = Path(source)
@@ -404,9 +483,8 @@ def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
                             f"--task_args.coord_channels false)")
         load_checkpoint(model.vision_tower, source)
         return "the image tower (transformers' CLIP)"
-    if p.is_dir():  # its token rows belong to its own tokenizer, which these tasks do not train with
-        raise DataError(f"--init {source}: an imported checkpoint other than a CLIP image tower cannot start these "
-                        f"tasks (they build a word vocabulary from the data); start from a vitlab run or a CLIP")
+    if p.is_dir():
+        return import_checkpoint(model, p, tokenizer)
     load_checkpoint(model, source)  # a state dict file of this model
     return "the whole model"
 
@@ -748,7 +826,8 @@ class BlipArgs:
 
     blind: bool = False                # images replaced by zeros: the baseline without sight
     freeze: list[str] = field(default_factory=list)  # parts kept frozen: vision_tower, text_encoder, text_decoder
-    init: str | None = None            # a CLIP run (image tower), a blip run or a checkpoint (transformers' BLIP)
+    init: str | None = None            # a CLIP run (image tower), a blip run, a transformers BLIP directory (with its
+    #                                    tokenizer) or a checkpoint
     context_length: int | None = None  # caption tokens with [CLS] and [SEP] (None: the longest)
     max_new_tokens: int = MAX_NEW_TOKENS  # generation bound of eval and predict
     rerank: int = 16                   # ITM re-ranks the contrastive top-k texts of each image (BLIP's k)
