@@ -14,8 +14,8 @@ Freezing follows LLaVA's two stages (Sec. 4.2): ``stage 1`` trains the projector
 ``stage 2`` the projector and the language model (the image tower stays frozen); ``freeze`` names further parts.
 ``init`` starts from a CLIP run (its image tower), another caption / vqa run (its whole model: stage 2 after
 stage 1), an imported transformers checkpoint (CLIP, Llama, LLaVA, BLIP; the token rows carried over to the run's
-words through its own tokenizer) or a checkpoint of the model. ``blind`` replaces every image by zeros: the same model trained and
-scored without seeing, the baseline that measures what the image adds.
+words through its own tokenizer) or a checkpoint of the model. ``blind`` replaces every image by zeros: the same
+model trained and scored without seeing, the baseline that measures what the image adds.
 
 Data (:mod:`vitlab.vlm.data`): ``scenes`` (the embedded offline set; the default), captions from ``coco:PATH`` or
 ``captions:PATH`` (caption, blip), questions from ``vqa:PATH`` or ``llava:PATH`` (vqa). Text is tokenized into
@@ -399,7 +399,8 @@ def transfer_vocabulary(model: nn.Module, sd: dict, tok: Tokenizer, new: WordTok
     re-indexed to the word vocabulary ``new``, by fast vocabulary transfer (Gee et al., 2022, "Fast Vocabulary
     Transfer for Language Model Compression", Sec. 3): a word ``tok`` spells as one token gets that token's row,
     a word it splits into pieces the mean of the pieces' rows (an unknown piece, a character it never saw, left
-    out), a word it cannot spell at all ``model``'s fresh row. Special tokens follow their texts (``<s>`` / ``[CLS]``...) where ``tok`` has them.
+    out), a word it cannot spell at all ``model``'s fresh row. Special tokens follow their texts (``<s>`` /
+    ``[CLS]``...) where ``tok`` has them.
     Returns (state dict, words whole, words from pieces, words new)."""
     named = {**tok.specials, **{t: i for t, i in (("<s>", tok.bos_id), ("</s>", tok.eos_id), ("<pad>", tok.pad_id),
                                                   ("<unk>", tok.unk_id)) if i is not None}}
