@@ -298,7 +298,7 @@ def test_init_from_an_imported_checkpoint_is_refused_in_one_line(tmp_path, capsy
     tiny_blip = ["--model_kwargs.vision_depth", "1", "--model_kwargs.text_depth", "1", *TINY[6:]]
     for task, flags, model in (("vqa", TINY, "LLaVA"), ("blip", tiny_blip, "BLIP")):
         _one_line_error(capsys, ["train", "--task", task, "--init", str(hf), "--output_dir", str(out), *flags],
-                        f"{hf}: a transformers 'bert' checkpoint cannot start a {model}")
+                        f"{hf}: a transformers checkpoint of model_type 'bert' cannot start a {model}")
         assert not out.exists()
     (hf / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(hf), "--output_dir", str(out), *TINY],

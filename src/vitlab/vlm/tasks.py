@@ -433,9 +433,9 @@ def import_checkpoint(model: nn.Module, path: Path, tokenizer: WordTokenizer) ->
     elif kind == "blip" and isinstance(model, BLIP):
         target, what = model, "transformers' BLIP"
     else:
-        raise DataError(f"--init {path}: a transformers {kind!r} checkpoint cannot start a {type(model).__name__} "
-                        f"(caption and vqa runs start from a CLIP, Llama or LLaVA directory, blip runs from a BLIP "
-                        f"one)")
+        raise DataError(f"--init {path}: a transformers checkpoint of model_type {kind!r} cannot start a "
+                        f"{type(model).__name__} (caption and vqa runs start from a CLIP, Llama or LLaVA directory, "
+                        f"blip runs from a BLIP one)")
     file = next((path / f for f in ("tokenizer.json", "tokenizer.model") if (path / f).is_file()), None)
     if file is None:
         raise DataError(f"--init {path}: no tokenizer.json or tokenizer.model beside its weights; its token rows "
