@@ -252,6 +252,16 @@ def test_generate_refills_a_given_cache():
         model.generate(ids[:2], max_new_tokens=2, cache=cache)
     with pytest.raises(ValueError, match=r"this call needs 3 rows of 25"):
         model.generate(ids, max_new_tokens=16, cache=cache)
+    other = Llama(LlamaConfig(**{**TINY, "n_layers": 1})).eval()
+    with pytest.raises(ValueError, match=r"laid out for another model: 1 layers of 2 key/value heads of 16, this one "
+                                         r"has 2 of 2 of 16"):
+        model.generate(ids, max_new_tokens=2, cache=other.new_cache(3, 24))
+    with pytest.raises(ValueError, match=r"the cache is torch.bfloat16 on cpu, the model torch.float32 on cpu"):
+        model.generate(ids, max_new_tokens=2, cache=model.new_cache(3, 24, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"cache must be a KVCache"):
+        model.generate(ids, max_new_tokens=2, cache=(cache.k, cache.v))
+    with pytest.raises(ValueError, match=r"pass exactly one of input_ids and inputs_embeds"):
+        model.generate(ids, max_new_tokens=2, inputs_embeds=model.embed_tokens(ids))
 
 
 def test_generate_never_picks_the_spare_rows_past_vocab_size():

@@ -37,6 +37,38 @@ def test_compiled_generation_equals_eager():
     assert torch.equal(model.generate(ids, 4, forward=steps_only), model.generate(ids, 4))
 
 
+@pytest.mark.slow  # Inductor compiles C++ (a minute or two on two cores)
+def test_two_optimized_models_and_several_batch_sizes_keep_their_own_graphs():
+    """The compiled graphs are unguarded snapshots of one model's frozen weights: a second model of the same
+    architecture gets graphs of its own, not the first one's (whose tokens it would return), and each batch size
+    its own compiled function, within Dynamo's recompilation limit (exceeded, it would fall back to eager and
+    warn)."""
+    import copy
+
+    torch._dynamo.reset()
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(vitlab.create_model("llama_tiny").eval())
+    eager = [copy.deepcopy(m) for m in models]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 512, (2, 12), generator=g)
+    fast_a = optimize(models[0])
+    assert torch.equal(fast_a.generate(ids, 6), eager[0].generate(ids, 6))
+    fast_b = optimize(models[1])
+    assert not torch.equal(eager[0].generate(ids, 6), eager[1].generate(ids, 6))
+    assert torch.equal(fast_b.generate(ids, 6), eager[1].generate(ids, 6))
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # an error, not a quiet eager fallback
+        for b in (3, 1, 2):
+            for n in (5, 9, 13):
+                x = torch.randint(3, 512, (b, n), generator=g)
+                mask = torch.ones_like(x)
+                mask[0, :2] = 0
+                assert torch.equal(fast_b.generate(x, 4, attention_mask=mask),
+                                   eager[1].generate(x, 4, attention_mask=mask))
+                assert torch.equal(fast_b.generate(x, 4), eager[1].generate(x, 4))
+
+
 def test_optimize_picks_the_language_model_compile_without_compiling_yet():
     model = vitlab.create_model("llama_tiny").eval()
     fast = optimize(model)  # torch.compile is lazy: nothing is compiled until the first call
@@ -67,6 +99,10 @@ def test_compiled_llama_keeps_its_cache_between_calls():
     with pytest.raises(ValueError, match="exceed the context"):  # refused before a cache of that size is made
         fast.generate(ids, 300)
     assert fast.cache.max_len == 13
+    for bad in (dict(max_new_tokens=0), dict(max_new_tokens=4, temperature=-1.0)):  # refused, the cache untouched
+        with pytest.raises(ValueError, match="must be"):
+            fast.generate(torch.randint(3, 512, (5, 7)), **bad)
+        assert fast.cache.k[0].shape[0] == 3 and fast.cache.max_len == 13
     fast.release_cache()
     assert fast.cache is None
 

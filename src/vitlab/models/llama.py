@@ -169,7 +169,8 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """``ValueError`` for generation settings :meth:`Llama.generate` refuses, before anything is computed."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if temperature < 0:
@@ -233,6 +234,23 @@ class Llama(nn.Module):
         w = self.embed_tokens.weight
         return KVCache(self.config, batch_size, max_len or self.config.max_seq_len, dtype or w.dtype,
                        device or w.device)
+
+    def check_cache(self, cache: KVCache, batch_size: int, length: int) -> None:
+        """``ValueError`` unless ``cache`` is one of this model's layout, dtype and device holding ``batch_size``
+        sequences of ``length`` tokens."""
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a KVCache (model.new_cache(...)), got {type(cache).__name__}")
+        cfg, w = self.config, self.embed_tokens.weight
+        k = cache.k[0]
+        if len(cache.k) != cfg.n_layers or (k.shape[1], k.shape[3]) != (cfg.n_kv_heads, cfg.head_dim):
+            raise ValueError(f"the cache is laid out for another model: {len(cache.k)} layers of {k.shape[1]} "
+                             f"key/value heads of {k.shape[3]}, this one has {cfg.n_layers} of {cfg.n_kv_heads} of "
+                             f"{cfg.head_dim}")
+        if (k.dtype, k.device) != (w.dtype, w.device):
+            raise ValueError(f"the cache is {k.dtype} on {k.device}, the model {w.dtype} on {w.device}")
+        if k.shape[0] != batch_size or cache.max_len < length:
+            raise ValueError(f"the cache holds {k.shape[0]} rows of {cache.max_len} positions; this call needs "
+                             f"{batch_size} rows of {length}")
 
     def profile_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor]:
         """What :mod:`vitlab.profile` runs: ``x.shape[-1]`` tokens per sequence (the registered input size is
@@ -325,13 +343,13 @@ class Llama(nn.Module):
 
         Prompt plus ``max_new_tokens`` must fit the context (``config.max_seq_len``): otherwise ``ValueError``.
         """
-        _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
         if vocab_size is not None and not 0 < vocab_size <= self.config.vocab_size:
             raise ValueError(f"vocab_size must be in 1..{self.config.vocab_size} (the embedding's rows), "
                              f"got {vocab_size}")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
         prompt = inputs_embeds if inputs_embeds is not None else input_ids
-        if prompt is None:
-            raise ValueError("pass input_ids or inputs_embeds")
         b, n = prompt.shape[:2]
         if n + max_new_tokens > self.config.max_seq_len:
             raise ValueError(f"the prompt ({n} tokens) plus max_new_tokens ({max_new_tokens}) exceed the context of "
@@ -350,9 +368,8 @@ class Llama(nn.Module):
         forward = self if forward is None else forward
         if cache is None:
             cache = self.new_cache(b, n + max_new_tokens)
-        elif cache.k[0].shape[0] != b or cache.max_len < n + max_new_tokens:
-            raise ValueError(f"the cache holds {cache.k[0].shape[0]} rows of {cache.max_len} positions; this call "
-                             f"needs {b} rows of {n + max_new_tokens}")
+        else:
+            self.check_cache(cache, b, n + max_new_tokens)
         cache.length = 0
         logits = forward(input_ids if inputs_embeds is None else None, inputs_embeds=inputs_embeds,
                          attention_mask=None if full_mask is None else full_mask[:, :n], cache=cache,

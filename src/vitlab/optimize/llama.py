@@ -28,27 +28,44 @@ dynamic mode: the first call of a kind (prefill or step, with or without a paddi
 sizes, and the sizes that then change (prompt length, cache position and length, mask length) become symbolic in
 the second graph, which serves every later call. The batch size stays static, so Inductor's fp32 GEMMs use MKL's
 prepacked weights (for a symbolic batch size, as ``dynamic=True`` would make it, Inductor switches to oneDNN's
-linear kernel instead).
+linear kernel instead). Each batch size therefore has a compiled function of its own, whose at most eight graphs
+stay within Dynamo's recompilation limit (eight per code object); a function of its own per model too, since the
+graphs are unguarded snapshots of one model's weights.
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
-from vitlab.models.llama import KVCache, Llama
+from vitlab.models.llama import KVCache, Llama, check_sampling
 from vitlab.optimize import cpu as cpuinfo
 from vitlab.optimize.compiled import CompiledInference, compile_inference
+
+
+def _own_entry(model: nn.Module, tag: str) -> Callable[..., torch.Tensor]:
+    """``model(...)`` through a function with a code object of its own. Dynamo keeps its compiled graphs, and
+    counts recompilations against its limit, per code object: graphs that are snapshots of one model's frozen
+    weights, unguarded, must never be found for another model through the shared ``Llama.forward``."""
+
+    def call(*args, **kwargs):
+        return model(*args, **kwargs)
+
+    code = call.__code__.replace(co_name=f"llama_forward_{tag}")
+    return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
 
 
 def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None = None) -> Callable[..., torch.Tensor]:
     """A forward for ``model.generate(..., forward=...)``: decoding steps compiled, and prompts too unless
     ``prefill=False``. Inference only (``generate`` runs under ``torch.no_grad()``), and a snapshot: the weights
     are frozen into the graph and the model's attributes are not checked again, so a model changed afterwards
-    needs a new ``compile_llama``. ``options``: ``torch.compile`` options over the defaults."""
+    needs a new ``compile_llama``. Each batch size gets its own compiled function (its graphs: prefill and step,
+    with and without a padding mask), compiled at its first call; other models' compiled forwards never share
+    them. ``options``: ``torch.compile`` options over the defaults."""
     model.eval()
     # no guards on the model's attributes and parameters, checked before every call (a sizeable share of a small
     # decoding step): the compiled forward is a snapshot of the model, its weights constants of the graph
@@ -58,15 +75,18 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
         # the graph's wrapper in C++ too: a decoding step is some hundred small calls, each launched from Python
         # otherwise
         options = {**cpuinfo.inductor_options(), "cpp_wrapper": True, **options}
-    compiled = compile_inference(model, options)
+    by_batch: dict[int, Callable[..., torch.Tensor]] = {}
 
     def forward(input_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         if not prefill and (input_ids is None or input_ids.shape[1] != 1):
             return model(input_ids, **kwargs)
+        b = (input_ids if input_ids is not None else kwargs["inputs_embeds"]).shape[0]
+        if b not in by_batch:  # the batch size stays static in the graphs (MKL's prepacked GEMMs)
+            by_batch[b] = compile_inference(_own_entry(model, f"b{b}"), options)
         with warnings.catch_warnings():
             # RoPE's complex product stays one ATen call inside the graph, which Inductor says when it compiles
             warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-            return compiled(input_ids, **kwargs)
+            return by_batch[b](input_ids, **kwargs)
 
     return forward
 
@@ -89,18 +109,22 @@ class CompiledLlama(CompiledInference):
         """Free the kept KV cache (the next :meth:`generate` allocates one)."""
         self.cache = None
 
-    def generate(self, input_ids: torch.Tensor | None = None, max_new_tokens: int = 32, *args,
+    def generate(self, input_ids: torch.Tensor | None = None, max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
                  **kwargs) -> torch.Tensor:
+        """:meth:`vitlab.models.llama.Llama.generate` through the compiled forward and the kept cache."""
+        check_sampling(max_new_tokens, temperature, top_k, top_p)  # refused before any cache is touched
         kwargs.setdefault("forward", self.compiled)
-        prompt = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-        if "cache" not in kwargs and prompt is not None:
+        embeds = kwargs.get("inputs_embeds")
+        if "cache" not in kwargs and (input_ids is None) != (embeds is None):
+            prompt = input_ids if input_ids is not None else embeds
             b, need = prompt.shape[0], prompt.shape[1] + max_new_tokens
             if need <= self.module.config.max_seq_len:  # else generate refuses the call
                 if self.cache is None or self.cache.k[0].shape[0] != b or self.cache.max_len < need:
                     self.cache = None  # the old one freed before the new one is allocated
                     self.cache = self.module.new_cache(b, need)
                 kwargs["cache"] = self.cache
-        return self.module.generate(input_ids, max_new_tokens, *args, **kwargs)
+        return self.module.generate(input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, **kwargs)
 
 
 def compile_language_model(model: nn.Module) -> nn.Module | None:
