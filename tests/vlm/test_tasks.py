@@ -199,7 +199,7 @@ def test_init_from_a_transformers_llava_or_llama_carries_the_rows_through_its_to
             vision_config=transformers.CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=48,
                                                         intermediate_size=96, num_hidden_layers=3,
                                                         num_attention_heads=4),
-            text_config=transformers.LlamaConfig(**text), image_token_index=3))
+            text_config=transformers.LlamaConfig(**text), image_token_index=110))
     else:
         ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**text))
     ref.save_pretrained(tmp_path / "hf")
@@ -217,8 +217,10 @@ def test_init_from_a_transformers_llava_or_llama_carries_the_rows_through_its_to
     words = WordTokenizer(rec.extra["tokenizer"]["words"])
     unk = sub.token_to_id("<unk>")  # a character the tokenizer never saw: its unknown piece is left out
     pieces = {w: [i for i in sub.encode(w, add_special_tokens=False).ids if i != unk] for w in words.words}
+    pieces = {w: ids for w, ids in pieces.items() if sub.decode(ids).strip()}  # nothing left: a fresh row
     whole, split = sum(len(p) == 1 for p in pieces.values()), sum(len(p) > 1 for p in pieces.values())
-    assert whole and split and line[0].endswith(f"{whole} words whole, {split} as the mean of their pieces, 0 new")
+    new = len(words.words) - whole - split
+    assert whole and split and line[0].endswith(f"{whole} words whole, {split} as the mean of their pieces, {new} new")
     ours = model.language_model
     if kind == "llava":  # transformers' keys through the converter its own test checks against transformers
         converted = convert_hf_llava_state_dict(ref.state_dict(), model)
@@ -232,8 +234,11 @@ def test_init_from_a_transformers_llava_or_llama_carries_the_rows_through_its_to
     for w, ids in pieces.items():
         torch.testing.assert_close(ours.embed_tokens.weight[words.encoder[w]], embed[ids].mean(0), msg=w)
         torch.testing.assert_close(ours.lm_head.weight[words.encoder[w]], head[ids].mean(0), msg=w)
-    for w, t in (("<s>", "<s>"), ("</s>", "</s>"), ("<unk>", "<unk>"), ("<image>", "<image>")):
+    for w, t in (("<s>", "<s>"), ("</s>", "</s>"), ("<unk>", "<unk>")):
         torch.testing.assert_close(ours.embed_tokens.weight[words.encoder[w]], embed[sub.token_to_id(t)], msg=w)
+    # <image>: the config's image_token_index where a LLaVA names one, else the tokenizer's
+    image = 110 if kind == "llava" else sub.token_to_id("<image>")
+    torch.testing.assert_close(ours.embed_tokens.weight[words.encoder["<image>"]], embed[image])
     got = ours.state_dict()
     for k in ("layers.1.attn.qkv.weight", "layers.0.mlp.fc2.weight", "norm.weight"):
         torch.testing.assert_close(got[k], want[k], msg=k)
@@ -290,6 +295,66 @@ def test_init_from_a_transformers_blip_captioner(tmp_path, capsys):
                                    embed[sub.token_to_id(t)], msg=w)
 
 
+def test_transfer_vocabulary_counts_whole_pieces_and_unspellable_words(tmp_path):
+    """A word the tokenizer spells as one token, one it splits, and one of letters it never saw (only unknown pieces
+    and the word-start mark): a copy, a mean, a fresh row."""
+    from vitlab.text.subword import HFTokenizer
+    from vitlab.vlm.tasks import transfer_vocabulary
+
+    sub = _subword_tokenizer(tmp_path / "tok")
+    tok = HFTokenizer(tmp_path / "tok" / "tokenizer.json")
+    whole_word = next(w for w in ("red", "blue", "circle", "a") if len(sub.encode(w).ids) == 1)
+    split_word = next(w for w in ("triangles", "checkerboard", "bottom", "square") if len(sub.encode(w).ids) > 1)
+    words = WordTokenizer([whole_word, split_word, "жжж"])
+    model = torch.nn.Module()
+    model.embed_tokens = torch.nn.Embedding(words.vocab_size, 8)
+    rows = torch.randn(100, 8)
+    sd, whole, pieces, new = transfer_vocabulary(model, {"embed_tokens.weight": rows}, tok, words, "src")
+    assert (whole, pieces, new) == (1, 1, 1)
+    got = sd["embed_tokens.weight"]
+    torch.testing.assert_close(got[words.encoder[whole_word]], rows[sub.encode(whole_word).ids[0]])
+    torch.testing.assert_close(got[words.encoder[split_word]], rows[sub.encode(split_word).ids].mean(0))
+    torch.testing.assert_close(got[words.encoder["жжж"]], model.embed_tokens.weight[words.encoder["жжж"]])
+    torch.testing.assert_close(got[words.bos_id], rows[sub.token_to_id("<s>")])
+    assert torch.equal(got[words.pad_id], model.embed_tokens.weight[words.pad_id])  # no <pad> in it: fresh
+
+
+def test_init_from_an_imported_checkpoint_of_another_architecture_is_named(tmp_path, capsys):
+    """Differences the shapes cannot show (a layer more, another feature selection) or a BLIP part not whole:
+    refused in one line before training."""
+    transformers = pytest.importorskip("transformers")
+    text = dict(vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+    flags = ["--model", "llava_tiny", "--task_args.coord_channels", "false", *TINY[6:]]
+    out = tmp_path / "run"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**text)).save_pretrained(tmp_path / "llama")
+    _subword_tokenizer(tmp_path / "llama")
+    llava = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=48, intermediate_size=96,
+                                                    num_hidden_layers=3, num_attention_heads=4),
+        text_config=transformers.LlamaConfig(**{**text, "num_hidden_layers": 2}),
+        vision_feature_select_strategy="full"))
+    llava.save_pretrained(tmp_path / "llava")
+    _subword_tokenizer(tmp_path / "llava")
+    blip = transformers.BlipForConditionalGeneration(transformers.BlipConfig(
+        text_config=dict(vocab_size=100, hidden_size=32, encoder_hidden_size=48, intermediate_size=64,
+                         num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=40),
+        vision_config=dict(image_size=64, patch_size=8, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4), image_text_hidden_size=16))
+    blip.save_pretrained(tmp_path / "blip")
+    _subword_tokenizer(tmp_path / "blip", vocab_size=90)
+    capsys.readouterr()  # transformers' own progress lines
+    _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(tmp_path / "llama"), "--output_dir", str(out),
+                             *flags], "another Llama architecture: n_layers 3 (this model 2)")
+    _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(tmp_path / "llava"), "--output_dir", str(out),
+                             *flags], "another LLaVA architecture: vision_feature_select_strategy 'full' (this model "
+                                      "'default')")
+    _one_line_error(capsys, ["train", "--task", "blip", "--model", "blip_tiny", "--init", str(tmp_path / "blip"),
+                             "--output_dir", str(out), *TINY[6:]],
+                    "another BLIP architecture than this run's: unexpected ['text_decoder.layers.2.")
+    assert not out.exists()
+
+
 def test_init_from_an_imported_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -303,14 +368,14 @@ def test_init_from_an_imported_checkpoint_is_refused_in_one_line(tmp_path, capsy
     (hf / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(hf), "--output_dir", str(out), *TINY],
                     f"{hf}: no tokenizer.json or tokenizer.model beside its weights")
-    _subword_tokenizer(hf)  # a tokenizer but weights of another size: the shapes named
+    _subword_tokenizer(hf)  # a tokenizer but a decoder of another size: the differences named
     transformers = pytest.importorskip("transformers")
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     ).save_pretrained(hf)
     capsys.readouterr()  # transformers' own progress lines
     _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(hf), "--output_dir", str(out), *TINY],
-                    f"{hf}: shape mismatch for")
+                    f"{hf}: another Llama architecture: dim 32 (this model 128)")
     assert not out.exists()
     # a CLIP directory of OpenAI's activation for the scenes' tower (GELU, a convolutional stem): refused by the
     # tower's own check of config.json

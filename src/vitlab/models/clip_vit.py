@@ -128,13 +128,18 @@ class CLIPVisionTransformer(VisionTransformer):
         if not Path(path).is_dir():
             return read_state_dict(path)
         cfg = read_hf_config(path, HF_CLIP_ARCHITECTURES)
-        vision = {**HF_CLIP_VISION_DEFAULTS, **cfg.get("vision_config", cfg)}
+        self.check_config(cfg.get("vision_config", cfg), str(path))
+        return read_hf_state_dict(path)
+
+    def check_config(self, vision_config: dict, source: str) -> None:
+        """``ValueError`` unless a transformers ``CLIPVisionConfig`` (a dict) has this tower's activation and
+        LayerNorm eps, which its weights cannot tell (the shapes are checked when they are loaded)."""
+        vision = {**HF_CLIP_VISION_DEFAULTS, **vision_config}
         act, eps = hf_act(vision["hidden_act"]), vision["layer_norm_eps"]
         if (self.act_name is not None and act != self.act_name) or abs(eps - self.norm.eps) > 1e-12:
-            raise ValueError(f"{path}: its image tower uses hidden_act {vision['hidden_act']!r} and LayerNorm eps "
+            raise ValueError(f"{source}: its image tower uses hidden_act {vision['hidden_act']!r} and LayerNorm eps "
                              f"{eps:g}, this model {self.act_name} and {self.norm.eps:g}: create it with "
                              f"act_layer={act!r}, norm_layer=vitlab.models.hf_layernorm({eps:g})")
-        return read_hf_state_dict(path)
 
     @staticmethod
     def checkpoint_filter_fn(state_dict: dict, model: VisionTransformer) -> dict:

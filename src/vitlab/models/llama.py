@@ -235,6 +235,15 @@ class Llama(nn.Module):
         return KVCache(self.config, batch_size, max_len or self.config.max_seq_len, dtype or w.dtype,
                        device or w.device)
 
+    def check_config(self, other: LlamaConfig, source: str) -> None:
+        """``ValueError`` naming the differences unless ``other`` describes this decoder's function: its width,
+        layers, heads, SwiGLU width, RMSNorm eps and RoPE base (the vocabulary and the context aside)."""
+        keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "head_dim", "norm_eps", "rope_theta")
+        bad = [f"{k} {getattr(other, k)} (this model {getattr(self.config, k)})" for k in keys
+               if getattr(other, k) != getattr(self.config, k)]
+        if bad:
+            raise ValueError(f"{source}: another Llama architecture: {', '.join(bad)}")
+
     def check_cache(self, cache: KVCache, batch_size: int, length: int) -> None:
         """``ValueError`` unless ``cache`` is one of this model's layout, dtype and device holding ``batch_size``
         sequences of ``length`` tokens."""

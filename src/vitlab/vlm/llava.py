@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict, read_state_dict
 from vitlab.layers import get_act_layer
 from vitlab.models import (
+    CLIPVisionTransformer,
     Llama,
     clip_vision_transformer,
     convert_hf_clip_vision_state_dict,
@@ -242,6 +243,26 @@ class LLaVA(nn.Module):
         return {f"vision_tower.{n}" for n in nwd}
 
     # ---- weights --------------------------------------------------------------------------------------------
+    def check_hf_config(self, cfg: dict, source: str) -> None:
+        """``ValueError`` naming the difference unless a transformers ``LlavaConfig`` dict describes this model's
+        function beyond its tensors' shapes: the language model's architecture (:meth:`Llama.check_config`), a CLIP
+        tower's activation and eps, the feature layer and selection, the projector's activation."""
+        self.language_model.check_config(llama_config_from_hf(cfg.get("text_config") or {}), source)
+        kw = llava_kwargs_from_hf(cfg)
+        if isinstance(self.vision_tower, CLIPVisionTransformer):
+            self.vision_tower.check_config(kw["vision"], source)
+        act = self.projector.act
+        theirs = {"vision_feature_layer": kw["vision_feature_layer"],
+                  "vision_feature_select_strategy": kw["vision_feature_select_strategy"]}
+        mine = {"vision_feature_layer": self.vision_feature_layer,
+                "vision_feature_select_strategy": self.select_strategy}
+        if act is not None:
+            theirs["projector_hidden_act"] = type(get_act_layer(kw["projector_act"])()).__name__
+            mine["projector_hidden_act"] = type(act).__name__
+        bad = [f"{k} {theirs[k]!r} (this model {mine[k]!r})" for k in theirs if theirs[k] != mine[k]]
+        if bad:
+            raise ValueError(f"{source}: another LLaVA architecture: {', '.join(bad)}")
+
     @staticmethod
     def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         """A transformers ``save_pretrained`` directory of a LLaVA model (architecture checked), else a file."""

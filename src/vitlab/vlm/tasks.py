@@ -393,21 +393,22 @@ _SPECIAL_TEXTS = {"<pad>": ("<pad>", "[PAD]"), "<unk>": ("<unk>", "[UNK]"), "<s>
                   "</s>": ("</s>", "[SEP]"), IMAGE_TOKEN: (IMAGE_TOKEN,), "[DEC]": ("[DEC]",), "[ENC]": ("[ENC]",)}
 
 
-def transfer_vocabulary(model: nn.Module, sd: dict, tok: Tokenizer, new: WordTokenizer,
-                        source: str) -> tuple[dict, int, int, int]:
+def transfer_vocabulary(model: nn.Module, sd: dict, tok: Tokenizer, new: WordTokenizer, source: str,
+                        specials: dict[str, int] | None = None) -> tuple[dict, int, int, int]:
     """``sd`` (an imported checkpoint whose rows belong to the subword tokenizer ``tok``) with its token rows
     re-indexed to the word vocabulary ``new``, by fast vocabulary transfer (Gee et al., 2022, "Fast Vocabulary
     Transfer for Language Model Compression", Sec. 3): a word ``tok`` spells as one token gets that token's row,
     a word it splits into pieces the mean of the pieces' rows (an unknown piece, a character it never saw, left
-    out), a word it cannot spell at all ``model``'s fresh row. Special tokens follow their texts (``<s>`` /
-    ``[CLS]``...) where ``tok`` has them.
-    Returns (state dict, words whole, words from pieces, words new)."""
+    out), a word it cannot spell at all (nothing but unknown pieces and word-start marks) ``model``'s fresh row.
+    Special tokens follow their texts (``<s>`` / ``[CLS]``...) where ``tok`` has them; ``specials`` (text -> id)
+    adds ids the checkpoint's config names (LLaVA's ``image_token_index``). Returns (state dict, words whole,
+    words from pieces, words new)."""
     named = {**tok.specials, **{t: i for t, i in (("<s>", tok.bos_id), ("</s>", tok.eos_id), ("<pad>", tok.pad_id),
-                                                  ("<unk>", tok.unk_id)) if i is not None}}
+                                                  ("<unk>", tok.unk_id)) if i is not None}, **(specials or {})}
     sources = [next(([named[t]] for t in _SPECIAL_TEXTS[w] if t in named), []) for w in new.SPECIALS]
     for w in new.words:
         ids = [i for i in tok.encode(w, bos=False) if i != tok.unk_id]
-        sources.append(ids)
+        sources.append(ids if tok.decode(ids).strip() else [])
     words = sources[len(new.SPECIALS):]
     whole, pieces = sum(len(ids) == 1 for ids in words), sum(len(ids) > 1 for ids in words)
     return carry_rows(model, sd, sources, source), whole, pieces, len(words) - whole - pieces
@@ -422,10 +423,12 @@ def import_checkpoint(model: nn.Module, path: Path, tokenizer: WordTokenizer) ->
     tensor must fit the run's model as it is (``--model`` and its ``--model_kwargs`` name the same architecture).
     Returns what was loaded, for the run's log."""
     from vitlab.convert import load_state_dict, read_hf_config
+    from vitlab.models.llama import llama_config_from_hf
     from vitlab.vlm.blip import BLIP
     from vitlab.vlm.llava import LLaVA
 
-    kind = read_hf_config(path).get("model_type")
+    hf = read_hf_config(path)
+    kind = hf.get("model_type")
     if kind == "llama" and isinstance(model, LLaVA):
         target, what = model.language_model, "the language model (transformers' Llama)"
     elif kind == "llava" and isinstance(model, LLaVA):
@@ -440,14 +443,34 @@ def import_checkpoint(model: nn.Module, path: Path, tokenizer: WordTokenizer) ->
     if file is None:
         raise DataError(f"--init {path}: no tokenizer.json or tokenizer.model beside its weights; its token rows "
                         f"reach this run's words through its tokenizer")
+    specials = {}
+    try:  # what the shapes cannot show: a layer fewer than the run's (only converted up to its count), the RoPE
+        # base, the image features' selection...
+        if kind == "llama":
+            target.check_config(llama_config_from_hf(hf), str(path))
+        elif kind == "llava":
+            model.check_hf_config(hf, str(path))
+            if "image_token_index" in hf:  # a SentencePiece tokenizer.model does not hold the added <image>
+                specials[IMAGE_TOKEN] = hf["image_token_index"]
+    except KeyError as e:
+        raise DataError(f"--init {path}: its config.json has no {e}") from None
     sd = target.checkpoint_filter_fn(target.read_checkpoint(path), target)
-    sd, whole, pieces, new = transfer_vocabulary(target, sd, load_tokenizer(file), tokenizer, str(path))
+    sd, whole, pieces, new = transfer_vocabulary(target, sd, load_tokenizer(file), tokenizer, str(path), specials)
     own = target.state_dict()
     for k, v in sd.items():  # BERT's learned positions: the run's context needs the first rows only
         if k.endswith("position_embeddings.weight") and k in own and v.shape[1:] == own[k].shape[1:]:
             sd[k] = v[:own[k].shape[0]] if v.shape[0] >= own[k].shape[0] else v
     fresh = [k for k in own if k not in sd]
-    # a BLIP checkpoint holds the captioner or the retrieval heads, not both: the other part starts fresh
+    if isinstance(model, BLIP):
+        # a BLIP checkpoint holds the captioner or the retrieval heads, not both: a part it lacks entirely starts
+        # fresh, but a part it holds must be whole (a layer more or less is another architecture)
+        held = {k.split(".")[0] for k in sd}
+        partial = [k for k in fresh if k.split(".")[0] in held]
+        extra = [k for k in sd if k not in own]
+        if partial or extra:
+            raise DataError(f"--init {path}: another BLIP architecture than this run's: "
+                            + "; ".join(f"{name} {keys[:3]}" + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+                                        for name, keys in (("missing", partial), ("unexpected", extra)) if keys))
     load_state_dict(target, sd, strict=not isinstance(model, BLIP), source=str(path))
     return (f"{what}" + (f", {len(fresh)} tensors it lacks fresh" if fresh else "")
             + f"; vocabulary through its tokenizer: {whole} words whole, {pieces} as the mean of their pieces, "
@@ -480,8 +503,8 @@ def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
         # an imported CLIP (CLIPModel / CLIPVisionModel): its image tower, read and checked by a CLIP ViT tower
         if not isinstance(model.vision_tower, CLIPVisionTransformer):
             raise DataError(f"--init {source} is a CLIP image tower, this run's is not a CLIP ViT "
-                            f"({type(model.vision_tower).__name__}): use a model with one (e.g. --model llava_tiny "
-                            f"--task_args.coord_channels false)")
+                            f"({type(model.vision_tower).__name__}); caption and vqa runs take a model with one "
+                            f"(e.g. --model llava_tiny --task_args.coord_channels false)")
         load_checkpoint(model.vision_tower, source)
         return "the image tower (transformers' CLIP)"
     if p.is_dir():
