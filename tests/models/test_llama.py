@@ -4,6 +4,7 @@ Face directory and from Meta's layout; the KV cache equal to full recomputation;
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -227,6 +228,13 @@ def test_generate_checks_and_eos():
         model.generate(ids, max_new_tokens=7)
     with pytest.raises(ValueError, match="top_p must be in"):
         model.generate(ids, max_new_tokens=2, temperature=1.0, top_p=0.0)
+    for t in (float("nan"), float("inf"), -0.5):
+        with pytest.raises(ValueError, match="temperature must be finite and >= 0"):
+            model.generate(ids, max_new_tokens=2, temperature=t)
+    for shape in ((2, 9), (3, 10)):  # never sliced or padded to fit
+        want = f"attention_mask must be (batch, prompt) = (2, 10), got {shape}"
+        with pytest.raises(ValueError, match=re.escape(want)):
+            model.generate(ids, max_new_tokens=2, attention_mask=torch.ones(shape, dtype=torch.long))
     greedy = model.generate(ids, max_new_tokens=6)
     eos = int(greedy[0, 2])  # the third greedy token of row 0 as the end of sequence
     out = model.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)

@@ -336,6 +336,10 @@ def test_init_from_an_imported_checkpoint_of_another_architecture_is_named(tmp_p
         vision_feature_select_strategy="full"))
     llava.save_pretrained(tmp_path / "llava")
     _subword_tokenizer(tmp_path / "llava")
+    llava.config.vision_feature_select_strategy = "default"
+    llava.config.projector_hidden_act = "gelu_pytorch_tanh"  # nn.GELU as well, with another function
+    llava.save_pretrained(tmp_path / "llava_tanh")
+    _subword_tokenizer(tmp_path / "llava_tanh")
     blip = transformers.BlipForConditionalGeneration(transformers.BlipConfig(
         text_config=dict(vocab_size=100, hidden_size=32, encoder_hidden_size=48, intermediate_size=64,
                          num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=40),
@@ -349,6 +353,10 @@ def test_init_from_an_imported_checkpoint_of_another_architecture_is_named(tmp_p
     _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(tmp_path / "llava"), "--output_dir", str(out),
                              *flags], "another LLaVA architecture: vision_feature_select_strategy 'full' (this model "
                                       "'default')")
+    _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(tmp_path / "llava_tanh"), "--output_dir",
+                             str(out), *flags],
+                    "another LLaVA architecture: projector_hidden_act \"GELU(approximate='tanh')\" (this model "
+                    "\"GELU(approximate='none')\")")
     _one_line_error(capsys, ["train", "--task", "blip", "--model", "blip_tiny", "--init", str(tmp_path / "blip"),
                              "--output_dir", str(out), *TINY[6:]],
                     "another BLIP architecture than this run's: unexpected ['text_decoder.layers.2.")

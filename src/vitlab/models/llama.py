@@ -173,8 +173,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, t
     """``ValueError`` for generation settings :meth:`Llama.generate` refuses, before anything is computed."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if not 0 <= temperature < float("inf"):  # NaN too
+        raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be at least 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -364,6 +364,8 @@ class Llama(nn.Module):
             raise ValueError(f"the prompt ({n} tokens) plus max_new_tokens ({max_new_tokens}) exceed the context of "
                              f"{self.config.max_seq_len} tokens")
         device = prompt.device
+        if attention_mask is not None and tuple(attention_mask.shape) != (b, n):
+            raise ValueError(f"attention_mask must be (batch, prompt) = ({b}, {n}), got {tuple(attention_mask.shape)}")
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # no padding: plain causal attention, no mask to build
         full_mask = None

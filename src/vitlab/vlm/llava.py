@@ -248,7 +248,10 @@ class LLaVA(nn.Module):
         function beyond its tensors' shapes: the language model's architecture (:meth:`Llama.check_config`), a CLIP
         tower's activation and eps, the feature layer and selection, the projector's activation."""
         self.language_model.check_config(llama_config_from_hf(cfg.get("text_config") or {}), source)
-        kw = llava_kwargs_from_hf(cfg)
+        try:
+            kw = llava_kwargs_from_hf(cfg)
+        except ValueError as e:  # an activation vitlab does not have
+            raise ValueError(f"{source}: {e}") from None
         if isinstance(self.vision_tower, CLIPVisionTransformer):
             self.vision_tower.check_config(kw["vision"], source)
         act = self.projector.act
@@ -257,8 +260,9 @@ class LLaVA(nn.Module):
         mine = {"vision_feature_layer": self.vision_feature_layer,
                 "vision_feature_select_strategy": self.select_strategy}
         if act is not None:
-            theirs["projector_hidden_act"] = type(get_act_layer(kw["projector_act"])()).__name__
-            mine["projector_hidden_act"] = type(act).__name__
+            # the module's repr, not its class: tanh GELU is nn.GELU too
+            theirs["projector_hidden_act"] = repr(get_act_layer(kw["projector_act"])())
+            mine["projector_hidden_act"] = repr(act)
         bad = [f"{k} {theirs[k]!r} (this model {mine[k]!r})" for k in theirs if theirs[k] != mine[k]]
         if bad:
             raise ValueError(f"{source}: another LLaVA architecture: {', '.join(bad)}")
