@@ -423,7 +423,7 @@ def import_checkpoint(model: nn.Module, path: Path, tokenizer: WordTokenizer) ->
     tensor must fit the run's model as it is (``--model`` and its ``--model_kwargs`` name the same architecture).
     Returns what was loaded, for the run's log."""
     from vitlab.convert import load_state_dict, read_hf_config
-    from vitlab.models.llama import llama_config_from_hf
+    from vitlab.models import llama_config_from_hf
     from vitlab.vlm.blip import BLIP
     from vitlab.vlm.llava import LLaVA
 
