@@ -120,7 +120,9 @@ class CompiledLlama(CompiledInference):
             prompt = input_ids if input_ids is not None else embeds
             b, need = prompt.shape[0], prompt.shape[1] + max_new_tokens
             if need <= self.module.config.max_seq_len:  # else generate refuses the call
-                if self.cache is None or self.cache.k[0].shape[0] != b or self.cache.max_len < need:
+                try:
+                    self.module.check_cache(self.cache, b, need)
+                except ValueError:  # none yet, or not this batch size, or too short
                     self.cache = None  # the old one freed before the new one is allocated
                     self.cache = self.module.new_cache(b, need)
                 kwargs["cache"] = self.cache
