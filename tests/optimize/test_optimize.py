@@ -102,6 +102,25 @@ def test_inductor_options_state_the_simd_width_of_the_isa_in_use(monkeypatch):
         assert cpu.inductor_options()["cpp.simdlen"] == 256
 
 
+def test_inductor_options_build_the_cpp_for_the_capped_isa(monkeypatch):
+    """Under ATEN_CPU_CAPABILITY=avx2 on x86 Inductor's C++ is built for x86-64-v3, not -march=native (whose
+    AVX-512 code lowered the clock of an emulated AVX2 run); natively, or with TORCHINDUCTOR_CPP_MARCH set, the
+    option is left to Inductor."""
+    from torch._inductor import config
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert "cpp.march" not in cpu.inductor_options()
+    monkeypatch.setattr(cpu, "_x86", lambda: True)
+    for cap, march in (("avx2", "x86-64-v3"), ("AVX2", "x86-64-v3"), ("default", "x86-64")):
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
+        assert cpu.inductor_options()["cpp.march"] == march
+    monkeypatch.setattr(config.cpp, "march", "skylake")  # what TORCHINDUCTOR_CPP_MARCH sets
+    assert "cpp.march" not in cpu.inductor_options()
+    monkeypatch.setattr(cpu, "_x86", lambda: False)
+    monkeypatch.setattr(config.cpp, "march", None)
+    assert "cpp.march" not in cpu.inductor_options()
+
+
 def test_compile_backend_passes_the_inductor_options(monkeypatch):
     seen = []
     monkeypatch.setattr(torch, "compile", lambda model, options=None, **kw: seen.append(options) or model)
