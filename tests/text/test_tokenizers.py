@@ -155,6 +155,11 @@ def test_llama2_chat_equals_meta_encoding(sp_model):
     assert tok.encode(llama2_chat(dialog), bos=False) == _meta_chat_completion(sp, dialog)
     assert tok.encode(llama2_chat(dialog[1:2]), bos=False) == _meta_chat_completion(sp, dialog[1:2])
     assert llama2_chat(dialog[1:2]) == "<s>[INST] Where is the tower? [/INST]"
+    # whitespace as Meta's code treats it: the system block joins the first message, which is stripped whole
+    spaced = [{"role": "system", "content": "  Rules:\n1. be short\n"}, {"role": "user", "content": " Hi "},
+              {"role": "assistant", "content": " Hello. "}, {"role": "user", "content": "\tBye\n"}]
+    assert tok.encode(llama2_chat(spaced), bos=False) == _meta_chat_completion(sp, spaced)
+    assert llama2_chat(spaced).startswith("<s>[INST] <<SYS>>\n  Rules:\n1. be short\n\n<</SYS>>\n\n Hi [/INST]")
     with pytest.raises(ValueError, match="message 1 has role 'user', expected 'assistant'"):
         llama2_chat([dialog[1], dialog[1]])
     with pytest.raises(ValueError, match="message 0 .user. is empty"):

@@ -24,7 +24,8 @@ LLAVA_V1_SYSTEM = ("A chat between a curious human and an artificial intelligenc
 
 
 def _turns(messages: list[dict]) -> tuple[str | None, list[str]]:
-    """The system prompt (or None) and the contents of the alternating user / assistant turns, checked."""
+    """The system prompt (or None) and the contents of the alternating user / assistant turns, checked, as
+    written (each template strips what its reference code strips)."""
     if not messages:
         raise ValueError("no messages: a prompt needs at least one user message")
     system = messages[0]["content"] if messages[0].get("role") == "system" else None
@@ -38,14 +39,15 @@ def _turns(messages: list[dict]) -> tuple[str | None, list[str]]:
             raise ValueError(f"message {i + (system is not None)} ({role}) is empty")
     if len(turns) % 2 == 0:
         raise ValueError("the last message must be the user's (the one the model answers)")
-    return system, [str(m["content"]).strip() for m in turns]
+    return system, [str(m["content"]) for m in turns]
 
 
 def llama2_chat(messages: list[dict], bos: str = "<s>", eos: str = "</s>") -> str:
     """The Llama 2-Chat prompt of a conversation (encode it with ``bos=False``)."""
     system, turns = _turns(messages)
-    if system is not None:
-        turns[0] = B_SYS + system.strip() + E_SYS + turns[0]
+    if system is not None:  # as Meta's chat_completion: the system block joins the first message, then each
+        turns[0] = B_SYS + system + E_SYS + turns[0]  # message is stripped whole (the system prompt is not)
+    turns = [t.strip() for t in turns]
     text = "".join(f"{bos}{B_INST} {q} {E_INST} {a} {eos}" for q, a in zip(turns[0::2], turns[1::2]))
     return text + f"{bos}{B_INST} {turns[-1]} {E_INST}"
 
@@ -54,6 +56,7 @@ def llava_v1(messages: list[dict], image: bool = True, eos: str = "</s>") -> str
     """The LLaVA v1 prompt of a conversation about one image (encode it with ``bos=True``): ``<image>\\n`` opens
     the first user message unless it already holds the placeholder (``image=False``: a text-only prompt)."""
     system, turns = _turns(messages)
+    turns = [t.strip() for t in turns]
     if image and IMAGE_TOKEN not in turns[0]:
         turns[0] = f"{IMAGE_TOKEN}\n{turns[0]}"
     text = (LLAVA_V1_SYSTEM if system is None else system.strip()) + " "

@@ -53,9 +53,17 @@ _REWRITE = str.maketrans({
 # what PTBLexer cannot tokenize and deletes (its default "firstDelete"): characters outside the Basic
 # Multilingual Plane (emoji: the lexer sees two UTF-16 surrogates), emoji variation selectors, zero-width joiners
 _UNTOKENIZABLE = re.compile("[\U00010000-\U0010ffff\ufe00-\ufe0f\u200b-\u200d]")
+# the HTML entities PTBLexer reads as the characters they stand for (caseless; one pass, so "&amp;amp;" leaves
+# "&amp;", as the lexer does): "Tom &amp; Jerry" -> tom & jerry, "&lt;b&gt;" -> < b > (never an SGML tag),
+# "it&apos;s" -> it 's, "&quot;" a quote (dropped), "&nbsp;" a space, "&mdash;" a dash (dropped)
+_ENTITIES = {"&amp;": "&", "&quot;": ' " ', "&apos;": "'", "&lt;": " < ", "&gt;": " > ", "&nbsp;": " ",
+             "&mdash;": " -- "}
+_ENTITY = re.compile("|".join(_ENTITIES), re.IGNORECASE)
 
-_A = r"[^\W_]"  # a letter or digit
-_L = r"[^\W\d_]"  # a letter
+# a letter, as PTBLexer's LETTER, includes the entities of accented vowels (its SPLET): "&eacute;t&eacute;"
+_SPLET = r"&[aeiouAEIOU](?:acute|grave|uml);"
+_A = rf"(?:[^\W_]|{_SPLET})"  # a letter or digit
+_L = rf"(?:[^\W\d_]|{_SPLET})"  # a letter
 _END = r"(?![^\W_])"  # not followed by a letter or digit
 # abbreviations PTBLexer keeps with their period (its ABMONTH, ABDAYS, ABSTATE, ABCOMP, ABNUM, ABPTIT, ABTITLE
 # lists, caseless), those it only knows capitalised (state names that are also words: "Ill." but "ill ."), and
@@ -80,6 +88,7 @@ def _rule(pattern: str, emit=None):
 # the text itself).
 _RULES = [
     _rule(r"</?[A-Za-z!?][^>\r\n]*>"),  # SGML/HTML tags stay whole
+    _rule(r"&#\d+;"),  # a decimal character reference too: "&#39;"
     _rule(r"https?://[^\s\"<>|()]*[^\s\"<>|.!?(){},-]"),  # URLs, e-mail addresses, @names, #tags stay whole
     _rule(r"(?:www\.)?(?:[^\s\"`'<>|.!?(){},\-_$]+\.)+(?:com|net|org|edu)"
           r"(?:/[^\s\"<>|()]*[^\s\"<>|.!?(){},-])?"),
@@ -120,7 +129,7 @@ _RULES = [
 
 def _ptb_tokens(text: str) -> list[str]:
     """``text`` split into PTB tokens (before lower-casing and punctuation removal)."""
-    text = _UNTOKENIZABLE.sub(" ", text.translate(_REWRITE))
+    text = _ENTITY.sub(lambda m: _ENTITIES[m.group().lower()], _UNTOKENIZABLE.sub(" ", text.translate(_REWRITE)))
     tokens: list[str] = []
     i, n = 0, len(text)
     while i < n:
