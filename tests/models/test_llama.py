@@ -23,9 +23,10 @@ def _hf_model(tmp_path, **kw):
     """A random-init transformers LlamaForCausalLM of llama_tiny's shape (grouped-query attention, 2 kv heads),
     saved with save_pretrained into tmp_path."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
-                                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **kw)
+    cfg = transformers.LlamaConfig(**{**dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                             max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1,
+                                             eos_token_id=2), **kw})
     ref = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norms, so a swapped norm weight would show
         for name, p in ref.named_parameters():
@@ -213,10 +214,105 @@ def test_hf_directory_of_another_architecture_or_mismatch_is_one_line(tmp_path, 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["CLIPModel"], "model_type": "clip"}))
     with pytest.raises(ValueError, match="describes CLIPModel, clip, not LlamaForCausalLM / llama$"):
         Llama.from_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match="shape mismatch"):
+    # the directory's config.json names the difference before any tensor is read; the weights file alone, its shapes
+    with pytest.raises(ValueError, match=r"another Llama architecture: dim 64 \(this model 32\), hidden_dim 192 "
+                                         r"\(this model 96\), head_dim 16 \(this model 8\)$"):
         vitlab.create_model("llama_tiny", checkpoint_path=str(path), dim=32)
+    with pytest.raises(CheckpointError, match="shape mismatch"):
+        vitlab.create_model("llama_tiny", checkpoint_path=str(path / "model.safetensors"), dim=32)
     with pytest.raises(FileNotFoundError, match="neither config.json"):
         Llama.from_pretrained(tmp_path / "..")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("rope_theta", 5000.0, r": another Llama architecture: rope_theta 5000.0 \(this model 10000.0\)$"),
+    ("rms_norm_eps", 3e-6, r": another Llama architecture: norm_eps 3e-06 \(this model 1e-05\)$"),
+    ("hidden_act", "gelu", r"config.json: hidden_act 'gelu' is not supported \(Llama 2's SwiGLU gates with silu\)$"),
+])
+def test_hf_directory_of_another_function_is_refused_by_a_registered_model(tmp_path, field, value, message):
+    """A checkpoint of llama_tiny's shapes whose config.json changes what the weights compute (the RoPE base, the
+    RMSNorm eps, the activation) is refused by create_model(checkpoint_path=) in one line, not loaded into the
+    registered architecture; Llama.from_pretrained builds the checkpoint's own architecture where vitlab has it."""
+    ref = _hf_model(tmp_path, **{field: value})
+    with pytest.raises(ValueError, match=message) as e:
+        vitlab.create_model("llama_tiny", checkpoint_path=str(tmp_path))
+    assert "\n" not in str(e.value)
+    if field == "hidden_act":
+        with pytest.raises(ValueError, match=message):
+            Llama.from_pretrained(tmp_path)
+        return
+    ours = Llama.from_pretrained(tmp_path)
+    ids = torch.randint(0, 512, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), ref(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_decoder_of_another_vocabulary_and_context_reads_the_directory(pair):
+    """The vocabulary and the context are no part of the check (a vision-language run's --init reads a Llama
+    directory into a decoder of its own tokenizer's rows and its own context, then transfers the rows)."""
+    _, _, path = pair
+    other = Llama(LlamaConfig(**{**TINY, "vocab_size": 300, "max_seq_len": 32}))
+    assert other.read_checkpoint(path)["model.embed_tokens.weight"].shape == (512, 64)
+
+
+def _meta_dir(path, **params):
+    """A Meta release folder (consolidated.00.pth + params.json) of llama_tiny's shapes with random weights; its
+    params.json adds ``params``."""
+    sd = vitlab.create_model("llama_tiny").state_dict()
+    meta = {"tok_embeddings.weight": sd["embed_tokens.weight"], "norm.weight": sd["norm.weight"] + 0.5,
+            "output.weight": sd["lm_head.weight"]}
+    for i in range(2):
+        p = f"layers.{i}."
+        wq, wk, wv = sd[p + "attn.qkv.weight"].split([64, 32, 32])
+        w1, w3 = sd[p + "mlp.fc1.weight"].chunk(2)
+        meta.update({p + "attention.wq.weight": wq, p + "attention.wk.weight": wk, p + "attention.wv.weight": wv,
+                     p + "attention.wo.weight": sd[p + "attn.proj.weight"], p + "feed_forward.w1.weight": w1,
+                     p + "feed_forward.w2.weight": sd[p + "mlp.fc2.weight"], p + "feed_forward.w3.weight": w3,
+                     p + "attention_norm.weight": sd[p + "attn_norm.weight"],
+                     p + "ffn_norm.weight": sd[p + "mlp_norm.weight"]})
+    path.mkdir()
+    torch.save({k: v.clone() for k, v in meta.items()}, path / "consolidated.00.pth")
+    (path / "params.json").write_text(json.dumps({"dim": 64, "multiple_of": 32, "n_heads": 4, "n_kv_heads": 2,
+                                                  "n_layers": 2, "norm_eps": 1e-5, "vocab_size": -1, **params}))
+    return path
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"use_scaled_rope": True}, r"params.json: use_scaled_rope true \(Llama 3.1's RoPE frequency scaling\) is not "
+                                r"supported"),
+    ({"vision_chunk_size": 560, "rope_scaling_factor": 8.0},
+     r"params.json: keys \['rope_scaling_factor', 'vision_chunk_size'\] are not read by vitlab and may change the "
+     r"function"),
+])
+def test_meta_params_json_keys_vitlab_does_not_implement_are_refused(tmp_path, params, message):
+    """A params.json key that changes the function and that vitlab does not implement (Llama 3.1's RoPE scaling,
+    an unknown key) is refused in one line, not dropped."""
+    path = _meta_dir(tmp_path / "meta", **params)
+    for load in (lambda: Llama.from_pretrained(path), lambda: vitlab.create_model("llama_tiny",
+                                                                                  checkpoint_path=str(path))):
+        with pytest.raises(ValueError, match=message) as e:
+            load()
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"rope_theta": 5000.0}, r"rope_theta 5000.0 \(this model 10000.0\)$"),
+    ({"norm_eps": 3e-6}, r"norm_eps 3e-06 \(this model 1e-05\)$"),
+    ({"use_scaled_rope": False, "max_batch_size": 32, "max_seq_len": 512, "ffn_dim_multiplier": None}, None),
+])
+def test_meta_params_json_against_a_registered_model(tmp_path, params, message):
+    """Meta's folder into llama_tiny by create_model(checkpoint_path=): a RoPE base or RMSNorm eps other than the
+    model's is refused in one line (from_pretrained builds it); keys of no effect on the function pass."""
+    path = _meta_dir(tmp_path / "meta", **params)
+    own = Llama.from_pretrained(path, max_seq_len=256)
+    if message is not None:
+        with pytest.raises(ValueError, match=message):
+            vitlab.create_model("llama_tiny", checkpoint_path=str(path))
+        return
+    registered = vitlab.create_model("llama_tiny", checkpoint_path=str(path)).eval()
+    ids = torch.randint(0, 512, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(registered(ids), own(ids))
 
 
 def test_generate_checks_and_eos():

@@ -46,6 +46,11 @@ from vitlab.layers import (
 from vitlab.registry import ModelConfig, create_model, get_model_config, is_model, register_model
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "llama")
+# transformers' names of the SiLU (ACT2CLS), the only gate activation of Llama's SwiGLU
+_HF_SILU = ("silu", "swish")
+# keys of Meta's params.json that are no LlamaConfig field and do not change the function: the batch size of Meta's
+# preallocated cache (its ModelArgs), and RoPE scaling when it is off
+_META_IGNORED = ("max_batch_size", "use_scaled_rope")
 
 
 @dataclass
@@ -410,11 +415,21 @@ class Llama(nn.Module):
             return meta_to_llama_state_dict(sd, self.config)
         return sd
 
-    @staticmethod
-    def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    def read_checkpoint(self, path: str | os.PathLike) -> dict[str, torch.Tensor]:
         """The tensors of a checkpoint file or directory: a Hugging Face ``save_pretrained`` directory, Meta's
-        ``consolidated.*.pth`` directory, or one weights file (keys as saved; ``checkpoint_filter_fn`` maps them)."""
+        ``consolidated.*.pth`` directory, or one weights file (keys as saved; ``checkpoint_filter_fn`` maps them).
+        A directory's ``config.json`` or ``params.json`` must describe this decoder's function
+        (:meth:`check_config`): the tensors' shapes cannot tell the RoPE base, the RMSNorm eps, the activation or
+        RoPE scaling, and a checkpoint trained with others would load without a message and compute other logits."""
         path = Path(path)
+        if path.is_dir() and ((path / "config.json").is_file() or (path / "params.json").is_file()):
+            self.check_config(llama_config_from_dir(path), str(path))
+        return self._read_tensors(path)
+
+    @staticmethod
+    def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+        """:meth:`read_checkpoint` without the architecture check (:meth:`from_pretrained` builds the model from
+        the directory's own config)."""
         if path.is_dir() and not (path / "config.json").is_file() and sorted(path.glob("consolidated.*.pth")):
             return read_meta_state_dict(path)
         sd = read_hf_state_dict(path)
@@ -437,7 +452,7 @@ class Llama(nn.Module):
         cfg = llama_config_from_dir(path, **overrides)
         with torch.device("meta"):
             model = cls(cfg)
-        sd = model.checkpoint_filter_fn(cls.read_checkpoint(path), model)
+        sd = model.checkpoint_filter_fn(cls._read_tensors(path), model)
         sd = {k: v.to(dtype or torch.float32) for k, v in sd.items()}
         own = model.state_dict()
         missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
@@ -553,7 +568,9 @@ def read_meta_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def llama_config_from_hf(hf: dict, **overrides) -> LlamaConfig:
-    """A :class:`LlamaConfig` from a Hugging Face ``LlamaConfig`` dict (``config.json``)."""
+    """A :class:`LlamaConfig` from a Hugging Face ``LlamaConfig`` dict (``config.json``). What vitlab does not
+    implement and the weights cannot show is refused in one line: RoPE scaling, biases, a gate activation other
+    than SiLU (Llama 2's SwiGLU, Shazeer, 2020)."""
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling:
@@ -561,6 +578,9 @@ def llama_config_from_hf(hf: dict, **overrides) -> LlamaConfig:
                          f"(Llama 2 uses none)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("attention or MLP biases are not part of Llama 2")
+    act = hf.get("hidden_act", "silu")  # transformers' LlamaConfig default
+    if act not in _HF_SILU:  # the weights cannot tell the gate's activation
+        raise ValueError(f"hidden_act {act!r} is not supported (Llama 2's SwiGLU gates with silu)")
     kw = dict(dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
               n_kv_heads=hf.get("num_key_value_heads"), vocab_size=hf["vocab_size"],
               hidden_dim=hf["intermediate_size"], head_dim=hf.get("head_dim"), norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -575,8 +595,20 @@ def llama_config_from_hf(hf: dict, **overrides) -> LlamaConfig:
 
 def llama_config_from_meta(params: dict, vocab_size: int, **overrides) -> LlamaConfig:
     """A :class:`LlamaConfig` from Meta's ``params.json`` (its ``vocab_size`` is -1 in the Llama 2 release: the
-    embedding's rows give it)."""
+    embedding's rows give it). Every key must be one vitlab reads: a :class:`LlamaConfig` field (``dim``,
+    ``n_layers``, ``n_heads``, ``n_kv_heads``, ``multiple_of``, ``ffn_dim_multiplier``, ``norm_eps``,
+    ``rope_theta``, ``max_seq_len``...), ``max_batch_size`` (the size of Meta's preallocated cache, no part of the
+    function) or ``use_scaled_rope`` false. Any other key is refused in one line rather than dropped: Llama 3.1's
+    ``use_scaled_rope: true`` (its RoPE frequency scaling, Meta's ``apply_scaling``) or the vision keys of Llama 3.2
+    change the function, and a dropped key would load with wrong outputs."""
+    if params.get("use_scaled_rope"):
+        raise ValueError("use_scaled_rope true (Llama 3.1's RoPE frequency scaling) is not supported (Llama 2 "
+                         "uses none)")
     names = {f.name for f in fields(LlamaConfig)}
+    unknown = sorted(k for k in params if k not in names and k not in _META_IGNORED)
+    if unknown:
+        raise ValueError(f"keys {unknown} are not read by vitlab and may change the function (it reads "
+                         f"LlamaConfig's fields, max_batch_size and use_scaled_rope false)")
     kw = {k: v for k, v in params.items() if k in names}
     kw["vocab_size"] = vocab_size
     return LlamaConfig(**{**kw, **overrides})
@@ -586,7 +618,13 @@ def llama_config_from_dir(path: str | os.PathLike, **overrides) -> LlamaConfig:
     """The architecture of a checkpoint directory: Hugging Face's ``config.json`` or Meta's ``params.json``."""
     path = Path(path)
     if (path / "config.json").is_file():
-        return llama_config_from_hf(read_hf_config(path, HF_ARCHITECTURES), **overrides)
+        hf = read_hf_config(path, HF_ARCHITECTURES)
+        try:
+            return llama_config_from_hf(hf, **overrides)
+        except KeyError as e:
+            raise ValueError(f"{path / 'config.json'} has no {e}") from None
+        except ValueError as e:  # what vitlab does not implement, named with the file
+            raise ValueError(f"{path / 'config.json'}: {e}") from None
     if (path / "params.json").is_file():
         try:
             params = json.loads((path / "params.json").read_text())
@@ -602,7 +640,10 @@ def llama_config_from_dir(path: str | os.PathLike, **overrides) -> LlamaConfig:
                     "tok_embeddings.weight"].shape[0]
             except Exception as e:
                 raise unreadable(files[0], e, "weights file") from None
-        return llama_config_from_meta(params, vocab, **overrides)
+        try:
+            return llama_config_from_meta(params, vocab, **overrides)
+        except ValueError as e:
+            raise ValueError(f"{path / 'params.json'}: {e}") from None
     raise FileNotFoundError(f"{path} holds neither config.json (Hugging Face) nor params.json (Meta)")
 
 
