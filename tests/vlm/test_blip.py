@@ -4,6 +4,8 @@ ITM and ITC scores (within 1e-4). Then the three training objectives on the tiny
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -22,8 +24,9 @@ TINY_VISION = dict(image_size=32, patch_size=8, hidden_size=48, intermediate_siz
 
 
 def _hf_config(**kw):
-    return transformers.BlipConfig(text_config={**TINY_TEXT, **kw.pop("text", {})}, vision_config=TINY_VISION,
-                                   image_text_hidden_size=16, **kw)
+    return transformers.BlipConfig(text_config={**TINY_TEXT, **kw.pop("text", {})},
+                                   vision_config={**TINY_VISION, **kw.pop("vision", {})}, image_text_hidden_size=16,
+                                   **kw)
 
 
 def _perturbed(model):
@@ -191,3 +194,44 @@ def test_profile_inputs_fit_a_short_text_context():
     assert inputs[1].shape[1] == 20
     with torch.no_grad():
         model(*inputs)
+
+
+# config.json fields the tensors' shapes do not show, each changed from blip_tiny_caption's, and the refusal's words
+ANOTHER_FUNCTION = [
+    ({"vision": {"hidden_act": "quick_gelu"}}, "vision_config.hidden_act 'QuickGELU()' (this model "
+                                               "\"GELU(approximate='none')\")"),
+    ({"vision": {"layer_norm_eps": 0.5}}, "vision_config.layer_norm_eps 0.5 (this model 1e-05)"),
+    ({"vision": {"num_attention_heads": 2}}, "vision_config.num_attention_heads 2 (this model 4)"),
+    ({"text": {"hidden_act": "gelu_new"}}, "text_config.hidden_act \"GELU(approximate='tanh')\" (this model "
+                                           "\"GELU(approximate='none')\")"),
+    ({"text": {"layer_norm_eps": 0.5}}, "text_config.layer_norm_eps 0.5 (this model 1e-12)"),
+    ({"text": {"num_attention_heads": 2}}, "text_config.num_attention_heads 2 (this model 4)"),
+    ({"text": {"bos_token_id": 97}}, "text_config.bos_token_id 97 (this model 98)"),
+    ({"text": {"sep_token_id": 5}}, "text_config.sep_token_id 5 (this model 3)"),
+    ({"text": {"pad_token_id": 1}}, "text_config.pad_token_id 1 (this model 0)"),
+]
+
+
+@pytest.mark.parametrize("change,message", ANOTHER_FUNCTION, ids=lambda c: str(c)[:40])
+def test_a_checkpoint_of_another_function_is_refused_in_one_line(change, message, tmp_path):
+    """create_model(checkpoint_path=) compares config.json with the registered model: the same tensors under
+    another activation, eps or head count compute transformers' logits differently (shown below); another [DEC],
+    [SEP] or padding id starts, stops or pads its captions elsewhere."""
+    from vitlab.convert import load_state_dict
+
+    ref = _perturbed(transformers.BlipForConditionalGeneration(_hf_config(**change)))
+    with torch.no_grad():  # weights large enough for an activation's or a head split's difference to show
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    ref.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}: another BLIP architecture: "
+                                         f"{re.escape(message)}$"):
+        vitlab.create_model("blip_tiny_caption", checkpoint_path=str(tmp_path))
+    if "_token_id" in str(change):
+        return
+    ours = load_state_dict(vitlab.create_model("blip_tiny_caption"), ref.state_dict()).eval()  # unchecked
+    x = torch.randn(2, 3, 32, 32)
+    ids, mask = _text(2)
+    with torch.no_grad():
+        want = ref(pixel_values=x, input_ids=ids, attention_mask=mask).logits
+        assert not torch.allclose(ours(x, ids, mask)[0], want, rtol=1e-4, atol=1e-4)  # the tolerance above

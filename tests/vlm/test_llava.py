@@ -5,6 +5,8 @@ refusals."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -22,9 +24,12 @@ TEXT = dict(vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, eos_token_id=EOS, pad_token_id=PAD)
 
 
-def _hf(tmp_path, **kw):
-    cfg = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**VISION),
-                                   text_config=transformers.LlamaConfig(**TEXT), image_token_index=IMAGE, **kw)
+def _hf(tmp_path, vision=None, text=None, **kw):
+    """transformers' LLaVA of llava_tiny's shapes (``vision`` / ``text``: changes to its towers' configs), random
+    weights, saved to ``tmp_path``."""
+    cfg = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**{**VISION, **(vision or {})}),
+                                   text_config=transformers.LlamaConfig(**{**TEXT, **(text or {})}),
+                                   **{"image_token_index": IMAGE, **kw})
     ref = transformers.LlavaForConditionalGeneration(cfg)
     torch.manual_seed(0)
     with torch.no_grad():  # every parameter off its init (norms, biases), so no term of the key map hides
@@ -201,3 +206,64 @@ def test_flops_are_counted_for_any_tower_input_and_context(kw):
     assert ids.shape[1] + m.num_image_tokens - 1 <= m.language_model.config.max_seq_len
     assert image.shape[1] == kw.get("in_chans", 3)
     assert profile_model(m).gmacs > 0
+
+
+# config.json fields the tensors' shapes do not show, each changed from llava_tiny's, and the refusal's words
+ANOTHER_FUNCTION = [
+    ({"vision_feature_layer": -1}, "another LLaVA architecture: vision_feature_layer -1 (this model -2)"),
+    ({"vision_feature_select_strategy": "full"}, "vision_feature_select_strategy 'full' (this model 'default')"),
+    ({"projector_hidden_act": "quick_gelu"},
+     "projector_hidden_act 'QuickGELU()' (this model \"GELU(approximate='none')\")"),
+    ({"text": {"rope_theta": 5000.0}}, "another Llama architecture: rope_theta 5000.0 (this model 10000.0)"),
+    ({"vision": {"hidden_act": "gelu"}}, "its image tower uses hidden_act 'gelu'"),
+    ({"vision": {"layer_norm_eps": 0.5}}, "LayerNorm eps 0.5, this model quick_gelu and 1e-05"),
+    ({"vision": {"num_attention_heads": 2}}, "vision_config.num_attention_heads 2 (this model 4)"),
+    ({"image_token_index": 111}, "image_token_index 111 (this model 110)"),
+]
+
+
+@pytest.mark.parametrize("change,message", ANOTHER_FUNCTION, ids=lambda c: str(c)[:40])
+def test_a_checkpoint_of_another_function_is_refused_in_one_line(change, message, tmp_path):
+    """create_model(checkpoint_path=) compares config.json with the registered model: the same tensors under
+    another activation, eps, RoPE base, head count, feature layer or selection compute transformers' model
+    differently (shown below), and another placeholder id misreads every prompt."""
+    from vitlab.convert import load_state_dict
+
+    ref = _hf(tmp_path, **change)
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        vitlab.create_model("llava_tiny", checkpoint_path=str(tmp_path))
+    assert str(e.value).startswith(f"{tmp_path}: ") and "\n" not in str(e.value)
+    if "image_token_index" in change:
+        return
+    ours = load_state_dict(vitlab.create_model("llava_tiny"), ref.state_dict()).eval()  # unchecked
+    x = torch.randn(1, 3, 32, 32)
+    t = T + (change.get("vision_feature_select_strategy") == "full")
+    ids = torch.cat([torch.tensor([[1]]), torch.full((1, t), IMAGE), torch.tensor([[7, 8, 9]])], 1)
+    with torch.no_grad():
+        want = ref(input_ids=ids, pixel_values=x).logits
+        got = ours(torch.tensor([[1, IMAGE, 7, 8, 9]]), x).logits
+    assert got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4)  # the tolerance above
+
+
+def test_a_feature_layer_counted_from_the_start_names_the_same_block(tmp_path):
+    """hidden_states[2] of a 3-block tower is hidden_states[-2], llava_tiny's: the checkpoint loads and computes
+    transformers' logits."""
+    ref = _hf(tmp_path, vision_feature_layer=2)
+    ours = vitlab.create_model("llava_tiny", checkpoint_path=str(tmp_path)).eval()
+    ids, x = _prompt(expanded=True), torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, x).logits, ref(input_ids=ids, pixel_values=x).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_a_language_model_other_than_llama_is_refused(tmp_path):
+    """Mistral's decoder has Llama's tensors but attends within a sliding window: not loaded as a Llama."""
+    transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**VISION),
+        text_config=transformers.MistralConfig(**TEXT, sliding_window=4), image_token_index=IMAGE)
+    ).save_pretrained(tmp_path)
+    for load in (lambda: vitlab.create_model("llava_tiny", checkpoint_path=str(tmp_path)),
+                 lambda: LLaVA.from_pretrained(tmp_path)):
+        with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}: only Llama language models are "
+                                             f"supported, not text_config.model_type 'mistral'$"):
+            load()

@@ -4,6 +4,7 @@ line with exit code 2."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -361,6 +362,49 @@ def test_init_from_an_imported_checkpoint_of_another_architecture_is_named(tmp_p
                              "--output_dir", str(out), *TINY[6:]],
                     "another BLIP architecture than this run's: unexpected ['text_decoder.layers.2.")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kind,change,words", [
+    ("blip", {"vision_config": {"hidden_act": "quick_gelu"}},
+     "another BLIP architecture: vision_config.hidden_act 'QuickGELU()' (this model \"GELU(approximate='none')\")"),
+    ("blip", {"text_config": {"layer_norm_eps": 1e-6}},
+     "another BLIP architecture: text_config.layer_norm_eps 1e-06 (this model 1e-12)"),
+    ("llava", {"text_config": {"model_type": "mistral", "sliding_window": 4}},
+     "only Llama language models are supported, not text_config.model_type 'mistral'"),
+    ("llava", {"vision_config": {"num_attention_heads": 2}},
+     "another LLaVA architecture: vision_config.num_attention_heads 2 (this model 4)"),
+])
+def test_init_checks_what_the_shapes_cannot_show_but_not_the_token_ids(kind, change, words, tmp_path, capsys):
+    """--init compares an imported BLIP's or LLaVA's config.json with the run's model as create_model does, all
+    but the special tokens' ids: those of the checkpoint's tokenizer (BLIP's [DEC] 30522, LLaVA's <image> 32000
+    here) reach the run's word ids through the vocabulary transfer, so only the function's difference is named."""
+    transformers = pytest.importorskip("transformers")
+    change = copy.deepcopy(change)  # the parameters' dicts are shared: popped from a copy
+    vision = dict(image_size=64 if kind == "blip" else 32, patch_size=8, hidden_size=48, intermediate_size=96,
+                  num_hidden_layers=2 if kind == "blip" else 3, num_attention_heads=4)
+    vision.update(change.pop("vision_config", {}))
+    if kind == "blip":
+        text = dict(vocab_size=100, hidden_size=32, encoder_hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, max_position_embeddings=40, **change.pop("text_config", {}))
+        ref = transformers.BlipForConditionalGeneration(transformers.BlipConfig(
+            text_config=text, vision_config=vision, image_text_hidden_size=16))
+        flags = ["--task", "blip", "--model", "blip_tiny", *TINY[6:]]
+    else:
+        text = change.pop("text_config", {})
+        mistral = text.pop("model_type", "llama") == "mistral"
+        text = (transformers.MistralConfig if mistral else transformers.LlamaConfig)(
+            vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, **text)
+        ref = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+            vision_config=transformers.CLIPVisionConfig(**vision), text_config=text, **change))
+        flags = ["--task", "vqa", "--model", "llava_tiny", "--task_args.coord_channels", "false", *TINY[6:]]
+    ref.save_pretrained(tmp_path / "hf")
+    _subword_tokenizer(tmp_path / "hf", vocab_size=90)
+    out = tmp_path / "run"
+    capsys.readouterr()  # transformers' own progress lines
+    line = _one_line_error(capsys, ["train", *flags, "--init", str(tmp_path / "hf"), "--output_dir", str(out)],
+                           f"{tmp_path / 'hf'}: {words}")
+    assert "token" not in line and not out.exists()
 
 
 def test_init_from_an_imported_checkpoint_is_refused_in_one_line(tmp_path, capsys):

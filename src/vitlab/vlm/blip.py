@@ -32,6 +32,7 @@ key map. For the same weights: :meth:`BLIP.forward` gives ``BlipForConditionalGe
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, fields
@@ -439,21 +440,49 @@ class BLIP(nn.Module):
             {"temp"} if "itc" in self.heads else set())
 
     # ---- weights -------------------------------------------------------------------------------------
-    @staticmethod
-    def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-        """A Hugging Face ``save_pretrained`` directory of a BLIP model (architecture checked), else a file."""
+    def check_hf_config(self, cfg: dict, source: str, token_ids: bool = True) -> None:
+        """``ValueError`` (one line: the field, the checkpoint's value, this model's) unless a transformers
+        ``BlipConfig`` dict describes this model's function beyond its tensors' shapes: each tower's activation,
+        LayerNorm eps and heads and, with ``token_ids``, the text's [DEC] (``bos_token_id``), [SEP] and padding ids
+        that captioning starts, stops and pads with. ``token_ids=False`` is for a checkpoint whose token ids are
+        mapped onto the model's (``--init``'s vocabulary transfer)."""
+        v, t = {**_HF_VISION, **cfg.get("vision_config", {})}, {**_HF_TEXT, **cfg.get("text_config", {})}
+        block, text = self.vision_tower.blocks[0], self.text_config
+        try:  # the activations as modules: two names of one function compare equal, GELU and tanh GELU do not
+            acts = [repr(get_act_layer(hf_act(c["hidden_act"]))()) for c in (v, t)]
+        except ValueError as e:  # an activation vitlab does not have
+            raise ValueError(f"{source}: {e}") from None
+        # field: (the checkpoint's value, this model's)
+        pairs = {"vision_config.hidden_act": (acts[0], repr(block.mlp.act)),
+                 "vision_config.layer_norm_eps": (v["layer_norm_eps"], self.vision_tower.norm.eps),
+                 "vision_config.num_attention_heads": (v["num_attention_heads"], block.attn.num_heads),
+                 "text_config.hidden_act": (acts[1], repr(get_act_layer(text.act_layer)())),
+                 "text_config.layer_norm_eps": (t["layer_norm_eps"], text.eps),
+                 "text_config.num_attention_heads": (t["num_attention_heads"], text.num_heads)}
+        if token_ids:
+            pairs.update({f"text_config.{k}": (t[k], getattr(text, k))
+                          for k in ("bos_token_id", "sep_token_id", "pad_token_id")})
+        bad = [f"{k} {theirs!r} (this model {mine!r})" for k, (theirs, mine) in pairs.items()
+               if not (math.isclose(theirs, mine, rel_tol=1e-6) if k.endswith("_eps") else theirs == mine)]
+        if bad:
+            raise ValueError(f"{source}: another BLIP architecture: {', '.join(bad)}")
+
+    def read_checkpoint(self, path: str | os.PathLike, token_ids: bool = True) -> dict[str, torch.Tensor]:
+        """The tensors of a Hugging Face ``save_pretrained`` directory of a BLIP model, else of a file. A
+        directory's ``config.json`` must describe this model (:meth:`check_hf_config`: what the weights cannot
+        tell, the special tokens' ids too unless ``token_ids`` is False)."""
         p = Path(path)
-        if p.is_dir():
-            read_hf_config(p, architectures=(*HF_ARCHITECTURES, "blip"))
-            return read_hf_state_dict(p)
-        return read_state_dict(p)
+        if not p.is_dir():
+            return read_state_dict(p)
+        self.check_hf_config(read_hf_config(p, architectures=(*HF_ARCHITECTURES, "blip")), str(p), token_ids)
+        return read_hf_state_dict(p)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> BLIP:
         """A BLIP with the architecture (``config.json``) and weights of a transformers
         ``BlipForConditionalGeneration`` (the captioner) or ``BlipForImageTextRetrieval`` directory, in eval mode."""
         model = cls(**blip_kwargs_from_hf(read_hf_config(path, architectures=(*HF_ARCHITECTURES, "blip"))))
-        return load_state_dict(model, cls.read_checkpoint(path), source=str(path)).eval()
+        return load_state_dict(model, model.read_checkpoint(path), source=str(path)).eval()
 
     @staticmethod
     def checkpoint_filter_fn(sd: dict[str, torch.Tensor], model: BLIP) -> dict[str, torch.Tensor]:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict, read_state_dict
 from vitlab.layers import get_act_layer
 from vitlab.models import (
+    HF_CLIP_VISION_DEFAULTS,
     CLIPVisionTransformer,
     Llama,
     clip_vision_transformer,
@@ -112,7 +113,7 @@ class LLaVA(nn.Module):
             raise ValueError(f"vision_feature_layer {vision_feature_layer} must name blocks 1..{n} or -1..-{n} of "
                              f"the image tower (0, the embedded patches, is not offered)")
         self.vision_feature_layer = vision_feature_layer
-        self._take = [i - 1 if i > 0 else n + i for i in layers]  # hidden_states[i] is the output of block i - 1
+        self._take = self._blocks(layers)
         self._prefix = int(getattr(vision_tower, "num_prefix_tokens", 0))
         if hasattr(vision_tower, "blocks"):  # a plain ViT: one width, the patch grid (and the prefix) as tokens
             grid = vision_tower.patch_embed.grid_size
@@ -243,37 +244,58 @@ class LLaVA(nn.Module):
         return {f"vision_tower.{n}" for n in nwd}
 
     # ---- weights --------------------------------------------------------------------------------------------
-    def check_hf_config(self, cfg: dict, source: str) -> None:
-        """``ValueError`` naming the difference unless a transformers ``LlavaConfig`` dict describes this model's
-        function beyond its tensors' shapes: the language model's architecture (:meth:`Llama.check_config`), a CLIP
-        tower's activation and eps, the feature layer and selection, the projector's activation."""
-        self.language_model.check_config(llama_config_from_hf(cfg.get("text_config") or {}), source)
+    def check_hf_config(self, cfg: dict, source: str, token_ids: bool = True) -> None:
+        """``ValueError`` (one line: the field, the checkpoint's value, this model's) unless a transformers
+        ``LlavaConfig`` dict describes this model's function beyond its tensors' shapes: a Llama language model
+        (``text_config.model_type``) of this architecture (:meth:`Llama.check_config`), a CLIP tower's activation,
+        eps and heads, the feature layers (compared as the blocks they name) and selection, the projector's
+        activation and, with ``token_ids``, the image placeholder ``image_token_index``. ``token_ids=False`` is for
+        a checkpoint whose token ids are mapped onto the model's (``--init``'s vocabulary transfer)."""
         try:
             kw = llava_kwargs_from_hf(cfg)
-        except ValueError as e:  # an activation vitlab does not have
-            raise ValueError(f"{source}: {e}") from None
-        if isinstance(self.vision_tower, CLIPVisionTransformer):
-            self.vision_tower.check_config(kw["vision"], source)
-        act = self.projector.act
-        theirs = {"vision_feature_layer": kw["vision_feature_layer"],
-                  "vision_feature_select_strategy": kw["vision_feature_select_strategy"]}
-        mine = {"vision_feature_layer": self.vision_feature_layer,
-                "vision_feature_select_strategy": self.select_strategy}
-        if act is not None:
-            # the module's repr, not its class: tanh GELU is nn.GELU too
-            theirs["projector_hidden_act"] = repr(get_act_layer(kw["projector_act"])())
-            mine["projector_hidden_act"] = repr(act)
-        bad = [f"{k} {theirs[k]!r} (this model {mine[k]!r})" for k in theirs if theirs[k] != mine[k]]
+            self.language_model.check_config(llama_config_from_hf(cfg.get("text_config") or {}), source)
+        except KeyError as e:
+            raise ValueError(f"{source}: its config.json has no text_config field {e}") from None
+        except ValueError as e:  # an activation, a language model or a RoPE vitlab does not have
+            msg = str(e)
+            raise ValueError(msg if msg.startswith(f"{source}:") else f"{source}: {msg}") from None
+        vision = {**HF_CLIP_VISION_DEFAULTS, **kw["vision"]}
+        tower = self.vision_tower
+        if isinstance(tower, CLIPVisionTransformer):
+            tower.check_config(vision, source)
+        # field: (the checkpoint's value, this model's)
+        pairs = {"vision_feature_layer": (kw["vision_feature_layer"], self.vision_feature_layer),
+                 "vision_feature_select_strategy": (kw["vision_feature_select_strategy"], self.select_strategy)}
+        if hasattr(tower, "blocks"):  # the heads split the same fused projection differently
+            pairs["vision_config.num_attention_heads"] = (vision["num_attention_heads"],
+                                                          tower.blocks[0].attn.num_heads)
+        if self.projector.act is not None:  # the module's repr, not its class: tanh GELU is nn.GELU too
+            pairs["projector_hidden_act"] = (repr(get_act_layer(kw["projector_act"])()), repr(self.projector.act))
+        if token_ids:
+            pairs["image_token_index"] = (kw["image_token_id"], self.image_token_id)
+        # the feature layers compared as the blocks they name (2 and -2 are one block of a 3-block tower)
+        bad = [f"{k} {theirs!r} (this model {mine!r})" for k, (theirs, mine) in pairs.items()
+               if (self._blocks(theirs) != self._take if k == "vision_feature_layer" else theirs != mine)]
         if bad:
             raise ValueError(f"{source}: another LLaVA architecture: {', '.join(bad)}")
 
-    @staticmethod
-    def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-        """A transformers ``save_pretrained`` directory of a LLaVA model (architecture checked), else a file."""
+    def _blocks(self, layers: int | list[int]) -> list[int]:
+        """The tower's blocks (0-based) that transformers' ``vision_feature_layer`` names: ``hidden_states[i]`` is
+        block i - 1's output, a negative i counts from the end (-1 for an index outside the tower)."""
+        n = _num_levels(self.vision_tower)
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        return [i - 1 if 0 < i <= n else n + i if -n <= i < 0 else -1 for i in layers]
+
+    def read_checkpoint(self, path: str | os.PathLike, token_ids: bool = True) -> dict[str, torch.Tensor]:
+        """The tensors of a transformers ``save_pretrained`` directory of a LLaVA model, else of a file. A
+        directory's ``config.json`` must describe this model (:meth:`check_hf_config`: what the weights cannot
+        tell, the image placeholder's id too unless ``token_ids`` is False)."""
         p = Path(path)
         if not p.is_dir():
             return read_state_dict(p)
-        cfg, sd = read_hf_config(p, architectures=HF_ARCHITECTURES), read_hf_state_dict(p)
+        cfg = read_hf_config(p, architectures=HF_ARCHITECTURES)
+        self.check_hf_config(cfg, str(p), token_ids=token_ids)
+        sd = read_hf_state_dict(p)
         # a tied head is left out of the file: the saved layout (transformers 4) or the in-memory one (5)
         for embed, head in (("language_model.model.embed_tokens.weight", "language_model.lm_head.weight"),
                             ("model.language_model.embed_tokens.weight", "lm_head.weight")):
@@ -285,10 +307,13 @@ class LLaVA(nn.Module):
         """A LLaVA with the architecture (``config.json``) and weights of a transformers
         ``LlavaForConditionalGeneration`` directory (a CLIP image tower and a Llama decoder), in eval mode."""
         cfg = read_hf_config(path, architectures=HF_ARCHITECTURES)
-        kw = llava_kwargs_from_hf(cfg)
-        language = Llama(llama_config_from_hf(cfg.get("text_config") or {}))
+        try:
+            kw = llava_kwargs_from_hf(cfg)
+            language = Llama(llama_config_from_hf(cfg.get("text_config") or {}))
+        except ValueError as e:  # an image tower, a language model or an activation vitlab does not have
+            raise ValueError(f"{path}: {e}") from None
         model = cls(clip_vision_transformer(kw.pop("vision")), language, **kw)
-        return load_state_dict(model, cls.read_checkpoint(path), source=str(path)).eval()
+        return load_state_dict(model, model.read_checkpoint(path), source=str(path)).eval()
 
     @staticmethod
     def checkpoint_filter_fn(sd: dict[str, torch.Tensor], model: LLaVA) -> dict[str, torch.Tensor]:
@@ -363,9 +388,12 @@ def build_llava(vision: str | dict, language: str, vision_kwargs: dict | None = 
 
 def llava_kwargs_from_hf(cfg: dict) -> dict:
     """:func:`build_llava`'s arguments (less the language model) of a transformers ``LlavaConfig`` dict."""
-    vision = cfg.get("vision_config") or {}
+    vision, text = cfg.get("vision_config") or {}, cfg.get("text_config") or {}
     if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
         raise ValueError(f"only CLIP image towers are supported, not {vision.get('model_type')!r}")
+    if text.get("model_type", "llama") != "llama":  # another decoder (e.g. Mistral's sliding window) computes else
+        raise ValueError(f"only Llama language models are supported, not text_config.model_type "
+                         f"{text.get('model_type')!r}")
     return dict(vision=vision, image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", 32000)),
                 projector_act=hf_act(cfg.get("projector_hidden_act", "gelu")),
                 projector_bias=cfg.get("multimodal_projector_bias", True),

@@ -423,7 +423,6 @@ def import_checkpoint(model: nn.Module, path: Path, tokenizer: WordTokenizer) ->
     tensor must fit the run's model as it is (``--model`` and its ``--model_kwargs`` name the same architecture).
     Returns what was loaded, for the run's log."""
     from vitlab.convert import load_state_dict, read_hf_config
-    from vitlab.models import llama_config_from_hf
     from vitlab.vlm.blip import BLIP
     from vitlab.vlm.llava import LLaVA
 
@@ -444,17 +443,13 @@ def import_checkpoint(model: nn.Module, path: Path, tokenizer: WordTokenizer) ->
         raise DataError(f"--init {path}: no tokenizer.json or tokenizer.model beside its weights; its token rows "
                         f"reach this run's words through its tokenizer")
     specials = {}
-    try:  # what the shapes cannot show: a layer fewer than the run's (only converted up to its count), the RoPE
-        # base, the image features' selection...
-        if kind == "llama":
-            target.check_config(llama_config_from_hf(hf), str(path))
-        elif kind == "llava":
-            model.check_hf_config(hf, str(path))
-            if "image_token_index" in hf:  # a SentencePiece tokenizer.model does not hold the added <image>
-                specials[IMAGE_TOKEN] = hf["image_token_index"]
-    except KeyError as e:
-        raise DataError(f"--init {path}: its config.json has no {e}") from None
-    sd = target.checkpoint_filter_fn(target.read_checkpoint(path), target)
+    # the reader refuses what the shapes cannot show (a layer fewer than the run's, only converted up to its count;
+    # the RoPE base; the image features' selection...); a LLaVA's or BLIP's token ids it leaves to the vocabulary
+    # transfer below, which carries the checkpoint's rows to the run's ids (a Llama's reader compares none)
+    sd = target.read_checkpoint(path) if kind == "llama" else target.read_checkpoint(path, token_ids=False)
+    if kind == "llava" and "image_token_index" in hf:  # a SentencePiece tokenizer.model lacks the added <image>
+        specials[IMAGE_TOKEN] = hf["image_token_index"]
+    sd = target.checkpoint_filter_fn(sd, target)
     sd, whole, pieces, new = transfer_vocabulary(target, sd, load_tokenizer(file), tokenizer, str(path), specials)
     own = target.state_dict()
     for k, v in sd.items():  # BERT's learned positions: the run's context needs the first rows only
