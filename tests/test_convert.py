@@ -160,3 +160,18 @@ def test_hf_missing_or_truncated_shard_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"shard .*model-00002-of-00002.safetensors named in "
                                                 r"model.safetensors.index.json is missing"):
         read_hf_state_dict(tmp_path)
+
+
+def test_hf_index_leaving_a_shard_out_is_refused(tmp_path):
+    """An index whose weight_map no longer names one of the shards its file names count ("-of-00002"): the
+    tensors of that shard would be missing, found here in one line rather than later as an absent key."""
+    from vitlab.convert import read_hf_state_dict
+
+    _hf_dir(tmp_path, True)
+    index = tmp_path / "model.safetensors.index.json"
+    cfg = json.loads(index.read_text())
+    cfg["weight_map"] = {k: v for k, v in cfg["weight_map"].items() if v != "model-00002-of-00002.safetensors"}
+    index.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json names no tensor of "
+                                              r"model-00002-of-00002.safetensors of the 2 .*the index is incomplete$"):
+        read_hf_state_dict(tmp_path)

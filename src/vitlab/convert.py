@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import warnings
 from pathlib import Path
 
@@ -110,7 +111,10 @@ def load_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool 
     path = source
     filter_fn = getattr(model, "checkpoint_filter_fn", None)
     if filter_fn is not None:
-        sd = filter_fn(sd, model)
+        try:
+            sd = filter_fn(sd, model)
+        except CheckpointError as e:  # a conversion that found tensors missing: say which checkpoint
+            raise CheckpointError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
     sd = _drop_mismatched_head(sd, model)
     own = model.state_dict()
     head_keys = {k for k in own if k.split(".")[0] in _HEAD_KEYS}
@@ -231,6 +235,21 @@ def read_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     for shard in shards:  # every shard present before reading any (they can be many GB)
         if not (folder / shard).is_file():
             raise FileNotFoundError(f"shard {folder / shard} named in {index.name} is missing")
+    # and every shard of the set named: save_pretrained's "model-00003-of-00005.safetensors" says how many
+    # there are, so an index that leaves one out is found here, not as a missing tensor later
+    weights = index.name[:-len(".index.json")]
+    stem, ext = os.path.splitext(weights)
+    for shard in shards:
+        m = re.fullmatch(rf"{re.escape(stem)}-(\d+)-of-(\d+){re.escape(ext)}", shard)
+        if m:
+            width, total = len(m.group(1)), int(m.group(2))
+            unnamed = [f"{stem}-{i:0{width}d}-of-{m.group(2)}{ext}" for i in range(1, total + 1)]
+            unnamed = [f for f in unnamed if f not in shards]
+            if unnamed:
+                raise CheckpointError(f"{index} names no tensor of {unnamed[0]}"
+                                      + (f" and {len(unnamed) - 1} more shard(s)" if len(unnamed) > 1 else "")
+                                      + f" of the {total} its shard names count: the index is incomplete")
+            break
     sd: dict[str, torch.Tensor] = {}
     for shard, keys in shards.items():
         part = _read_hf_file(folder / shard)

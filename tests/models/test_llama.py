@@ -447,3 +447,25 @@ def test_tied_embeddings_and_a_truncated_meta_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"consolidated.00.pth: the file is truncated or corrupt") as e:
         Llama.from_pretrained(meta)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("load", ["from_pretrained", "create_model"])
+def test_checkpoint_lacking_a_tensor_is_named(tmp_path, load):
+    """A file holding fewer tensors than its config needs (a layer's MLP left out): one CheckpointError naming
+    the checkpoint and the tensor, not a KeyError from the conversion."""
+    from safetensors.torch import save_file
+
+    from vitlab.convert import CheckpointError, read_hf_state_dict
+
+    _hf_model(tmp_path / "full")
+    sd = read_hf_state_dict(tmp_path / "full")
+    del sd["model.layers.1.mlp.down_proj.weight"]
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "cut" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"cut: the checkpoint lacks 1 of the 20 tensors a Llama of its config "
+                                              r"needs, e.g. 'model.layers.1.mlp.down_proj.weight'$"):
+        if load == "from_pretrained":
+            Llama.from_pretrained(tmp_path / "cut")
+        else:
+            vitlab.create_model("llama_tiny", checkpoint_path=tmp_path / "cut")

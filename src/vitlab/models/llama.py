@@ -452,7 +452,11 @@ class Llama(nn.Module):
         cfg = llama_config_from_dir(path, **overrides)
         with torch.device("meta"):
             model = cls(cfg)
-        sd = model.checkpoint_filter_fn(cls._read_tensors(path), model)
+        sd = cls._read_tensors(path)
+        try:
+            sd = model.checkpoint_filter_fn(sd, model)
+        except CheckpointError as e:  # tensors missing for the config: say which checkpoint
+            raise CheckpointError(f"{path}: {e}") from None
         sd = {k: v.to(dtype or torch.float32) for k, v in sd.items()}
         own = model.state_dict()
         missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
@@ -499,9 +503,22 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tenso
     return w.reshape(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
+def _check_keys(sd: dict[str, torch.Tensor], needed: list[str]) -> None:
+    """:class:`CheckpointError` naming the tensors of ``needed`` a checkpoint lacks (an index that leaves a shard
+    out, a file cut to fewer layers), before any is converted."""
+    missing = [k for k in needed if k not in sd]
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} of the {len(needed)} tensors a Llama of its "
+                              f"config needs, e.g. {', '.join(map(repr, missing[:3]))}")
+
+
 def hf_to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """A Hugging Face ``LlamaForCausalLM`` state dict -> ours: q/k/v packed into ``qkv`` (q and k rows back in
     RoPE's pair order), gate/up packed into ``mlp.fc1``, down -> ``mlp.fc2``."""
+    _check_keys(sd, ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{name}.weight" for i in range(cfg.n_layers)
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                     "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")])
     out = {"embed_tokens.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
     if "lm_head.weight" in sd:
         out["lm_head.weight"] = sd["lm_head.weight"]
@@ -522,6 +539,10 @@ def hf_to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dic
 
 def meta_to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """Meta's ``consolidated.*.pth`` names -> ours (no permutation: Meta already rotates consecutive pairs)."""
+    _check_keys(sd, ["tok_embeddings.weight", "norm.weight", "output.weight"] + [
+        f"layers.{i}.{name}.weight" for i in range(cfg.n_layers)
+        for name in ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+                     "feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm")])
     out = {"embed_tokens.weight": sd["tok_embeddings.weight"], "norm.weight": sd["norm.weight"],
            "lm_head.weight": sd["output.weight"]}
     for i in range(cfg.n_layers):
