@@ -4,6 +4,8 @@ saved by ``save_pretrained``, loads into vitlab's CLIP and gives the same image 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -96,22 +98,88 @@ def test_older_prefixed_vision_layout_and_refusals(tmp_path):
         clip_from_hf(str(tmp_path))
 
 
+# ViT-B/32's image tower and CLIP's text tower, shrunk by keyword to the shapes of a tiny transformers CLIPModel
+SMALL_VISION = dict(image_size=64, patch_size=32, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4)
+SHRUNK = dict(quick_gelu=True, img_size=64, image_embed_dim=64, image_depth=2, image_num_heads=4, text_width=48,
+              text_depth=2, text_num_heads=4, text_vocab_size=100, text_context_length=12)
+
+
+def _clip_dir(path, vision=None, text=None):
+    """A perturbed transformers CLIPModel of ``SHRUNK``'s shapes (QuickGELU, eps 1e-5: OpenAI's), saved in ``path``
+    with the fields of ``vision`` / ``text`` changed."""
+    cfg = transformers.CLIPConfig(text_config={**TEXT, **(text or {})},
+                                  vision_config={**SMALL_VISION, **(vision or {})}, projection_dim=512)
+    ref = _perturbed(transformers.CLIPModel(cfg))
+    ref.save_pretrained(path)
+    return ref
+
+
 def test_create_model_reads_a_save_pretrained_directory(tmp_path):
     """``create_model("clip_*", checkpoint_path=DIR)``: a transformers ``CLIPModel`` directory loads into the
     registered architecture (here ViT-B/32 and the CLIP text tower, shrunk by keyword) with the same embeddings."""
-    vision = dict(image_size=64, patch_size=32, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4)
-    cfg = transformers.CLIPConfig(text_config=TEXT, vision_config=vision, projection_dim=512)  # quick_gelu: OpenAI's
-    ref = _perturbed(transformers.CLIPModel(cfg))
-    ref.save_pretrained(tmp_path)
-    shrunk = dict(quick_gelu=True, img_size=64, image_embed_dim=64, image_depth=2, image_num_heads=4, text_width=48,
-                  text_depth=2, text_num_heads=4, text_vocab_size=100, text_context_length=12)
-    ours = vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path), **shrunk).eval()
+    ref = _clip_dir(tmp_path)
+    ours = vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path), **SHRUNK).eval()
     x, text = torch.randn(2, 3, 64, 64), _texts(12, 100)
     assert_same_embeddings(ours, ref, x, text)
     (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):  # checked before any tensor is read
+        vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path / "empty"), **SHRUNK)
+    (tmp_path / "empty" / "config.json").write_text((tmp_path / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
-        vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path / "empty"), **shrunk)
+        vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path / "empty"), **SHRUNK)
+
+
+# config.json fields the tensors' shapes do not show, each changed from SHRUNK's model, and the refusal's words;
+# transformers computes each differently from the model (a tolerance of 1e-4 tells them apart, checked below)
+ANOTHER_FUNCTION = [
+    ({"hidden_act": "gelu"}, None, "vision_config.hidden_act 'gelu' (this model 'quick_gelu')"),
+    ({"layer_norm_eps": 1e-3}, None, "vision_config.layer_norm_eps 0.001 (this model 1e-05)"),
+    ({"num_attention_heads": 2}, None, "vision_config.num_attention_heads 2 (this model 4)"),
+    (None, {"hidden_act": "gelu"}, "text_config.hidden_act 'gelu' (this model 'quick_gelu')"),
+    (None, {"layer_norm_eps": 1e-3}, "text_config.layer_norm_eps 0.001 (this model 1e-05)"),
+    (None, {"num_attention_heads": 2}, "text_config.num_attention_heads 2 (this model 4)"),
+    (None, {"eos_token_id": 5}, "text_config.eos_token_id 5 (this model pools at the largest id, 99)"),
+]
+
+
+@pytest.mark.parametrize("vision,text,words", ANOTHER_FUNCTION, ids=lambda c: str(c)[:30])
+def test_a_clip_directory_of_another_function_is_refused_in_one_line(tmp_path, vision, text, words):
+    """The same tensors under another activation, eps, head split or end-of-text id compute transformers' CLIP
+    differently: create_model(checkpoint_path=DIR) refuses, naming the field, and a file of the same tensors
+    still loads (unchecked)."""
+    ref = _clip_dir(tmp_path, vision, text)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}: another CLIP architecture: {words}")) as e:
+        vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path), **SHRUNK)
+    assert "\n" not in str(e.value) and str(e.value).endswith(words)
+    torch.save(ref.state_dict(), tmp_path / "weights.pt")
+    ours = vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path / "weights.pt"), **SHRUNK)
+    x, text = torch.randn(2, 3, 64, 64), _texts(12, 100)
+    with torch.no_grad():  # the refused difference is real: another image or text embedding
+        img = ours.eval().encode_image(x), ref.get_image_features(pixel_values=x).pooler_output
+        txt = ours.encode_text(text), ref.get_text_features(input_ids=text).pooler_output
+    assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in (img, txt))
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"image_global_pool": "avg", "image_fc_norm": False}, "pooling 'token' (this model 'avg')"),
+    ({"text_post_norm": True}, "text tower 'clip' with pre-norm blocks (this model post-norm blocks)"),
+])
+def test_a_model_of_another_function_refuses_a_clip_directory(tmp_path, kwargs, words):
+    """The model's side: average pooling, or post-norm text blocks, hold the same tensors as transformers' CLIP
+    (which pools [CLS] and normalises before each sublayer) but compute another function."""
+    _clip_dir(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}: another CLIP architecture: {words}")):
+        vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path), **SHRUNK, **kwargs)
+
+
+@pytest.mark.parametrize("text", [{"eos_token_id": 2}, {"pad_token_id": 7, "bos_token_id": 1}])
+def test_a_clip_directory_of_the_same_function_loads(tmp_path, text):
+    """transformers' configs before PR #24773 (``eos_token_id == 2``) pool at the largest id as vitlab does, and
+    the padding and start ids play no part in the text embedding: these load, with transformers' embeddings."""
+    ref = _clip_dir(tmp_path, text=text)
+    ours = vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path), **SHRUNK).eval()
+    assert_same_embeddings(ours, ref, torch.randn(2, 3, 64, 64), _texts(12, 100))
 
 
 @pytest.mark.parametrize("cls", ["CLIPVisionModel", "CLIPVisionModelWithProjection", "CLIPModel"])
@@ -138,14 +206,25 @@ def test_registered_image_tower_reads_a_save_pretrained_directory(tmp_path, cls)
                                        rtol=1e-4, atol=1e-4)
 
 
-def test_registered_image_tower_refuses_a_directory_of_another_activation(tmp_path):
-    """The weights cannot tell GELU (LAION's CLIPs) from QuickGELU (OpenAI's): config.json decides, in one line."""
-    vision = dict(image_size=64, patch_size=32, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, hidden_act="gelu")
-    transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**vision)).save_pretrained(tmp_path)
+@pytest.mark.parametrize("cls", ["CLIPVisionModel", "CLIPModel"])
+@pytest.mark.parametrize("change,words,fix", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' (this model 'quick_gelu')", {"act_layer": "gelu"}),
+    ({"layer_norm_eps": 1e-6}, "layer_norm_eps 1e-06 (this model 1e-05)", {"norm_layer": "layernorm"}),
+    ({"num_attention_heads": 2}, "num_attention_heads 2 (this model 4)", {"num_heads": 2}),
+])
+def test_registered_image_tower_refuses_a_directory_of_another_function(tmp_path, cls, change, words, fix):
+    """The weights cannot tell GELU (LAION's CLIPs) from QuickGELU (OpenAI's), the LayerNorm's eps, or how the
+    heads split the fused projection: config.json decides, in one line that names the field (under
+    ``vision_config.`` in a CLIPModel) and the arguments that build the checkpoint's tower, which then loads."""
+    vision = {**SMALL_VISION, **change}
+    if cls == "CLIPModel":
+        transformers.CLIPModel(transformers.CLIPConfig(text_config=TEXT, vision_config=vision)).save_pretrained(
+            tmp_path)
+    else:
+        transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**vision)).save_pretrained(tmp_path)
     kw = dict(img_size=64, embed_dim=64, depth=2, num_heads=4)
-    with pytest.raises(ValueError, match=r"its image tower uses hidden_act 'gelu' .* create it with "
-                                         r"act_layer='gelu'") as e:
+    field = ("vision_config." if cls == "CLIPModel" else "") + words
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}: its image tower uses {field}: create it with ")) as e:
         vitlab.create_model("vit_base_patch32_clip_quickgelu_224", checkpoint_path=str(tmp_path), **kw)
-    assert "\n" not in str(e.value)
-    vitlab.create_model("vit_base_patch32_clip_quickgelu_224", checkpoint_path=str(tmp_path), act_layer="gelu", **kw)
+    assert "\n" not in str(e.value) and f"{next(iter(fix))}=" in str(e.value)
+    vitlab.create_model("vit_base_patch32_clip_quickgelu_224", checkpoint_path=str(tmp_path), **{**kw, **fix})

@@ -215,8 +215,9 @@ ANOTHER_FUNCTION = [
     ({"projector_hidden_act": "quick_gelu"},
      "projector_hidden_act 'QuickGELU()' (this model \"GELU(approximate='none')\")"),
     ({"text": {"rope_theta": 5000.0}}, "another Llama architecture: rope_theta 5000.0 (this model 10000.0)"),
-    ({"vision": {"hidden_act": "gelu"}}, "its image tower uses hidden_act 'gelu'"),
-    ({"vision": {"layer_norm_eps": 0.5}}, "LayerNorm eps 0.5, this model quick_gelu and 1e-05"),
+    ({"vision": {"hidden_act": "gelu"}},
+     "another LLaVA architecture: vision_config.hidden_act 'gelu' (this model 'quick_gelu')"),
+    ({"vision": {"layer_norm_eps": 0.5}}, "vision_config.layer_norm_eps 0.5 (this model 1e-05)"),
     ({"vision": {"num_attention_heads": 2}}, "vision_config.num_attention_heads 2 (this model 4)"),
     ({"image_token_index": 111}, "image_token_index 111 (this model 110)"),
 ]

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from vitlab.clip.model import CLIP, ImageTower, build_clip
+from vitlab.clip.model import CLIP, HF_CLIP_TEXT_DEFAULTS, ImageTower, build_clip
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict
 from vitlab.models import (
     CLIP_ARCHITECTURES,
@@ -56,15 +56,11 @@ from vitlab.models import (
 from vitlab.registry import ModelConfig
 
 _PAPER = "Radford et al., Learning Transferable Visual Models From Natural Language Supervision, ICML 2021"
-# transformers' CLIPTextConfig defaults (openai/clip-vit-base-patch32), for keys a config.json leaves out
-_TEXT_DEFAULTS = dict(vocab_size=49408, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
-                      num_attention_heads=8, max_position_embeddings=77, hidden_act="quick_gelu",
-                      layer_norm_eps=1e-5, eos_token_id=49407)
 
 
 def clip_text_kwargs(text_config: dict) -> dict:
     """The :class:`vitlab.clip.TextTransformer` arguments of a transformers ``CLIPTextConfig`` (a dict)."""
-    c = {**_TEXT_DEFAULTS, **text_config}
+    c = {**HF_CLIP_TEXT_DEFAULTS, **text_config}
     if c["layer_norm_eps"] != 1e-5:
         raise ValueError(f"CLIP's text tower uses LayerNorm eps 1e-5; this config has {c['layer_norm_eps']}")
     if c["eos_token_id"] not in (2, c["vocab_size"] - 1):

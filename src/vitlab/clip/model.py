@@ -33,15 +33,18 @@ import torch.nn.functional as F
 
 from vitlab.attention import Block
 from vitlab.clip.openclip import convert_openclip_state_dict, is_openclip_state_dict, openclip_config
-from vitlab.convert import load_state_dict, read_hf_state_dict, read_state_dict
+from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict, read_state_dict
 from vitlab.layers import RotaryEmbedding1D, check_heads, checkpoint_seq, get_norm_layer
 from vitlab.models import (
+    CLIP_ARCHITECTURES,
     PreNorm,
+    VisionTransformer,
     clip_vit_kwargs,
     convert_hf_clip_state_dict,
     is_hf_clip_state_dict,
     set_grad_checkpointing,
 )
+from vitlab.models.clip_vit import hf_clip_tower_differences, hf_clip_vision_differences
 from vitlab.registry import create_model, get_model_config
 
 # the tiny text tower (tests, the offline digits demo): 2 layers of width 64 over a word-level vocabulary (the task
@@ -77,8 +80,8 @@ class TextTransformer(nn.Module):
     token, which both vitlab tokenizers (and CLIP's) give the largest id: ``argmax`` over the ids finds it.
 
     ``style='clip'``: learned absolute positions, LayerNorm (eps 1e-5), GELU (``act_layer='quick_gelu'`` for
-    OpenAI's weights), MLP ratio 4. ``style='llama'``: 1-D RoPE in every attention layer, RMSNorm, SwiGLU (seed
-    004). ``post_norm=True`` gives original-Transformer blocks (an option, not CLIP's)."""
+    OpenAI's weights), MLP ratio 4. ``style='llama'``: 1-D RoPE in every attention layer, RMSNorm, SwiGLU
+    (Touvron et al., 2023). ``post_norm=True`` gives original-Transformer blocks (an option, not CLIP's)."""
 
     def __init__(self, vocab_size: int = 49408, context_length: int = 77, width: int = 512, depth: int = 12,
                  num_heads: int = 8, mlp_ratio: float = 4.0, embed_dim: int = 512, style: TextStyle = "clip",
@@ -226,14 +229,50 @@ def checkpoint_filter_fn(state_dict: dict, model: CLIP) -> dict:
     return convert_openclip_state_dict(state_dict) if is_openclip_state_dict(state_dict) else state_dict
 
 
-def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+# transformers' CLIPTextConfig defaults (openai/clip-vit-base-patch32), for keys a config.json leaves out
+HF_CLIP_TEXT_DEFAULTS = dict(vocab_size=49408, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
+                             num_attention_heads=8, max_position_embeddings=77, hidden_act="quick_gelu",
+                             layer_norm_eps=1e-5, eos_token_id=49407)
+
+
+def check_hf_config(model: CLIP, cfg: dict, source: str) -> None:
+    """``ValueError`` (one line: the field, the checkpoint's value, this model's) unless a transformers
+    ``CLIPConfig`` dict describes ``model``'s function beyond its tensors' shapes. The image tower (a ViT):
+    activation, LayerNorm eps, heads and [CLS] pooling (:func:`vitlab.models.clip_vit.hf_clip_vision_differences`).
+    The text tower: CLIP's pre-norm blocks, activation, eps and heads, and the end-of-text token it pools at:
+    transformers pools at the first ``eos_token_id`` (or, for ``eos_token_id == 2``, its configs before
+    transformers PR #24773, at the largest id), vitlab at the largest id, which is the same token only when
+    ``eos_token_id`` is the vocabulary's last (Radford et al., 2021's tokenizer puts end-of-text there)."""
+    trunk, text = model.visual.trunk, model.text
+    bad = (hf_clip_vision_differences(trunk, cfg.get("vision_config") or {})
+           if isinstance(trunk, VisionTransformer) else [f"vision_config.model_type 'clip_vision_model' (this model "
+                                                         f"{type(trunk).__name__})"])
+    t = {**HF_CLIP_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
+    if text.style != "clip" or any(b.post_norm for b in text.blocks):
+        mine = repr(text.style) if text.style != "clip" else "post-norm blocks"
+        bad.append(f"text tower 'clip' with pre-norm blocks (this model {mine})")
+    else:
+        bad += hf_clip_tower_differences(text, t, "text_config.")
+    if t["eos_token_id"] not in (2, text.vocab_size - 1):
+        bad.append(f"text_config.eos_token_id {t['eos_token_id']} (this model pools at the largest id, "
+                   f"{text.vocab_size - 1})")
+    if bad:
+        raise ValueError(f"{source}: another CLIP architecture: {', '.join(bad)}")
+
+
+def read_checkpoint(self: CLIP, path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """A checkpoint file, or a transformers ``CLIPModel.save_pretrained`` directory (its tensors by their Hugging
-    Face names, renamed by :func:`checkpoint_filter_fn`)."""
-    return read_hf_state_dict(path) if Path(path).is_dir() else read_state_dict(path)
+    Face names, renamed by :func:`checkpoint_filter_fn`) whose ``config.json`` describes this model's function
+    (:func:`check_hf_config`: what the weights cannot tell, such as QuickGELU from GELU or the heads' split)."""
+    if not Path(path).is_dir():
+        return read_state_dict(path)
+    check_hf_config(self, read_hf_config(path, architectures=CLIP_ARCHITECTURES), str(path))
+    return read_hf_state_dict(path)
 
 
 CLIP.checkpoint_filter_fn = staticmethod(checkpoint_filter_fn)
-CLIP.read_checkpoint = staticmethod(read_checkpoint)
+CLIP.check_hf_config = check_hf_config
+CLIP.read_checkpoint = read_checkpoint
 
 
 def clip_from_openclip(checkpoint: str | dict, quick_gelu: bool = False) -> CLIP:

@@ -29,11 +29,14 @@ OpenAI's four image towers are registered under timm's names (``vit_base_patch32
 ``vit_large_patch14_clip_quickgelu_336``, the last LLaVA-1.5's tower; Radford et al., 2021, Table 20), pooled
 features by default (``num_classes=0``). ``create_model(name, checkpoint_path=...)`` loads a transformers
 ``CLIPVisionModel`` / ``CLIPVisionModelWithProjection`` / ``CLIPModel`` directory (its image tower; the projection
-is CLIP's, not the ViT's) or a timm state dict of the same tower (timm's ``norm_pre`` is the pre-norm).
+is CLIP's, not the ViT's) or a timm state dict of the same tower (timm's ``norm_pre`` is the pre-norm). A
+directory's ``config.json`` must describe the tower's function beyond its tensors' shapes (activation, LayerNorm eps,
+heads, [CLS] pooling: :func:`hf_clip_vision_differences`, which vitlab's CLIP and LLaVA readers use too).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from functools import partial
 from pathlib import Path
@@ -42,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from vitlab.convert import read_hf_config, read_hf_state_dict, read_state_dict
-from vitlab.layers import PatchEmbed, get_norm_layer
+from vitlab.layers import Mlp, PatchEmbed, get_act_layer, get_norm_layer
 from vitlab.models.vision_transformer import VisionTransformer
 from vitlab.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 from vitlab.registry import ModelConfig, register_model
@@ -98,6 +101,51 @@ def hf_mlp_ratio(cfg: dict) -> float:
     return ratio
 
 
+def hf_act_name(act: nn.Module) -> str:
+    """transformers' name of an activation module (``QuickGELU()`` -> ``'quick_gelu'``), else its repr."""
+    r = repr(act)
+    return next((k for k, v in HF_ACTS.items() if repr(get_act_layer(v)()) == r), r)
+
+
+def hf_clip_tower_differences(tower: nn.Module, config: dict, prefix: str) -> list[str]:
+    """What a transformers CLIP tower config (a dict, defaults filled in) says that the shapes of ``tower``'s
+    tensors cannot show, as ``"{prefix}field theirs (this model ours)"`` for each field that differs:
+    ``hidden_act`` (the activations compared as modules, so two names of one function agree and GELU differs from
+    its tanh form), ``layer_norm_eps`` (every LayerNorm of the tower: transformers uses one eps throughout) and
+    ``num_attention_heads`` (the heads split the same fused qkv projection differently). ``tower`` holds
+    pre-norm blocks (:class:`vitlab.attention.Block`) as ``blocks``: CLIP's image tower or its text tower."""
+    block = tower.blocks[0]
+    try:
+        theirs_act = repr(get_act_layer(hf_act(config["hidden_act"]))())
+    except ValueError:  # an activation vitlab does not have: named as a difference
+        theirs_act = None
+    # CLIP's MLP is fc1, the activation, fc2; another feed-forward (SwiGLU) is named by its class
+    act = block.mlp.act if isinstance(block.mlp, Mlp) else None
+    eps = sorted({m.eps for m in tower.modules() if isinstance(m, nn.LayerNorm)})
+    bad = []
+    if act is None or theirs_act != repr(act):
+        mine = repr(hf_act_name(act)) if act is not None else type(block.mlp).__name__
+        bad.append(f"{prefix}hidden_act {config['hidden_act']!r} (this model {mine})")
+    if not (len(eps) == 1 and math.isclose(eps[0], config["layer_norm_eps"], rel_tol=1e-6)):
+        mine = ", ".join(f"{e:g}" for e in eps) or "no LayerNorm"
+        bad.append(f"{prefix}layer_norm_eps {config['layer_norm_eps']:g} (this model {mine})")
+    if config["num_attention_heads"] != block.attn.num_heads:
+        bad.append(f"{prefix}num_attention_heads {config['num_attention_heads']} (this model {block.attn.num_heads})")
+    return bad
+
+
+def hf_clip_vision_differences(vit: VisionTransformer, vision_config: dict, prefix: str = "vision_config.",
+                               pooled: bool = True) -> list[str]:
+    """:func:`hf_clip_tower_differences` of a ViT as CLIP's image tower (``vision_config``: a transformers
+    ``CLIPVisionConfig`` dict) and, with ``pooled`` (its pooled output is used: ``pooler_output``, CLIP's image
+    embedding), its pooling, which for transformers is always the [CLS] token. A LLaVA, which reads the blocks'
+    tokens, passes ``pooled=False``."""
+    bad = hf_clip_tower_differences(vit, {**HF_CLIP_VISION_DEFAULTS, **vision_config}, prefix)
+    if pooled and vit.global_pool != "token":
+        bad.append(f"pooling 'token' (this model {vit.global_pool!r})")
+    return bad
+
+
 def clip_vit_kwargs() -> dict:
     """A vitlab ViT as CLIP's image tower: no bias in the patch projection, LayerNorm eps 1e-5, [CLS] pooling."""
     return {"norm_layer": "layernorm_eps5", "embed_layer": partial(PatchEmbed, bias=False), "global_pool": "token"}
@@ -119,27 +167,35 @@ class CLIPVisionTransformer(VisionTransformer):
     def __init__(self, norm_layer="layernorm_eps5", act_layer="quick_gelu", **kwargs):
         super().__init__(norm_layer=norm_layer, act_layer=act_layer, **kwargs)
         self.pos_drop = PreNorm(self.pos_drop, self.embed_dim, norm_layer)
-        self.act_name = act_layer if isinstance(act_layer, str) else None  # what a config.json is checked against
 
     def read_checkpoint(self, path) -> dict[str, torch.Tensor]:
         """A ``save_pretrained`` directory (every tensor, by transformers' names) or one weights file. A directory's
-        ``config.json`` must describe a CLIP whose image tower computes this one's function: the weights cannot
-        tell QuickGELU from GELU, or the LayerNorm's eps."""
+        ``config.json`` must describe a CLIP whose image tower computes this one's function (:meth:`check_config`):
+        the weights cannot tell QuickGELU from GELU, the LayerNorm's eps or how the heads split the projection."""
         if not Path(path).is_dir():
             return read_state_dict(path)
         cfg = read_hf_config(path, HF_CLIP_ARCHITECTURES)
-        self.check_config(cfg.get("vision_config", cfg), str(path))
+        if "vision_config" in cfg:  # a CLIPModel: the image tower's fields are under vision_config
+            self.check_config(cfg["vision_config"], str(path))
+        else:
+            self.check_config(cfg, str(path), prefix="")
         return read_hf_state_dict(path)
 
-    def check_config(self, vision_config: dict, source: str) -> None:
-        """``ValueError`` unless a transformers ``CLIPVisionConfig`` (a dict) has this tower's activation and
-        LayerNorm eps, which its weights cannot tell (the shapes are checked when they are loaded)."""
+    def check_config(self, vision_config: dict, source: str, prefix: str = "vision_config.") -> None:
+        """``ValueError`` in one line (each field as ``prefix + name``, the checkpoint's value and this model's,
+        and the arguments that build the checkpoint's tower) unless a transformers ``CLIPVisionConfig`` (a dict)
+        describes this tower's function beyond its tensors' shapes (:func:`hf_clip_vision_differences`)."""
         vision = {**HF_CLIP_VISION_DEFAULTS, **vision_config}
-        act, eps = hf_act(vision["hidden_act"]), vision["layer_norm_eps"]
-        if (self.act_name is not None and act != self.act_name) or abs(eps - self.norm.eps) > 1e-12:
-            raise ValueError(f"{source}: its image tower uses hidden_act {vision['hidden_act']!r} and LayerNorm eps "
-                             f"{eps:g}, this model {self.act_name} and {self.norm.eps:g}: create it with "
-                             f"act_layer={act!r}, norm_layer=vitlab.models.hf_layernorm({eps:g})")
+        bad = hf_clip_vision_differences(self, vision, prefix)
+        if bad:
+            fix = {"act_layer": repr(HF_ACTS.get(vision["hidden_act"], vision["hidden_act"])),
+                   "norm_layer": f"vitlab.models.hf_layernorm({vision['layer_norm_eps']:g})"}
+            if any(b.startswith(f"{prefix}num_attention_heads ") for b in bad):
+                fix["num_heads"] = vision["num_attention_heads"]
+            if any(b.startswith("pooling ") for b in bad):
+                fix["global_pool"] = "'token'"
+            raise ValueError(f"{source}: its image tower uses {', '.join(bad)}: create it with "
+                             f"{', '.join(f'{k}={v}' for k, v in fix.items())}")
 
     @staticmethod
     def checkpoint_filter_fn(state_dict: dict, model: VisionTransformer) -> dict:

@@ -36,9 +36,8 @@ import torch.nn.functional as F
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict, read_state_dict
 from vitlab.layers import get_act_layer
 from vitlab.models import (
-    HF_CLIP_VISION_DEFAULTS,
-    CLIPVisionTransformer,
     Llama,
+    VisionTransformer,
     clip_vision_transformer,
     convert_hf_clip_vision_state_dict,
     fill_tied_head,
@@ -46,6 +45,7 @@ from vitlab.models import (
     llama_config_from_hf,
     set_grad_checkpointing,
 )
+from vitlab.models.clip_vit import hf_clip_vision_differences
 from vitlab.registry import create_model, get_model_config
 
 HF_ARCHITECTURES = ("LlavaForConditionalGeneration", "llava")
@@ -259,23 +259,19 @@ class LLaVA(nn.Module):
         except ValueError as e:  # an activation, a language model or a RoPE vitlab does not have
             msg = str(e)
             raise ValueError(msg if msg.startswith(f"{source}:") else f"{source}: {msg}") from None
-        vision = {**HF_CLIP_VISION_DEFAULTS, **kw["vision"]}
-        tower = self.vision_tower
-        if isinstance(tower, CLIPVisionTransformer):
-            tower.check_config(vision, source)
+        # a CLIP ViT tower's activation, eps and heads (the blocks' tokens are read, not its pooled output)
+        bad = (hf_clip_vision_differences(self.vision_tower, kw["vision"], pooled=False)
+               if isinstance(self.vision_tower, VisionTransformer) else [])
         # field: (the checkpoint's value, this model's)
         pairs = {"vision_feature_layer": (kw["vision_feature_layer"], self.vision_feature_layer),
                  "vision_feature_select_strategy": (kw["vision_feature_select_strategy"], self.select_strategy)}
-        if hasattr(tower, "blocks"):  # the heads split the same fused projection differently
-            pairs["vision_config.num_attention_heads"] = (vision["num_attention_heads"],
-                                                          tower.blocks[0].attn.num_heads)
         if self.projector.act is not None:  # the module's repr, not its class: tanh GELU is nn.GELU too
             pairs["projector_hidden_act"] = (repr(get_act_layer(kw["projector_act"])()), repr(self.projector.act))
         if token_ids:
             pairs["image_token_index"] = (kw["image_token_id"], self.image_token_id)
         # the feature layers compared as the blocks they name (2 and -2 are one block of a 3-block tower)
-        bad = [f"{k} {theirs!r} (this model {mine!r})" for k, (theirs, mine) in pairs.items()
-               if (self._blocks(theirs) != self._take if k == "vision_feature_layer" else theirs != mine)]
+        bad += [f"{k} {theirs!r} (this model {mine!r})" for k, (theirs, mine) in pairs.items()
+                if (self._blocks(theirs) != self._take if k == "vision_feature_layer" else theirs != mine)]
         if bad:
             raise ValueError(f"{source}: another LLaVA architecture: {', '.join(bad)}")
 
