@@ -41,10 +41,11 @@ from vitlab.models import (
     VisionTransformer,
     clip_vit_kwargs,
     convert_hf_clip_state_dict,
+    hf_clip_tower_differences,
+    hf_clip_vision_differences,
     is_hf_clip_state_dict,
     set_grad_checkpointing,
 )
-from vitlab.models.clip_vit import hf_clip_tower_differences, hf_clip_vision_differences
 from vitlab.registry import create_model, get_model_config
 
 # the tiny text tower (tests, the offline digits demo): 2 layers of width 64 over a word-level vocabulary (the task

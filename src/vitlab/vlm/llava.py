@@ -42,10 +42,10 @@ from vitlab.models import (
     convert_hf_clip_vision_state_dict,
     fill_tied_head,
     hf_act,
+    hf_clip_vision_differences,
     llama_config_from_hf,
     set_grad_checkpointing,
 )
-from vitlab.models.clip_vit import hf_clip_vision_differences
 from vitlab.registry import create_model, get_model_config
 
 HF_ARCHITECTURES = ("LlavaForConditionalGeneration", "llava")
