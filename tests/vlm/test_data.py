@@ -98,6 +98,18 @@ def test_vqa_jsonl(tmp_path):
     a = s["train"][0]
     assert a.turns == [("what colour?", "red")] and len(a.refs) == 10 and a.kind == "color"
     assert s["train"][1].refs == ["yes"] * 10 and s["val"][0].refs == ["two"] * 10
+    # the row's image is the sample's: one placeholder is taken out of the question, a second one refused
+    rows[0]["question"] = "<image>\nwhat colour?"
+    file.write_text("\n".join(json.dumps(r) for r in rows))
+    assert read_vqa(file)["train"][0].turns == [("what colour?", "red")]
+    rows[0]["question"] = "<image> what <image> colour?"
+    file.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DataError, match=r"q\.jsonl line 1: 2 <image> placeholders for one image; keep at most one"):
+        read_vqa(file)
+    rows[0]["question"] = " <image> "
+    file.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DataError, match="line 1: empty question"):
+        read_vqa(file)
     rows[0]["question"] = "  "
     file.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(DataError, match="line 1: empty question"):
@@ -127,7 +139,7 @@ def test_llava_conversations(tmp_path):
     d[1]["conversations"] = [{"from": "human", "value": "<image>\nwhat <image> color is it"},
                              {"from": "gpt", "value": "red"}]
     file.write_text(json.dumps(d))
-    with pytest.raises(DataError, match="entry 1: 2 <image> placeholders in turn 0"):
+    with pytest.raises(DataError, match="entry 1 turn 0: 2 <image> placeholders for one image"):
         read_llava(file)
 
 

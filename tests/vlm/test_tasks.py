@@ -535,7 +535,14 @@ def test_captions_files_train_caption_and_blip(tmp_path, capsys):
     # one sequence per caption: <s> <image> scene 0 , on grass </s>
     assert summary["finished"] and summary["context_length"] == 8
     capsys.readouterr()
-    assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval"), "--json"]) == 0
+    # no test split: --split test is refused naming the splits it has, never answered with val's scores
+    _one_line_error(capsys, ["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval")],
+                    "has no test split (it has train, val)")
+    _one_line_error(capsys, ["eval", "--checkpoint", str(run), "--split", "test", "--output-dir",
+                             str(tmp_path / "eval")], "has no test split (it has train, val)")
+    assert not (tmp_path / "eval" / "eval-val.json").exists()
+    assert main(["eval", "--checkpoint", str(run), "--split", "val", "--output-dir", str(tmp_path / "eval"),
+                 "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["split"] == "val" and r["images"] == 1 and len(r["captions"][0]["refs"]) == 2
     # 12 images: validation holds one, where BLIP's ITM has no negative to draw (no val_itm, with a note)
@@ -548,7 +555,10 @@ def test_captions_files_train_caption_and_blip(tmp_path, capsys):
     assert "no ITM negative to draw, no val_itm (val_loss is ITC + LM)" in capsys.readouterr().out
     last = read_metrics(run, "epoch")[-1]
     assert "val_itm" not in last and last["val_loss"] == pytest.approx(last["val_itc"] + last["val_lm"])
-    assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval"), "--json"]) == 0
+    _one_line_error(capsys, ["eval", "--checkpoint", str(run), "--split", "test", "--output-dir",
+                             str(tmp_path / "eval")], "has no test split (it has train, val)")
+    assert main(["eval", "--checkpoint", str(run), "--split", "val", "--output-dir", str(tmp_path / "eval"),
+                 "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["split"] == "val" and r["images"] == 1 and r["texts"] == 1
 
@@ -652,6 +662,12 @@ def test_blip_three_objectives_retrieval_and_captions(tmp_path, scene_png, capsy
     assert main(["predict", "--checkpoint", str(run), str(scene_png), "--prompt", "a picture of", "--json"]) == 0
     row, = json.loads(capsys.readouterr().out)
     assert row["output"].startswith("a picture of")
+    # the image is the input file: one placeholder in the prompt is taken out, a second refused (as vqa's)
+    assert main(["predict", "--checkpoint", str(run), str(scene_png), "--prompt", "<image> a picture of",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["output"] == row["output"]
+    _one_line_error(capsys, ["predict", "--checkpoint", str(run), str(scene_png), "--prompt",
+                             "<image> <image> a picture of"], "2 <image> placeholders for one image")
 
 
 def test_language_model_learning_rate_is_scaled():
@@ -718,3 +734,60 @@ def test_blip_validation_leaves_lone_image_batches_out_of_itm():
         step = task.validation_step(batch, lambda *b, out=out: {**out, "loss": sum(out.values())})
         sums = {k: sums.get(k, 0) + v for k, v in step.items()}
     assert task.validation_metrics(sums) == pytest.approx({"itc": 1.0, "itm": 2.0, "lm": 3.0, "loss": 6.0})
+
+
+def test_eval_without_a_split_asked_for_scores_test_or_else_val(tmp_path):
+    """``split=None`` (no split asked for) scores the test split, or val when the data has none; a split asked for
+    is scored or refused, never replaced."""
+    from vitlab.data import DataError
+    from vitlab.vlm.tasks import VLSplits, eval_split
+
+    splits = VLSplits(train=["a"], val=["b"], test=None, images={})
+    assert eval_split(splits, None, "d") == "val" and eval_split(splits, "train", "d") == "train"
+    with pytest.raises(DataError, match=r"^d has no test split \(it has train, val\); pass --split train or val$"):
+        eval_split(splits, "test", "d")
+    assert eval_split(VLSplits(["a"], ["b"], ["c"], {}), None, "d") == "test"
+
+
+def test_vqa_question_placeholders_taken_out_or_refused(tmp_path, capsys):
+    """A VQA JSONL question's one <image> placeholder is taken out (the image is the row's; never the words '<',
+    'image', '>'), a second one is refused naming the file and line, in training and in vitlab eval. The start
+    line counts the questions as samples (several share an image)."""
+    _pictures(tmp_path, 6)
+    rows = [{"image": f"{i}.png", "question": q, "answer": a} for i in range(6)
+            for q, a in (("<image> is it red", "yes"), ("<image>\nwhat is it", "a scene"))]
+    (tmp_path / "q.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--task", "vqa", "--data", f"vqa:{tmp_path / 'q.jsonl'}", "--output_dir", str(run),
+                 *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "(10 train / 2 val samples, " in out, out
+    words = json.loads((run / "checkpoints" / "epoch-0001" / "meta.json").read_text())["tokenizer"]["words"]
+    assert not {"image", "<", ">"} & set(words), words
+    rows[3]["question"] = "<image> <image> what is it"
+    (tmp_path / "two.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    where = f"{tmp_path / 'two.jsonl'} line 4: 2 <image> placeholders for one image"
+    _one_line_error(capsys, ["train", "--task", "vqa", "--data", f"vqa:{tmp_path / 'two.jsonl'}", "--output_dir",
+                             str(tmp_path / "bad"), *TINY], where)
+    assert not (tmp_path / "bad").exists()
+    _one_line_error(capsys, ["eval", "--checkpoint", str(run), "--data", f"vqa:{tmp_path / 'two.jsonl'}",
+                             "--split", "val", "--output-dir", str(tmp_path / "e")], where)
+
+
+def test_init_refuses_a_tokenizer_of_another_vocabulary(tmp_path, capsys):
+    """An imported Llama whose tokenizer.json does not fit its embedding's rows (a tokenizer of another model) is
+    refused as vitlab generate refuses it (vitlab.text.check_vocab), before the run writes anything."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)).save_pretrained(tmp_path / "hf")
+    sub = _subword_tokenizer(tmp_path / "hf")
+    run = tmp_path / "run"
+    capsys.readouterr()
+    _one_line_error(capsys, ["train", "--task", "vqa", "--model", "llava_tiny", "--task_args.coord_channels", "false",
+                             "--task_args.scenes_train", "16", "--task_args.scenes_eval", "6", "--epochs", "1",
+                             "--init", str(tmp_path / "hf"), "--output_dir", str(run)],
+                    f"has {sub.get_vocab_size()} tokens but --init {tmp_path / 'hf'}'s embedding has 400 rows")
+    assert not run.exists()

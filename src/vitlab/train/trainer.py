@@ -479,9 +479,11 @@ class Trainer:
     def _loop(self) -> dict:
         cfg, st, run_dir = self.cfg, self.strategy, self.run_dir
         info = self.task.summary()
+        # "samples": what a task's datasets hold -- an image, an image-caption pair or a question (several
+        # questions may share one image), so no one unit is right for every task
         self.say(f"training {info.get('model', cfg.model)} ({info.get('params_m', 0):.3f}M params) on "
                  f"{info.get('dataset', cfg.data.dataset)} ({info.get('train_images', '?')} train / "
-                 f"{info.get('val_images', '?')} val images, {info.get('img_size', '?')}px) "
+                 f"{info.get('val_images', '?')} val samples, {info.get('img_size', '?')}px) "
                  f"for {cfg.epochs} epochs, {self.steps_per_epoch} steps/epoch, global batch {self.global_batch}, "
                  f"lr {self.base_lr:.2e}, {st.device}{'' if st.world_size == 1 else f' x{st.world_size}'} "
                  f"-> {run_dir}")

@@ -12,7 +12,8 @@ training starts (one :class:`vitlab.data.DataError`: file, line or entry).
   in ``<split>*/`` or ``images/``). Every image is checked (a corrupt or missing file is named).
 - ``vqa:PATH`` -- a JSONL file: ``{"image", "question", "answers": [...]}`` per line (or ``"answer"``, which
   counts as ten agreeing annotators; optional ``"kind"`` and ``"split"``), images relative to the file (Antol et
-  al., 2015, "VQA: Visual Question Answering": scored against the human answers).
+  al., 2015, "VQA: Visual Question Answering": scored against the human answers). A ``<image>`` placeholder in a
+  question is taken out (the image is the row's), more than one is refused.
 - ``llava:PATH`` -- LLaVA's instruction JSON (Liu et al., 2023, "Visual Instruction Tuning", Sec. 3): a list of
   ``{"image", "conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": ...}]}``;
   human and model turns alternate, the first human turn holds the one image placeholder (more than one is
@@ -49,6 +50,7 @@ from torch import Tensor
 from vitlab.data import DataError, declare_dataset
 from vitlab.data.captions import find_captions_file, held_out_images, read_captions
 from vitlab.data.datasets import image_ok
+from vitlab.text.subword import IMAGE_TOKEN
 
 # read by the vision-language tasks, not vitlab.data.build
 READ_BY = "--task caption, --task vqa or --task blip"
@@ -58,7 +60,6 @@ declare_dataset("vqa", read_by="--task vqa", needs_root=True)
 declare_dataset("llava", read_by="--task vqa", needs_root=True)
 
 HUMANS = 10  # answers per question in VQA v2
-IMAGE_TOKEN = "<image>"
 
 
 @dataclass
@@ -70,6 +71,18 @@ class VLSample:
     turns: list[tuple[str, str]] = field(default_factory=list)
     refs: list[str] = field(default_factory=list)
     kind: str = ""
+
+
+def take_image_placeholder(text: str, where: str) -> str:
+    """``text`` with its image placeholder (``<image>``) taken out: a sample has one image, which the task places
+    itself (LLaVA's conversations hold one placeholder where the image goes; Liu et al., 2023, Sec. 3), so one
+    placeholder is dropped from the words and more than one is refused -- a second stands for no image. Read
+    by every source and prompt that holds a question (VQA JSONL, LLaVA conversations, ``vitlab predict
+    --prompt``), so a placeholder is never tokenized as the words '<', 'image', '>'."""
+    n = text.count(IMAGE_TOKEN)
+    if n > 1:
+        raise DataError(f"{where}: {n} {IMAGE_TOKEN} placeholders for one image; keep at most one")
+    return text.replace(IMAGE_TOKEN, " ").strip()
 
 
 def _hold_out(samples: list[VLSample], what: str) -> dict[str, list[VLSample]]:
@@ -175,7 +188,9 @@ def read_vqa(path: str | Path) -> dict[str, list[VLSample]]:
         if not isinstance(row, dict) or not isinstance(row.get("image"), str):
             raise DataError(f"{where}: expected an object with 'image', 'question' and 'answers'")
         q = row.get("question")
-        if not isinstance(q, str) or not q.strip():
+        # the row's image is the sample's: a placeholder in the question is taken out, as predict's prompt's is
+        q = take_image_placeholder(q, where) if isinstance(q, str) else q
+        if not isinstance(q, str) or not q:
             raise DataError(f"{where}: empty question")
         # one given answer stands for VQA's ten agreeing humans (the accuracy rule needs 4 to give 1.0)
         answers = row.get("answers", [row["answer"]] * HUMANS if "answer" in row else None)
@@ -189,7 +204,7 @@ def read_vqa(path: str | Path) -> dict[str, list[VLSample]]:
             raise DataError(f"{where}: split must be train, val or test, got {split!r}")
         image = _checked_image(file.parent / row["image"], where)
         best = Counter(a.strip() for a in answers).most_common(1)[0][0]  # the target: the most given answer
-        splits.setdefault(split, []).append(VLSample(image, [(q.strip(), best)], [a.strip() for a in answers],
+        splits.setdefault(split, []).append(VLSample(image, [(q, best)], [a.strip() for a in answers],
                                                      str(row.get("kind", row.get("answer_type", "")))))
     if not splits.get("train"):
         raise DataError(f"{file}: no training rows")
@@ -226,10 +241,7 @@ def read_llava(path: str | Path) -> dict[str, list[VLSample]]:
                                 f"'value'")
             if j and IMAGE_TOKEN in h["value"]:
                 raise DataError(f"{where}: {IMAGE_TOKEN} in turn {j}; the image goes in the first turn only")
-            if h["value"].count(IMAGE_TOKEN) > 1:  # one image per entry: each placeholder stands for an image
-                raise DataError(f"{where}: {h['value'].count(IMAGE_TOKEN)} {IMAGE_TOKEN} placeholders in turn {j} "
-                                f"for the entry's one image; keep one")
-            q = h["value"].replace(IMAGE_TOKEN, "").strip()
+            q = take_image_placeholder(h["value"], f"{where} turn {j}")
             if not q or not g["value"].strip():
                 raise DataError(f"{where}: empty text in turn {j} or {j + 1}")
             turns.append((q, g["value"].strip()))

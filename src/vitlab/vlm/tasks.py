@@ -45,7 +45,7 @@ from vitlab.data import DataConfig, DataError, load_image
 from vitlab.data.transforms import channel_stats, eval_transform
 from vitlab.models import HF_CLIP_ARCHITECTURES, CLIPVisionTransformer
 from vitlab.registry import create_model, get_model_config
-from vitlab.text.subword import Tokenizer, load_tokenizer
+from vitlab.text.subword import Tokenizer, check_vocab, load_tokenizer
 from vitlab.train import checkpoint as ck
 from vitlab.train.common import model_kwargs, prepare_model
 from vitlab.train.config import to_plain
@@ -64,6 +64,7 @@ from vitlab.vlm.data import (
     scene_question,
     scene_texts,
     scenes_vocabulary,
+    take_image_placeholder,
 )
 from vitlab.vlm.metrics import caption_scores, vqa_accuracy
 
@@ -256,7 +257,7 @@ def read_splits(data: DataConfig, kind: str, scenes_train: int | None = None,
     return VLSplits(s["train"], s["val"], s.get("test"), {k: None for k in ("train", "val", "test")})
 
 
-def eval_splits(record: RunRecord, data: str | None, split: str, kind: str, task: str) -> VLSplits:
+def eval_splits(record: RunRecord, data: str | None, split: str | None, kind: str, task: str) -> VLSplits:
     """The splits ``vitlab eval`` scores: ``data`` (default: the record's). On the scenes the training split is
     the run's own (its ``scenes_train`` scenes, drawn as training drew them) when ``split`` is 'train', and a
     single unread scene otherwise."""
@@ -264,6 +265,19 @@ def eval_splits(record: RunRecord, data: str | None, split: str, kind: str, task
     cfg = DataConfig(**{**record.data, "dataset": data}) if data else DataConfig(**record.data)
     scenes_train = (a.get("scenes_train") if split == "train" else 1) if cfg.name == "scenes" else None
     return read_splits(cfg, kind, scenes_train, a.get("scenes_eval"), task=task, scored_train=split == "train")
+
+
+def eval_split(splits: VLSplits, split: str | None, dataset: str) -> str:
+    """The split ``vitlab eval`` scores: ``split`` as asked, refused in one line naming the splits ``dataset`` has
+    when it lacks it (a test split asked for is never silently replaced by another); ``None`` (none asked for):
+    the test split, or the validation split when the data has no test split."""
+    if split is None:
+        return "test" if splits.test else "val"
+    if not getattr(splits, split):
+        have = [n for n in ("train", "val", "test") if getattr(splits, n)]
+        raise DataError(f"{dataset} has no {split} split (it has {', '.join(have)}); pass --split "
+                        f"{' or '.join(have)}")
+    return split
 
 
 class VLDataset(Dataset):
@@ -418,7 +432,8 @@ def import_checkpoint(model: nn.Module, path: Path, tokenizer: WordTokenizer) ->
     """An imported transformers directory into a run's model: a Llama (``LlamaForCausalLM``, e.g. Vicuna) into a
     LLaVA-style model's language model, a LLaVA into the whole model (LLaVA's stage-2 fine-tuning), a BLIP
     (``BlipForConditionalGeneration`` or ``...ForImageTextRetrieval``) into a BLIP, the parts it holds. The token
-    rows go through the directory's own tokenizer (``tokenizer.json`` or ``tokenizer.model``) to the run's words
+    rows go through the directory's own tokenizer (``tokenizer.json`` or ``tokenizer.model``, refused by
+    :func:`vitlab.text.check_vocab` when its vocabulary does not fit the checkpoint's token rows) to the run's words
     (:func:`transfer_vocabulary`), a learned position table gives the run's context its first rows; every other
     tensor must fit the run's model as it is (``--model`` and its ``--model_kwargs`` name the same architecture).
     Returns what was loaded, for the run's log."""
@@ -450,7 +465,12 @@ def import_checkpoint(model: nn.Module, path: Path, tokenizer: WordTokenizer) ->
     if kind == "llava" and "image_token_index" in hf:  # a SentencePiece tokenizer.model lacks the added <image>
         specials[IMAGE_TOKEN] = hf["image_token_index"]
     sd = target.checkpoint_filter_fn(sd, target)
-    sd, whole, pieces, new = transfer_vocabulary(target, sd, load_tokenizer(file), tokenizer, str(path), specials)
+    sub = load_tokenizer(file)
+    # the tokenizer must be the checkpoint's own, as vitlab generate requires: one of another model's vocabulary
+    # would carry unrelated rows to the run's words (refused before the run writes anything)
+    for rows in sorted({v.shape[0] for k, v in sd.items() if k.endswith(VOCAB_ROWS)}):
+        check_vocab(sub, rows, f"--init {path}")
+    sd, whole, pieces, new = transfer_vocabulary(target, sd, sub, tokenizer, str(path), specials)
     own = target.state_dict()
     for k, v in sd.items():  # BERT's learned positions: the run's context needs the first rows only
         if k.endswith("position_embeddings.weight") and k in own and v.shape[1:] == own[k].shape[1:]:
@@ -734,7 +754,7 @@ class _VLTask(_ScoredTask):
     def score(self, model, record, splits: VLSplits, split: str, batch_size: int, device) -> dict:
         raise NotImplementedError
 
-    def _eval_splits(self, record: RunRecord, data: str | None, split: str) -> VLSplits:
+    def _eval_splits(self, record: RunRecord, data: str | None, split: str | None) -> VLSplits:
         return eval_splits(record, data, split, "vqa" if self.instruct else "caption", self.name)
 
     def _images(self, record: RunRecord, splits: VLSplits, split: str, samples: list[VLSample]) -> torch.Tensor:
@@ -744,15 +764,13 @@ class _VLTask(_ScoredTask):
                             for s in samples])
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, record: RunRecord, data: str | None, split: str, *, out_dir: Path,
+    def evaluate(self, model: nn.Module, record: RunRecord, data: str | None, split: str | None, *, out_dir: Path,
                  batch_size: int = 256, device: str = "cpu", optimize: bool = True) -> dict:
-        """The task's metrics on ``data`` (default: the record's) ``split`` ('test' falls back to 'val' when the
-        data has none); writes ``eval-<split>.json`` (with every generated output) to ``out_dir``."""
+        """The task's metrics on ``data`` (default: the record's) ``split`` (:func:`eval_split`: one the data lacks is
+        refused; ``None``, none asked for, is the test split or else val); writes ``eval-<split>.json`` (with every
+        generated output) to ``out_dir``."""
         splits = self._eval_splits(record, data, split)
-        if split == "test" and splits.test is None:
-            split = "val"
-        if getattr(splits, split) is None or split == "train" and not getattr(splits, split):
-            raise DataError(f"the data has no {split} split")
+        split = eval_split(splits, split, data or record.data.get("dataset", "the run's data"))
         result = {"task": self.name, "split": split, **self.score(model, record, splits, split, batch_size, device)}
         file = Path(out_dir) / f"eval-{split}.json"
         ck.atomic_write(file, json.dumps(result, indent=2).encode())
@@ -767,10 +785,7 @@ class _VLTask(_ScoredTask):
         if self.instruct:
             if prompt is None or not prompt.strip():
                 raise ValueError("empty question: pass --prompt \"...\"")
-            if prompt.count(IMAGE_TOKEN) > 1:  # one image per prompt: a second placeholder has nothing to stand for
-                raise ValueError(f"the prompt {prompt!r} holds {prompt.count(IMAGE_TOKEN)} {IMAGE_TOKEN} "
-                                 f"placeholders for one image; keep at most one")
-            text = prompt.replace(IMAGE_TOKEN, " ").strip()
+            text = take_image_placeholder(prompt, f"the prompt {prompt!r}")  # the image is the input file
             if not text:
                 raise ValueError("empty question: the prompt holds only the image placeholder")
             p = seqs.prompt(text)
@@ -1072,13 +1087,13 @@ class BlipTask(_ScoredTask):
         return out
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, record: RunRecord, data: str | None, split: str, *, out_dir: Path,
+    def evaluate(self, model: nn.Module, record: RunRecord, data: str | None, split: str | None, *, out_dir: Path,
                  batch_size: int = 256, device: str = "cpu", optimize: bool = True) -> dict:
-        """Retrieval (and captioning) scores on ``data`` (default: the record's) ``split`` ('test' falls back to
-        'val' when the data has none); writes ``eval-<split>.json`` to ``out_dir``."""
+        """Retrieval (and captioning) scores on ``data`` (default: the record's) ``split`` (:func:`eval_split`: one
+        the data lacks is refused; ``None``, none asked for, is the test split or else val); writes
+        ``eval-<split>.json`` to ``out_dir``."""
         splits = eval_splits(record, data, split, "caption", self.name)
-        if split == "test" and splits.test is None:
-            split = "val"
+        split = eval_split(splits, split, data or record.data.get("dataset", "the run's data"))
         result = {"task": self.name, "split": split, **self.score(model, record, splits, split, batch_size, device)}
         file = Path(out_dir) / f"eval-{split}.json"
         ck.atomic_write(file, json.dumps(result, indent=2).encode())
@@ -1088,7 +1103,8 @@ class BlipTask(_ScoredTask):
     @torch.no_grad()
     def predict(self, model: nn.Module, record: RunRecord, inputs: list[str], out_dir: Path, *, topk: int = 5,
                 device: str = "cpu", optimize: bool = True, prompt: str | None = None) -> list[dict]:
-        """A greedy caption per image; ``prompt`` starts it (BLIP's "a picture of")."""
+        """A greedy caption per image; ``prompt`` starts it (BLIP's "a picture of"; an ``<image>`` placeholder in it
+        is taken out, more than one refused)."""
         if "lm" not in model.heads:
             raise ValueError(f"{record.model} has no captioning head; score it with vitlab eval (retrieval)")
         tok = WordTokenizer(record.extra["tokenizer"]["words"])
@@ -1096,7 +1112,9 @@ class BlipTask(_ScoredTask):
         x = torch.stack([tf(load_image(f, 3)) for f in inputs]).to(device)
         if record.task_args.get("blind"):
             x = torch.zeros_like(x)
-        start = [tok.dec_id, *tok.encode(prompt or "")]
+        # the image is the input file: a placeholder in the prompt is taken out, more than one refused (as vqa's)
+        text = take_image_placeholder(prompt, f"the prompt {prompt!r}") if prompt else ""
+        start = [tok.dec_id, *tok.encode(text)]
         ids = torch.tensor([start] * len(inputs), device=device)
         new = model.generate_caption(x, ids, max_new_tokens=int(record.task_args.get("max_new_tokens", MAX_NEW_TOKENS)))
         texts = [tok.decode(row[1:]) for row in new.tolist()]
