@@ -535,16 +535,11 @@ def test_captions_files_train_caption_and_blip(tmp_path, capsys):
     # one sequence per caption: <s> <image> scene 0 , on grass </s>
     assert summary["finished"] and summary["context_length"] == 8
     capsys.readouterr()
-    # no test split: --split test is refused naming the splits it has, never answered with val's scores
-    _one_line_error(capsys, ["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval")],
-                    "has no test split (it has train, val)")
-    _one_line_error(capsys, ["eval", "--checkpoint", str(run), "--split", "test", "--output-dir",
-                             str(tmp_path / "eval")], "has no test split (it has train, val)")
-    assert not (tmp_path / "eval" / "eval-val.json").exists()
-    assert main(["eval", "--checkpoint", str(run), "--split", "val", "--output-dir", str(tmp_path / "eval"),
-                 "--json"]) == 0
+    # no test split: the validation split is scored, and the result and its file say so
+    assert main(["eval", "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval"), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["split"] == "val" and r["images"] == 1 and len(r["captions"][0]["refs"]) == 2
+    assert (tmp_path / "eval" / "eval-val.json").is_file()
     # 12 images: validation holds one, where BLIP's ITM has no negative to draw (no val_itm, with a note)
     _pictures(tmp_path / "jsonl", 12)
     file = tmp_path / "jsonl" / "captions.jsonl"
@@ -555,9 +550,7 @@ def test_captions_files_train_caption_and_blip(tmp_path, capsys):
     assert "no ITM negative to draw, no val_itm (val_loss is ITC + LM)" in capsys.readouterr().out
     last = read_metrics(run, "epoch")[-1]
     assert "val_itm" not in last and last["val_loss"] == pytest.approx(last["val_itc"] + last["val_lm"])
-    _one_line_error(capsys, ["eval", "--checkpoint", str(run), "--split", "test", "--output-dir",
-                             str(tmp_path / "eval")], "has no test split (it has train, val)")
-    assert main(["eval", "--checkpoint", str(run), "--split", "val", "--output-dir", str(tmp_path / "eval"),
+    assert main(["eval", "--checkpoint", str(run), "--split", "test", "--output-dir", str(tmp_path / "eval"),
                  "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["split"] == "val" and r["images"] == 1 and r["texts"] == 1
@@ -736,16 +729,17 @@ def test_blip_validation_leaves_lone_image_batches_out_of_itm():
     assert task.validation_metrics(sums) == pytest.approx({"itc": 1.0, "itm": 2.0, "lm": 3.0, "loss": 6.0})
 
 
-def test_eval_without_a_split_asked_for_scores_test_or_else_val(tmp_path):
-    """``split=None`` (no split asked for) scores the test split, or val when the data has none; a split asked for
-    is scored or refused, never replaced."""
+def test_eval_split_scores_test_or_else_val_and_refuses_a_missing_one(tmp_path):
+    """``split`` None or 'test' scores the test split, or val when the data has none; a train or val split the
+    data lacks is refused naming the splits it has."""
     from vitlab.data import DataError
     from vitlab.vlm.tasks import VLSplits, eval_split
 
     splits = VLSplits(train=["a"], val=["b"], test=None, images={})
     assert eval_split(splits, None, "d") == "val" and eval_split(splits, "train", "d") == "train"
-    with pytest.raises(DataError, match=r"^d has no test split \(it has train, val\); pass --split train or val$"):
-        eval_split(splits, "test", "d")
+    assert eval_split(splits, "test", "d") == "val"
+    with pytest.raises(DataError, match=r"^d has no train split \(it has val\); pass --split val$"):
+        eval_split(VLSplits(train=None, val=["b"], test=None, images={}), "train", "d")
     assert eval_split(VLSplits(["a"], ["b"], ["c"], {}), None, "d") == "test"
 
 

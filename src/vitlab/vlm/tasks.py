@@ -268,10 +268,10 @@ def eval_splits(record: RunRecord, data: str | None, split: str | None, kind: st
 
 
 def eval_split(splits: VLSplits, split: str | None, dataset: str) -> str:
-    """The split ``vitlab eval`` scores: ``split`` as asked, refused in one line naming the splits ``dataset`` has
-    when it lacks it (a test split asked for is never silently replaced by another); ``None`` (none asked for):
-    the test split, or the validation split when the data has no test split."""
-    if split is None:
+    """The split ``vitlab eval`` scores: ``None`` or 'test' is the test split, or the validation split when the
+    data has no test split (as every vitlab task scores; the result and its file name the split scored); a train
+    or val split the data lacks is refused in one line naming the splits it has."""
+    if split in (None, "test"):
         return "test" if splits.test else "val"
     if not getattr(splits, split):
         have = [n for n in ("train", "val", "test") if getattr(splits, n)]
