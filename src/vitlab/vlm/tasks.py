@@ -766,9 +766,9 @@ class _VLTask(_ScoredTask):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, record: RunRecord, data: str | None, split: str | None, *, out_dir: Path,
                  batch_size: int = 256, device: str = "cpu", optimize: bool = True) -> dict:
-        """The task's metrics on ``data`` (default: the record's) ``split`` (:func:`eval_split`: one the data lacks is
-        refused; ``None``, none asked for, is the test split or else val); writes ``eval-<split>.json`` (with every
-        generated output) to ``out_dir``."""
+        """The task's metrics on ``data`` (default: the record's) ``split`` (:func:`eval_split`: 'test' falls back
+        to 'val' when the data has no test split; a train or val split it lacks is refused); writes
+        ``eval-<split>.json`` (with every generated output) to ``out_dir``."""
         splits = self._eval_splits(record, data, split)
         split = eval_split(splits, split, data or record.data.get("dataset", "the run's data"))
         result = {"task": self.name, "split": split, **self.score(model, record, splits, split, batch_size, device)}
@@ -1089,8 +1089,8 @@ class BlipTask(_ScoredTask):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, record: RunRecord, data: str | None, split: str | None, *, out_dir: Path,
                  batch_size: int = 256, device: str = "cpu", optimize: bool = True) -> dict:
-        """Retrieval (and captioning) scores on ``data`` (default: the record's) ``split`` (:func:`eval_split`: one
-        the data lacks is refused; ``None``, none asked for, is the test split or else val); writes
+        """Retrieval (and captioning) scores on ``data`` (default: the record's) ``split`` (:func:`eval_split`: 'test'
+        falls back to 'val' when the data has no test split; a train or val split it lacks is refused); writes
         ``eval-<split>.json`` to ``out_dir``."""
         splits = eval_splits(record, data, split, "caption", self.name)
         split = eval_split(splits, split, data or record.data.get("dataset", "the run's data"))
