@@ -306,7 +306,7 @@ FIXTURE_RUNS["blip"] = ["train", "--task", "blip", "--model_kwargs.text_depth", 
 SSL_METHODS = {"mae", "simclr", "mocov3", "dino", "dinov2"}
 # the run a placeholder stands for, by the line (first match); other lines: their block's (see run_kind)
 RUN_FOR: tuple[tuple[str, str], ...] = (
-    (r"--stage 2 --init ", "vqa"),
+    (r"--stage 1 --init ", "caption"), (r"--stage 2 --init ", "vqa"),
     (r"^vitlab (zeroshot|retrieval) ", "clip"),
     (r"^vitlab (probe|pretrain) |--init ", "mae"),
     (r"^vitlab bench tokens ", "tokens"),
@@ -352,8 +352,9 @@ def is_training(cmd: DocCommand) -> bool:
 
 
 def makes_run(cmd: DocCommand) -> bool:
-    """A training line that starts a run of its own: no run placeholder (resume, init, teacher) in it."""
-    return is_training(cmd) and not any(PLACEHOLDER.match(w) for w in cmd.words)
+    """A training line that starts a run of its own: any but a resume (one from ``--init`` or ``--teacher`` is
+    new, and a later line of its block may start from it: LLaVA's stage 2 from stage 1)."""
+    return is_training(cmd) and not flag_value(cmd.words, "--resume")
 
 
 def kind_of_task(task: str) -> str:

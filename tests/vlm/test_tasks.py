@@ -14,6 +14,7 @@ from PIL import Image
 import vitlab
 from vitlab.cli import main
 from vitlab.train import TrainConfig, read_metrics
+from vitlab.train import checkpoint as vitlab_checkpoint
 from vitlab.vlm.data import draw_scene
 from vitlab.vlm.tasks import IGNORE, Sequences, VLArgs, WordTokenizer, answer_loss, apply_freezing, with_coords
 
@@ -133,8 +134,12 @@ def test_init_maps_the_vocabulary_by_word(vqa_run, tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--task", "vqa", "--data", f"vqa:{tmp_path / 'q.jsonl'}", "--output_dir", str(run), *TINY,
                  "--stage", "1", "--init", str(vqa_run)]) == 0
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("--init")]
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("--init")]
     assert len(lines) == 1 and lines[0].endswith("6 words mapped, 2 new"), lines  # zebra, maybe
+    best = vitlab_checkpoint.resolve_checkpoint_dir(vqa_run).name  # a run gives its best checkpoint, named
+    assert f"the whole model (checkpoint {best}); vocabulary" in lines[0]
+    assert "frozen at random" not in out  # stage 1 freezes parts --init loaded
     (old, old_rec, _), (new, new_rec, _) = (load_model(r / "last", device="cpu") for r in (vqa_run, run))
     old_tok, new_tok = (WordTokenizer(r.extra["tokenizer"]["words"]) for r in (old_rec, new_rec))
     assert old_tok.encoder["user"] != new_tok.encoder["user"]  # the ids moved
@@ -144,9 +149,10 @@ def test_init_maps_the_vocabulary_by_word(vqa_run, tmp_path, capsys):
                                        getattr(old.language_model, part).weight[old_tok.encoder[w]], msg=w)
 
 
-def test_init_from_a_transformers_clip_directory_gives_the_image_tower(tmp_path):
+def test_init_from_a_transformers_clip_directory_gives_the_image_tower(tmp_path, capsys):
     """LLaVA's recipe: the image tower from a pretrained CLIP (here transformers' CLIPVisionModel of llava_tiny's
-    tower, random weights), stage 1 training the projector only, so the tower stays the CLIP's."""
+    tower, random weights), stage 1 training the projector only, so the tower stays the CLIP's. The language
+    model, frozen too, keeps its random weights: the log says so."""
     transformers = pytest.importorskip("transformers")
     from vitlab.models import convert_hf_clip_vision_state_dict
     from vitlab.train.evaluate import load_model
@@ -159,6 +165,9 @@ def test_init_from_a_transformers_clip_directory_gives_the_image_tower(tmp_path)
                  "--task_args.scenes_train", "16", "--task_args.scenes_eval", "6", "--epochs", "1", "--batch_size",
                  "8", "--task_args.max_new_tokens", "4", "--stage", "1", "--init", str(tmp_path / "clip"),
                  "--output_dir", str(run)]) == 0
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if "frozen at random" in ln]
+    assert notes == ["note: language_model stays frozen at random initial weights (--stage 1, --task_args.freeze "
+                     "[]): --init loaded nothing into it"]
     model, _, _ = load_model(run / "last", device="cpu")
     want = convert_hf_clip_vision_state_dict(ref.state_dict())
     got = model.vision_tower.state_dict()

@@ -347,11 +347,21 @@ def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
     return nn.Module.train(module, False)
 
 
+def frozen_parts(args: VLArgs) -> set[str]:
+    """The parts ``args`` freeze: ``freeze`` and those of LLaVA's ``stage`` (1: all but the projector; 2: the
+    image tower)."""
+    return set(args.freeze) | STAGE_FROZEN.get(args.stage, set())
+
+
+def _probe(part: nn.Module) -> list[torch.Tensor]:
+    """A few values of each of ``part``'s parameters: enough to tell whether a load replaced its initial weights."""
+    return [p.detach().flatten()[:4].clone() for p in part.parameters()]
+
+
 def apply_freezing(model: nn.Module, args: VLArgs) -> list[str]:
-    """Freeze the parts ``args`` name (LLaVA's stage 1: all but the projector; stage 2: the image tower): no
-    gradients, and eval mode whatever mode the model is put in, so a frozen part computes as at inference
-    (BatchNorm keeps its statistics, dropout stays off)."""
-    frozen = set(args.freeze) | STAGE_FROZEN.get(args.stage, set())
+    """Freeze the parts :func:`frozen_parts` names: no gradients, and eval mode whatever mode the model is put in,
+    so a frozen part computes as at inference (BatchNorm keeps its statistics, dropout stays off)."""
+    frozen = frozen_parts(args)
     for name in frozen:
         part = getattr(model, name)
         part.requires_grad_(False)
@@ -503,17 +513,19 @@ def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
     p = Path(source)
     if (p.is_dir() and not (p / "config.json").is_file()) or p.suffix == ".safetensors":  # a vitlab run
         sd, meta = ck.load_weights(source, weights="raw")
+        # a run directory gives its best checkpoint (as vitlab eval and predict take it): the log names it
+        at = f" (checkpoint {ck.resolve_checkpoint_dir(p).name})" if p.is_dir() else ""
         if meta.get("task") == "clip":  # CLIP's image tower is the ViT under visual.trunk
             trunk = {k.removeprefix("visual.trunk."): v for k, v in sd.items() if k.startswith("visual.trunk.")}
             load_state_dict(model.vision_tower, trunk, source=source)
-            return "the image tower"
+            return f"the image tower{at}"
         old = meta.get("tokenizer")
         if not (isinstance(old, dict) and old.get("kind") == "word"):
             load_state_dict(model, sd, source=source)
-            return "the whole model"
+            return f"the whole model{at}"
         sd, mapped, new = map_vocabulary(model, sd, WordTokenizer(old["words"]), tokenizer, source)
         load_state_dict(model, sd, source=source)
-        return f"the whole model; vocabulary mapped by word: {mapped} words mapped, {new} new"
+        return f"the whole model{at}; vocabulary mapped by word: {mapped} words mapped, {new} new"
     if p.is_dir() and read_hf_config(p).get("model_type") in HF_CLIP_ARCHITECTURES:
         # an imported CLIP (CLIPModel / CLIPVisionModel): its image tower, read and checked by a CLIP ViT tower
         if not isinstance(model.vision_tower, CLIPVisionTransformer):
@@ -598,7 +610,7 @@ class _VLTask(_ScoredTask):
             raise ValueError(f"freeze names parts of {', '.join(PARTS)}, got {bad}")
         if a.stage not in (0, 1, 2):
             raise ValueError(f"stage must be 0 (train everything), 1 or 2, got {a.stage}")
-        if set(PARTS) <= set(a.freeze) | STAGE_FROZEN.get(a.stage, set()):
+        if set(PARTS) <= frozen_parts(a):
             raise ValueError(f"stage {a.stage} with freeze {a.freeze} leaves nothing to train")
         if a.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {a.max_new_tokens}")
@@ -649,8 +661,17 @@ class _VLTask(_ScoredTask):
             kwargs["in_chans"] = 5  # the image's 3 and the coordinates' 2
         model = build_vl_model(cfg.model, kwargs, self.tokenizer.vocab_size, self.seqs.image_id, img_size,
                                context, a.max_new_tokens)
+        initial = {name: _probe(getattr(model, name)) for name in frozen_parts(a)}
         self.loaded = _init(model, a.init, self.tokenizer, cfg)
         self.frozen = apply_freezing(model, a)
+        # LLaVA's stages freeze pretrained parts (Liu et al., 2023, Sec. 4.2): one frozen at its random weights
+        # learns nothing and gives the others nothing to fit, which the log says
+        random = [n for n in self.frozen
+                  if all(torch.equal(x, y) for x, y in zip(initial[n], _probe(getattr(model, n))))]
+        if random and not cfg.quiet:
+            say(f"note: {' and '.join(random)} {'stays' if len(random) == 1 else 'stay'} frozen at random initial "
+                f"weights (--stage {a.stage}, --task_args.freeze {list(a.freeze)}): --init "
+                f"{'loaded nothing into ' + ('it' if len(random) == 1 else 'them') if a.init else 'is not given'}")
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = self.module = prepare_model(model, cfg, device)
         data = {**cfg.data.to_dict(), "img_size": img_size}
