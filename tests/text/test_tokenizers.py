@@ -128,7 +128,8 @@ def test_check_vocab(sp_model):
     n = tok.vocab_size
     check_vocab(tok, n)
     check_vocab(tok, n + 63)  # padded embedding rows (LLaVA: 32,001 tokens, 32,064 rows)
-    for rows in (n - 1, 32000):
+    check_vocab(tok, n + 128)  # MAX_SPARE_ROWS spare rows: the most allowed
+    for rows in (n - 1, n + 129, 32000):
         with pytest.raises(ValueError, match=rf"tokenizer .*tokenizer.model has {n:,} tokens but the checkpoint's "
                                              rf"embedding has {rows:,} rows: they belong to different models$"):
             check_vocab(tok, rows)

@@ -257,7 +257,7 @@ def check_vocab(tokenizer: Tokenizer, num_embeddings: int, what: str = "the chec
     """Refuse (``ValueError``, one line) a tokenizer whose ids do not fit ``num_embeddings`` rows, or which leaves
     more than :data:`MAX_SPARE_ROWS` rows unused (a tokenizer of another model)."""
     n = tokenizer.vocab_size
-    if not n <= num_embeddings < n + MAX_SPARE_ROWS:
+    if not n <= num_embeddings <= n + MAX_SPARE_ROWS:
         source = getattr(tokenizer, "path", type(tokenizer).__name__)
         raise ValueError(f"tokenizer {source} has {n:,} tokens but {what}'s embedding has {num_embeddings:,} rows: "
                          f"they belong to different models")
