@@ -42,13 +42,13 @@ def blip_base(**kwargs) -> BLIP:
     return build_blip("vit_base_patch16_224", _BASE_VISION, _BASE_TEXT, **kwargs)
 
 
-@register_model(config=_blip_cfg("caption", published_params_m=223.97))
+@register_model(config=_blip_cfg("caption"))
 def blip_base_caption(**kwargs) -> BLIP:
     """BLIP's captioner (ViT-B/16 384, BERT-base decoder): transformers' ``BlipForConditionalGeneration``."""
     return build_blip("vit_base_patch16_224", _BASE_VISION, _BASE_TEXT, heads=("lm",), **kwargs)
 
 
-@register_model(config=_blip_cfg(published_params_m=223.74))
+@register_model(config=_blip_cfg())
 def blip_base_retrieval(**kwargs) -> BLIP:
     """BLIP's retrieval model (ViT-B/16 384, BERT-base encoder; ITC and ITM): ``BlipForImageTextRetrieval``."""
     return build_blip("vit_base_patch16_224", _BASE_VISION, _BASE_TEXT, heads=("itc", "itm"), **kwargs)
@@ -97,7 +97,7 @@ _CLIP_L14_336 = dict(image_size=336, patch_size=14, hidden_size=1024, intermedia
                      num_attention_heads=16, hidden_act="quick_gelu", layer_norm_eps=1e-5)
 
 
-@register_model(config=_llava_cfg(published_params_m=7063.43,
+@register_model(config=_llava_cfg(published_params_m=7000.0,  # the paper's "7B"
                                   smoke_kwargs={"vision_depth": 2, "img_size": 28, "text_n_layers": 1,
                                                 "text_dim": 64, "text_n_heads": 4, "text_hidden_dim": 128}))
 def llava15_7b(**kwargs) -> LLaVA:
