@@ -5,10 +5,12 @@ A ~100M-parameter Llama (``llama_100m``: dim 640, 12 layers, vocabulary 32,000) 
 CPU by default (``--model``, ``--device``, ``--dtype`` for others: ``llama2_7b`` in bf16 on a GPU);
 transformers' model is built from the same config, directly on the device in the dtype, and ours loads its
 state dict (Touvron et al., 2023, "Llama 2"). For each batch size, every implementation generates N tokens
-greedily from the same random prompts; each call is split where its first token's logits exist (ours: the
-``on_token`` callback; transformers': a logits processor, called before its sampling, so the split favours it
-slightly): the prefill is the time to there, the decoding the time from there to the last token's logits (on a
-GPU the benchmark synchronises the device at those two points only). The calls of all implementations alternate
+greedily from the same random prompts, never stopping early (random weights can emit the end-of-sequence id:
+ours get ``eos_token_id=[]``, transformers ``eos_token_id=None`` and ``min_new_tokens=N``); each call is split
+where its first token's logits exist (ours: the ``on_token`` callback; transformers': a logits processor, called
+before its sampling, so the split favours it slightly): the prefill is the time to there, the decoding the time
+from there to the last token's logits (on a GPU the benchmark synchronises the device at those two points only).
+The calls of all implementations alternate
 (round robin, order reversed every other run) after warm-up, and the figures are medians: prefill tokens/s =
 batch x prompt / prefill, decode tokens/s = batch x (N - 1) / decoding. The ratios are transformers' time / ours
 in the same run (medians, with their min-max over the runs; > 1: ours is faster). Whether each generated the
@@ -149,11 +151,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def gen(impl: str, ids: torch.Tensor, n: int):
         def call():
-            with torch.no_grad():
+            with torch.no_grad():  # exactly n tokens on every side: no stop at the config's eos (eos_token_id=[])
                 if impl == "vitlab":
-                    return ours.generate(ids, n, on_token=stamp)
+                    return ours.generate(ids, n, eos_token_id=[], on_token=stamp)
                 if impl == "vitlab_compiled":
-                    return fast.generate(ids, n, on_token=stamp)
+                    return fast.generate(ids, n, eos_token_id=[], on_token=stamp)
                 extra = {}
                 if impl == "hf_static":
                     from transformers import CompileConfig

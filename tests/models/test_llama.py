@@ -91,15 +91,16 @@ def test_greedy_generate_equals_transformers(pair):
     ids, mask = _padded_batch()
     theirs = ref.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[:, ids.shape[1]:]
-    mine = ours.generate(ids, max_new_tokens=12, attention_mask=mask)
+    # transformers' eos_token_id=None stops nowhere; ours: []
+    mine = ours.generate(ids, max_new_tokens=12, attention_mask=mask, eos_token_id=[])
     assert torch.equal(mine, theirs)
     # the same prompts given as embeddings (how a vision-language model calls it)
-    assert torch.equal(ours.generate(inputs_embeds=ours.embed_tokens(ids), max_new_tokens=12, attention_mask=mask),
-                       mine)
+    assert torch.equal(ours.generate(inputs_embeds=ours.embed_tokens(ids), max_new_tokens=12, attention_mask=mask,
+                                     eos_token_id=[]), mine)
     # each prompt alone, unpadded, continues the same way
     for row in range(3):
         alone = ids[row:row + 1, ~mask[row].eq(0)]
-        assert torch.equal(ours.generate(alone, max_new_tokens=12), mine[row:row + 1])
+        assert torch.equal(ours.generate(alone, max_new_tokens=12, eos_token_id=[]), mine[row:row + 1])
 
 
 def test_cached_decoding_equals_full_recomputation():
@@ -341,6 +342,40 @@ def test_generate_checks_and_eos():
     streamed = []
     model.generate(ids, max_new_tokens=4, on_token=streamed.append)
     assert torch.equal(torch.stack(streamed, 1), greedy[:, :4])
+
+
+def test_generate_stops_at_the_config_eos_by_default_as_transformers(pair):
+    """Without eos_token_id both stop at the model's own eos (transformers falls back to its generation config);
+    eos_token_id=[] never stops."""
+    ref, ours, _ = pair
+    ids = torch.randint(3, 512, (3, 5), generator=torch.Generator().manual_seed(1))
+    free = ours.generate(ids, max_new_tokens=10, eos_token_id=[])
+    eos = int(free[0, 2])  # the third greedy token of row 0 made the end of sequence
+    saved = ours.config.eos_token_id, ref.generation_config.eos_token_id
+    ours.config.eos_token_id = ref.generation_config.eos_token_id = eos
+    try:
+        mine = ours.generate(ids, max_new_tokens=10, pad_token_id=0)
+        theirs = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
+        assert torch.equal(mine, theirs[:, :mine.shape[1]])
+        assert mine[0, :3].tolist() == free[0, :3].tolist() and (mine[0, 3:] == 0).all()
+        assert torch.equal(ours.generate(ids, max_new_tokens=10, eos_token_id=[]), free)  # no stop: all 10
+    finally:
+        ours.config.eos_token_id, ref.generation_config.eos_token_id = saved
+
+
+def test_forward_beyond_the_context_is_one_value_error():
+    """RoPE has rotations for max_seq_len positions: more is refused by the shapes, not by an index error."""
+    model = Llama(LlamaConfig(**{**TINY, "max_seq_len": 64})).eval()
+    with pytest.raises(ValueError, match=re.escape("0 cached plus 70 new tokens take 70 positions, beyond the "
+                                                   "context of max_seq_len 64")):
+        model(torch.zeros(1, 70, dtype=torch.long))
+    cache = model.new_cache(1, 80)  # a cache longer than the context does not make room for more positions
+    with torch.no_grad():
+        model(torch.zeros(1, 60, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match=r"60 cached plus 5 new tokens take 65 positions, beyond the context "
+                                             r"of max_seq_len 64 \(RoPE rotates positions 0\.\.63 only\)$"):
+            model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+        assert model(torch.zeros(1, 4, dtype=torch.long), cache=cache).shape == (1, 4, 512)  # fits exactly
 
 
 def test_generate_refills_a_given_cache():

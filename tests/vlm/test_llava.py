@@ -268,3 +268,40 @@ def test_a_language_model_other_than_llama_is_refused(tmp_path):
         with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}: only Llama language models are "
                                              f"supported, not text_config.model_type 'mistral'$"):
             load()
+
+
+def test_context_overflow_names_the_text_and_image_tokens_before_the_image_tower_runs(monkeypatch):
+    """A 100-id prompt with one placeholder is 99 text + 16 image tokens: the count says so, not "115 tokens"."""
+    model = vitlab.create_model("llava_tiny").eval()
+    assert model.language_model.config.max_seq_len == 128 + T - 1  # 128 text tokens, one placeholder widened
+    x = torch.randn(1, 3, 32, 32)
+    single = torch.tensor([[1, IMAGE] + [5] * 98])
+    expanded = torch.tensor([[1] + [IMAGE] * T + [5] * (99 - T)])
+    assert model.generate(single, x, max_new_tokens=28, eos_token_id=[]).shape == (1, 28)  # 115 + 28 fit
+
+    def no_image(*a, **k):
+        raise AssertionError("the image tower ran before the refusal")
+
+    monkeypatch.setattr(model, "image_features", no_image)
+    for ids, what, k in ((single, "100 ids: 99 text tokens + the image's 16 tokens in place of its one placeholder = "
+                                  "115 tokens", 29),
+                         (expanded, "100 ids: 84 text tokens + 16 placeholders holding the image's tokens", 44)):
+        with pytest.raises(ValueError, match=re.escape(f"the prompt ({what}) plus max_new_tokens ({k}) exceed the "
+                                                       f"language model's context of 143 tokens")):
+            model.generate(ids, x, max_new_tokens=k)
+
+
+def test_default_eos_is_the_language_models_and_an_empty_list_never_stops():
+    torch.manual_seed(0)
+    model = vitlab.create_model("llava_tiny").eval()
+    x, ids = torch.randn(2, 3, 32, 32), _prompt()
+    free = model.generate(ids, x, max_new_tokens=8, eos_token_id=[])
+    assert free.shape == (2, 8)
+    model.language_model.config.eos_token_id = eos = int(free[0, 2])
+    stopped = model.generate(ids, x, max_new_tokens=8, pad_token_id=PAD)
+    assert stopped[0, :3].tolist() == free[0, :3].tolist() and (stopped[0, 3:] == PAD).all()
+    # the language model alone defaults the same way, on the merged prompt
+    embeds, _, _ = model.merge(ids, x)
+    assert torch.equal(model.language_model.generate(inputs_embeds=embeds, max_new_tokens=8, pad_token_id=PAD),
+                       stopped)
+    assert torch.equal(model.generate(ids, x, max_new_tokens=8, eos_token_id=eos, pad_token_id=PAD), stopped)

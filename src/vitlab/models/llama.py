@@ -301,12 +301,19 @@ class Llama(nn.Module):
           a cache and ``logits_to_keep=1`` the last block computes the keys and values of every position (the
           cache needs them) but its attention output and MLP for the last position only: the rest would be
           dropped.
+
+        Cached plus new tokens (padding included) must fit the context (``config.max_seq_len``): otherwise
+        ``ValueError``.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, n = x.shape[:2]
         past = cache.length if cache is not None else 0
+        context = self.rope_freqs.shape[0]  # RoPE's table: one rotation per position of the context
+        if past + n > context:  # shapes only (no device sync); a lookup past the table would fail on an index
+            raise ValueError(f"{past} cached plus {n} new tokens take {past + n} positions, beyond the context of "
+                             f"max_seq_len {context} (RoPE rotates positions 0..{context - 1} only)")
         if cache is not None and past + n > cache.max_len:
             raise ValueError(f"{past} cached plus {n} new tokens exceed the cache of {cache.max_len}")
         if attention_mask is not None and tuple(attention_mask.shape) != (b, past + n):
@@ -344,8 +351,10 @@ class Llama(nn.Module):
           left-padded with ``attention_mask`` (B, N) 0 on the padding.
         - ``temperature`` 0 (default) is greedy decoding; above 0 samples, with ``top_k`` / ``top_p`` filters
           (:func:`sample_next_token`, ``generator`` for reproducible draws).
-        - A row stops at ``eos_token_id`` (one id or several); its later positions hold ``pad_token_id`` (default:
-          the config's, else the first eos id); generation ends early when every row has stopped.
+        - A row stops at ``eos_token_id`` (one id or several; default: ``config.eos_token_id``, as transformers'
+          ``generate`` falls back to the model's eos; ``[]``: never stop, always ``max_new_tokens`` tokens); its
+          later positions hold ``pad_token_id`` (default: the config's, else the first eos id); generation ends
+          early when every row has stopped.
         - ``on_token(tokens)`` is called with each step's (B,) tokens as soon as they exist (streaming).
         - ``forward``: what computes the logits, called as the model's forward is (default: the model; a compiled
           one from :func:`vitlab.optimize.llama.compile_llama` is faster).
@@ -377,6 +386,8 @@ class Llama(nn.Module):
         if attention_mask is not None:  # the mask of every position generation can reach, sliced per step
             full_mask = torch.cat([attention_mask.bool(), attention_mask.new_ones(b, max_new_tokens, dtype=torch.bool)],
                                   dim=1)
+        if eos_token_id is None:  # the model's own end of sequence; [] asks for none
+            eos_token_id = self.config.eos_token_id
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         eos_t = torch.tensor(eos, device=device)
         pad = pad_token_id if pad_token_id is not None else (

@@ -198,6 +198,31 @@ class LLaVA(nn.Module):
                                    ignore_index=IGNORE_INDEX)
         return LlavaOutput(logits, loss)
 
+    def _check_context(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+                       max_new_tokens: int) -> None:
+        """``ValueError`` when the merged prompt plus ``max_new_tokens`` exceed the language model's context,
+        counted as :meth:`merge` will build it: one placeholder per prompt becomes the image's T tokens (N + T - 1
+        positions), T placeholders in a row are overwritten in place (N). A malformed placeholder count is left
+        to :meth:`merge`'s own message."""
+        n, context, t = input_ids.shape[1], self.language_model.config.max_seq_len, self.num_image_tokens
+        counts = (input_ids == self.image_token_id).sum(1)
+        if pixel_values is None:
+            if bool(counts.any()):
+                return
+            total, what = n, f"{n} tokens"
+        elif bool((counts == 1).all()):
+            total = n + t - 1
+            what = (f"{n} ids: {n - 1} text tokens + the image's {t} tokens in place of its one placeholder = "
+                    f"{total} tokens")
+        elif bool((counts == t).all()):
+            total, what = n, f"{n} ids: {n - t} text tokens + {t} placeholders holding the image's tokens"
+        else:
+            return
+        if total + max_new_tokens <= context:
+            return
+        raise ValueError(f"the prompt ({what}) plus max_new_tokens ({max_new_tokens}) exceed the language model's "
+                         f"context of {context} tokens")
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, max_new_tokens: int = 32,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -205,13 +230,19 @@ class LLaVA(nn.Module):
                  pad_token_id: int | None = None, generator: torch.Generator | None = None,
                  on_token=None, vocab_size: int | None = None) -> torch.Tensor:
         """Continue each (image, prompt) by up to ``max_new_tokens`` tokens; returns the new tokens (B, n_new).
-        Greedy by default; sampling, stopping at ``eos_token_id`` (default: the language model's), padding,
-        streaming and ``vocab_size`` as :meth:`vitlab.models.llama.Llama.generate`. Prompts of different lengths
-        are left-padded with ``attention_mask`` 0 on the padding."""
+        Greedy by default; sampling, stopping at ``eos_token_id`` (default: the language model's
+        ``config.eos_token_id``; ``[]``: never stop), padding, streaming and ``vocab_size`` as
+        :meth:`vitlab.models.llama.Llama.generate`. Prompts of different lengths are left-padded with
+        ``attention_mask`` 0 on the padding.
+
+        The merged prompt (a single placeholder widened into the image's ``num_image_tokens``) plus
+        ``max_new_tokens`` must fit the language model's context: otherwise ``ValueError`` naming the text and image
+        tokens, before the image tower runs."""
+        self._check_context(input_ids, pixel_values, max_new_tokens)
         embeds, mask, _ = self.merge(input_ids, pixel_values, attention_mask)
-        eos = eos_token_id if eos_token_id is not None else self.language_model.config.eos_token_id
         return self.language_model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                            temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos,
+                                            temperature=temperature, top_k=top_k, top_p=top_p,
+                                            eos_token_id=eos_token_id,
                                             pad_token_id=pad_token_id, generator=generator, on_token=on_token,
                                             vocab_size=vocab_size)
 
