@@ -4,12 +4,16 @@ graphs shared across prompt lengths and decoding steps, the weights frozen (prep
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 import vitlab
+from vitlab.models.llama import Llama
 from vitlab.optimize import explain, optimize
 from vitlab.optimize.llama import CompiledLlama, compile_llama
+from vitlab.vlm.llava import LLaVA
 
 
 @pytest.mark.slow  # Inductor compiles C++ (about a minute on two cores)
@@ -75,10 +79,36 @@ def test_optimize_picks_the_language_model_compile_without_compiling_yet():
     assert isinstance(fast, CompiledLlama) and fast.module is model and fast.vitlab_backend == "compile"
     assert fast.config is model.config and "Llama" in explain(fast)
     assert optimize(model, backend="none") is model and optimize(model, tune=False) is model
+
+
+def _tensors(model: torch.nn.Module) -> list[int]:
+    return sorted(id(t) for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def test_optimize_leaves_a_llava_as_it_was_and_shares_its_weights():
+    """A LLaVA is not modified: optimize returns a copy holding the same tensors, its language model compiled
+    (lazily: nothing is compiled here), while the original keeps its keys, its eager generate and its training."""
+    torch.manual_seed(0)
     llava = vitlab.create_model("llava_tiny").eval()
-    lm = llava.language_model
-    assert optimize(llava, backend="compile") is llava and isinstance(llava.language_model, CompiledLlama)
-    assert llava.language_model.module is lm
+    lm, keys = llava.language_model, list(llava.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    prompt = torch.tensor([[1, 110, 20, 21], [1, 110, 30, 31]])
+    want = llava.generate(prompt, x, max_new_tokens=5, eos_token_id=-1)
+    for backend in ("compile", "auto"):
+        fast = optimize(llava, backend=backend)
+        assert isinstance(fast, LLaVA) and fast is not llava and fast.vitlab_backend == "compile"
+        assert isinstance(fast.language_model, CompiledLlama) and fast.language_model.module is not lm
+        assert _tensors(fast) == _tensors(llava)  # shared, not copied
+        assert llava.language_model is lm and type(lm) is Llama and list(llava.state_dict()) == keys
+        assert getattr(llava, "vitlab_backend", None) is None
+    assert torch.equal(llava.generate(prompt, x, max_new_tokens=5, eos_token_id=-1), want)
+    fresh = vitlab.create_model("llava_tiny")
+    fresh.load_state_dict(llava.state_dict())  # the keys a LLaVA has
+    llava.train()
+    out = llava(prompt, x, labels=prompt)
+    assert out.loss.requires_grad
+    out.loss.backward()
+    assert all(p.grad is not None for p in lm.parameters())
 
 
 def test_compiled_llama_keeps_its_cache_between_calls():
@@ -119,4 +149,15 @@ def test_optimized_llama_and_llava_generate_as_eager():
     x = torch.randn(2, 3, 32, 32)
     prompt = torch.tensor([[1, 110, 20, 21], [1, 110, 30, 31]])
     want = llava.generate(prompt, x, max_new_tokens=5, eos_token_id=-1)
-    assert torch.equal(optimize(llava).generate(prompt, x, max_new_tokens=5, eos_token_id=-1), want)
+    fast = optimize(llava)
+    assert torch.equal(fast.generate(prompt, x, max_new_tokens=5, eos_token_id=-1), want)
+    assert torch.allclose(fast(prompt, x).logits, llava(prompt, x).logits, atol=1e-4)
+    # the original stays eager after the compiled calls: its generate follows a change of its weights (the
+    # compiled snapshot froze them), and it trains
+    assert type(llava.language_model) is Llama
+    with torch.no_grad():
+        llava.language_model.lm_head.weight.zero_()  # every logit 0: greedy picks token 0
+    assert not llava.generate(prompt, x, max_new_tokens=5, eos_token_id=-1).any()
+    llava.train()
+    llava(prompt, x, labels=prompt).loss.backward()
+    assert llava.language_model.lm_head.weight.grad is not None

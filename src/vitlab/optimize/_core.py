@@ -431,7 +431,8 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
         from vitlab.optimize.llama import compile_language_model
 
         # a language model's gain is in generate (prompt, then one token at a time), not in one forward: its own
-        # compile (benchmarks/llama_generate.py measures it against transformers' generate)
+        # compile (benchmarks/llama_generate.py measures it against transformers' generate). The caller's model is
+        # not modified: a LLaVA-style model gives a copy sharing its weights, its language model compiled
         lm = compile_language_model(model)
         if lm is not None:
             notes.append("Llama language model: prefill and decoding step compiled with frozen weights "

@@ -6,8 +6,8 @@ for :meth:`vitlab.models.llama.Llama.generate`'s ``forward=`` argument::
     model.generate(ids, max_new_tokens=64, forward=fast)
 
 or through :func:`vitlab.optimize.optimize`, which returns a :class:`CompiledLlama` whose ``generate`` decodes
-through the compiled forward (for a vision-language model with a Llama ``language_model``, that language model is
-the one compiled)::
+through the compiled forward (for a vision-language model with a Llama ``language_model``, a copy of that model
+sharing its weights, whose language model is the compiled one: :func:`compile_language_model`)::
 
     fast = vitlab.optimize.optimize(model)       # backend "auto" or "compile"
     fast.generate(ids, max_new_tokens=64)
@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from vitlab.models.llama import KVCache, Llama, check_sampling
 from vitlab.optimize import cpu as cpuinfo
+from vitlab.optimize._core import _share_copy
 from vitlab.optimize.compiled import CompiledInference, compile_inference
 
 
@@ -131,12 +132,19 @@ class CompiledLlama(CompiledInference):
 
 def compile_language_model(model: nn.Module) -> nn.Module | None:
     """What :func:`vitlab.optimize.optimize` makes of a model holding a Llama for its ``"auto"`` and ``"compile"``
-    backends: a Llama becomes a :class:`CompiledLlama`; a model whose ``language_model`` is a Llama (a LLaVA-style
-    model) gets that language model replaced by one, in place, and is returned. None for any other model."""
+    backends, ``model`` itself left as it is. A Llama becomes a :class:`CompiledLlama` around it. A model whose
+    ``language_model`` is a Llama (a LLaVA-style model) gives an inference snapshot: a copy of the model, of the
+    same class, holding the very same parameter and buffer tensors (nothing is duplicated: a 7B model stays one 7B
+    model in memory), whose ``language_model`` is a :class:`CompiledLlama`, so that its ``forward`` and
+    ``generate`` run through the compiled decoder and everything else as the original's. The original keeps its
+    eager language model, hence its state dict keys, its gradients and its eager ``generate``, which sees later
+    changes of its weights (the compiled graphs do not: they freeze the weights at their first call). None for any
+    other model."""
     if isinstance(model, Llama):
         return CompiledLlama(model, compile_llama(model))
-    lm = getattr(model, "language_model", None)
-    if isinstance(lm, Llama):
-        model.language_model = CompiledLlama(lm, compile_llama(lm))
-        return model
+    if isinstance(getattr(model, "language_model", None), Llama):
+        snapshot = _share_copy(model)  # the module tree copied, the tensors shared: the swap stays on the copy
+        lm = snapshot.language_model
+        snapshot.language_model = CompiledLlama(lm, compile_llama(lm))
+        return snapshot
     return None
