@@ -50,7 +50,6 @@ dtype: on a CPU without native bf16 it says so (a warning) when handed bf16 and 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import itertools
@@ -70,7 +69,7 @@ import torch.nn as nn
 
 from vitlab._io import atomic_write
 from vitlab.optimize import cpu as cpuinfo
-from vitlab.optimize.compiled import CompiledInference, compile_inference
+from vitlab.optimize.compiled import CompiledInference, compile_inference, share_copy
 from vitlab.optimize.rewrite import REWRITES, rewrite
 
 log = logging.getLogger("vitlab.optimize")
@@ -184,13 +183,6 @@ def _build(model: nn.Module, backend: str, device: torch.device, notes: list[str
                 m.record_in_graph()
         return _compile(model, device)
     return model
-
-
-def _share_copy(model: nn.Module) -> nn.Module:
-    """A structural copy of ``model`` sharing its parameters and buffers (module swaps do not touch the
-    original)."""
-    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    return copy.deepcopy(model, memo)
 
 
 # ---- inputs, checks, timing ----------------------------------------------------------------------------------
@@ -480,7 +472,7 @@ def optimize(model: nn.Module, example_inputs: torch.Tensor | Sequence | None = 
     def check(name: str, rewrites: Sequence[str]) -> nn.Module | None:
         """The candidate ``name`` built on a copy and checked against eager; None (the reason recorded) if not."""
         try:
-            cand = _build(_share_copy(model), name, device, notes, rewrites=rewrites)
+            cand = _build(share_copy(model), name, device, notes, rewrites=rewrites)
             if cand is None:
                 report.rejected[name] = "does not apply"
                 return None

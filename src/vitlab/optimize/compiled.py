@@ -1,5 +1,6 @@
-"""``torch.compile`` for inference, with Inductor's freezing really applied, and the module that carries a compiled
-model.
+"""``torch.compile`` for inference, with Inductor's freezing really applied, the module that carries a compiled
+model, and :func:`share_copy`, the copy of a model whose modules an optimisation swaps without touching the
+caller's (the tensors shared, never duplicated).
 
 Freezing (Inductor turns the weights into constants of the graph, folds what depends only on them and prepacks the
 GEMM weights for MKL / oneDNN) is decided when Dynamo traces a call: it reads ``torch._inductor.config.freezing``
@@ -10,10 +11,19 @@ inputs, never prepacked. :func:`compile_inference` sets the flag around every ca
 
 from __future__ import annotations
 
+import copy
+import itertools
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+
+
+def share_copy(model: nn.Module) -> nn.Module:
+    """A structural copy of ``model`` sharing its parameters and buffers (module swaps do not touch the
+    original)."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, memo)
 
 
 def compile_inference(fn: Callable, options: dict | None = None) -> Callable:

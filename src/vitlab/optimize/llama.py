@@ -44,8 +44,7 @@ import torch.nn as nn
 
 from vitlab.models.llama import KVCache, Llama, check_sampling
 from vitlab.optimize import cpu as cpuinfo
-from vitlab.optimize._core import _share_copy
-from vitlab.optimize.compiled import CompiledInference, compile_inference
+from vitlab.optimize.compiled import CompiledInference, compile_inference, share_copy
 
 
 def _own_entry(model: nn.Module, tag: str) -> Callable[..., torch.Tensor]:
@@ -143,7 +142,7 @@ def compile_language_model(model: nn.Module) -> nn.Module | None:
     if isinstance(model, Llama):
         return CompiledLlama(model, compile_llama(model))
     if isinstance(getattr(model, "language_model", None), Llama):
-        snapshot = _share_copy(model)  # the module tree copied, the tensors shared: the swap stays on the copy
+        snapshot = share_copy(model)  # the module tree copied, the tensors shared: the swap stays on the copy
         lm = snapshot.language_model
         snapshot.language_model = CompiledLlama(lm, compile_llama(lm))
         return snapshot
