@@ -68,6 +68,15 @@ def test_logits_loss_and_greedy_tokens_equal_transformers(tmp_path):
     assert {n for n, _ in ours.named_children()} == {"vision_tower", "projector", "language_model"}
 
 
+def _registered_equals(ref, path):
+    """llava_tiny loaded from ``path`` by ``checkpoint_path=`` computes ``ref``'s logits (transformers)."""
+    ours = vitlab.create_model("llava_tiny", checkpoint_path=str(path)).eval()
+    ids, x = _prompt(expanded=True), torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, x).logits, ref(input_ids=ids, pixel_values=x).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
 def test_a_checkpoint_with_tied_embeddings_loads_by_checkpoint_path(tmp_path):
     """save_pretrained leaves the tied head out of the file: the registered (untied) model takes the embedding."""
     text = transformers.LlamaConfig(**TEXT, tie_word_embeddings=True)
@@ -75,11 +84,7 @@ def test_a_checkpoint_with_tied_embeddings_loads_by_checkpoint_path(tmp_path):
         vision_config=transformers.CLIPVisionConfig(**VISION), text_config=text, image_token_index=IMAGE,
         tie_word_embeddings=True)).eval()
     ref.save_pretrained(tmp_path)
-    ours = vitlab.create_model("llava_tiny", checkpoint_path=str(tmp_path)).eval()
-    ids, x = _prompt(expanded=True), torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids, x).logits, ref(input_ids=ids, pixel_values=x).logits,
-                                   rtol=1e-4, atol=1e-4)
+    _registered_equals(ref, tmp_path)
 
 
 def test_feature_layers_strategy_and_pretrained_config(tmp_path):
@@ -250,11 +255,7 @@ def test_a_feature_layer_counted_from_the_start_names_the_same_block(tmp_path):
     """hidden_states[2] of a 3-block tower is hidden_states[-2], llava_tiny's: the checkpoint loads and computes
     transformers' logits."""
     ref = _hf(tmp_path, vision_feature_layer=2)
-    ours = vitlab.create_model("llava_tiny", checkpoint_path=str(tmp_path)).eval()
-    ids, x = _prompt(expanded=True), torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids, x).logits, ref(input_ids=ids, pixel_values=x).logits,
-                                   rtol=1e-4, atol=1e-4)
+    _registered_equals(ref, tmp_path)
 
 
 def test_a_language_model_other_than_llama_is_refused(tmp_path):
