@@ -151,7 +151,9 @@ def test_a_clip_directory_of_another_function_is_refused_in_one_line(tmp_path, v
     ref = _clip_dir(tmp_path, vision, text)
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path}: another CLIP architecture: {words}")) as e:
         vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path), **SHRUNK)
-    assert "\n" not in str(e.value) and str(e.value).endswith(words)
+    # the field, then how to load such a checkpoint
+    assert "\n" not in str(e.value) and str(e.value).endswith(f"{words}; build the model its config.json describes "
+                                                               f"with vitlab.clip.hf.clip_from_hf({str(tmp_path)!r})")
     torch.save(ref.state_dict(), tmp_path / "weights.pt")
     ours = vitlab.create_model("clip_vit_base_patch32", checkpoint_path=str(tmp_path / "weights.pt"), **SHRUNK)
     x, text = torch.randn(2, 3, 64, 64), _texts(12, 100)
@@ -228,3 +230,24 @@ def test_registered_image_tower_refuses_a_directory_of_another_function(tmp_path
         vitlab.create_model("vit_base_patch32_clip_quickgelu_224", checkpoint_path=str(tmp_path), **kw)
     assert "\n" not in str(e.value) and f"{next(iter(fix))}=" in str(e.value)
     vitlab.create_model("vit_base_patch32_clip_quickgelu_224", checkpoint_path=str(tmp_path), **{**kw, **fix})
+
+
+@pytest.mark.parametrize("name, vision, text", [
+    ("clip_vit_base_patch32", dict(patch_size=32), {}),
+    ("clip_vit_large_patch14", dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
+                                    num_hidden_layers=24, patch_size=14), dict(hidden_size=768, intermediate_size=3072,
+                                                                               num_attention_heads=12))])
+def test_openai_checkpoint_configs_fit_the_registered_models_with_quick_gelu(name, vision, text):
+    """openai/clip-vit-*'s config.json (QuickGELU, eos_token_id 2 as those files state it) fits the registered
+    model created with quick_gelu=True; the registered GELU model refuses it, saying how to load it."""
+    import torch
+
+    from vitlab.clip.model import check_hf_config
+
+    cfg = transformers.CLIPConfig(vision_config=vision, text_config=dict(text, bos_token_id=0, eos_token_id=2,
+                                                                         pad_token_id=1)).to_dict()
+    with torch.device("meta"):
+        check_hf_config(vitlab.create_model(name, quick_gelu=True), cfg, "DIR")
+        with pytest.raises(ValueError, match=r"hidden_act 'quick_gelu' \(this model 'gelu'\); create it with "
+                                             r"quick_gelu=True .*clip_from_hf\('DIR'\)$"):
+            check_hf_config(vitlab.create_model(name), cfg, "DIR")

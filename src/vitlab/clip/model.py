@@ -258,7 +258,12 @@ def check_hf_config(model: CLIP, cfg: dict, source: str) -> None:
         bad.append(f"text_config.eos_token_id {t['eos_token_id']} (this model pools at the largest id, "
                    f"{text.vocab_size - 1})")
     if bad:
-        raise ValueError(f"{source}: another CLIP architecture: {', '.join(bad)}")
+        # the way out: OpenAI's weights (QuickGELU in both towers) fit the registered models with quick_gelu=True;
+        # any other config.json builds its own model
+        hint = ("create it with quick_gelu=True (OpenAI's weights), or " if all("hidden_act 'quick_gelu'" in b
+                                                                               for b in bad) else "")
+        raise ValueError(f"{source}: another CLIP architecture: {', '.join(bad)}; {hint}build the model its "
+                         f"config.json describes with vitlab.clip.hf.clip_from_hf({source!r})")
 
 
 def read_checkpoint(self: CLIP, path: str | os.PathLike) -> dict[str, torch.Tensor]:
