@@ -749,6 +749,8 @@ def test_eval_split_scores_test_or_else_val_and_refuses_a_missing_one(tmp_path):
     assert eval_split(splits, "test", "d") == "val"
     with pytest.raises(DataError, match=r"^d has no train split \(it has val\); pass --split val$"):
         eval_split(VLSplits(train=None, val=["b"], test=None, images={}), "train", "d")
+    with pytest.raises(DataError, match=r"^d has no val split \(it has train\); pass --split train$"):
+        eval_split(VLSplits(train=["a"], val=[], test=None, images={}), None, "d")  # no test, and no val either
     assert eval_split(VLSplits(["a"], ["b"], ["c"], {}), None, "d") == "test"
 
 

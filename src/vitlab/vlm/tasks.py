@@ -272,11 +272,11 @@ def eval_split(splits: VLSplits, split: str | None, dataset: str) -> str:
     data has no test split (as every vitlab task scores; the result and its file name the split scored); a train
     or val split the data lacks is refused in one line naming the splits it has."""
     if split in (None, "test"):
-        return "test" if splits.test else "val"
+        split = "test" if splits.test else "val"
     if not getattr(splits, split):
         have = [n for n in ("train", "val", "test") if getattr(splits, n)]
-        raise DataError(f"{dataset} has no {split} split (it has {', '.join(have)}); pass --split "
-                        f"{' or '.join(have)}")
+        raise DataError(f"{dataset} has no {split} split" + (f" (it has {', '.join(have)}); pass --split "
+                                                             f"{' or '.join(have)}" if have else ""))
     return split
 
 
@@ -666,8 +666,8 @@ class _VLTask(_ScoredTask):
         self.frozen = apply_freezing(model, a)
         # LLaVA's stages freeze pretrained parts (Liu et al., 2023, Sec. 4.2): one frozen at its random weights
         # learns nothing and gives the others nothing to fit, which the log says
-        random = [n for n in self.frozen
-                  if all(torch.equal(x, y) for x, y in zip(initial[n], _probe(getattr(model, n))))]
+        random = [n for n in self.frozen if initial[n]  # a part without parameters has no weights to load
+                  and all(torch.equal(x, y) for x, y in zip(initial[n], _probe(getattr(model, n))))]
         if random and not cfg.quiet:
             say(f"note: {' and '.join(random)} {'stays' if len(random) == 1 else 'stay'} frozen at random initial "
                 f"weights (--stage {a.stage}, --task_args.freeze {list(a.freeze)}): --init "
