@@ -106,18 +106,17 @@ def test_inductor_options_build_the_cpp_for_the_capped_isa(monkeypatch):
     """Under ATEN_CPU_CAPABILITY=avx2 on x86 Inductor's C++ is built for x86-64-v3, not -march=native (whose
     AVX-512 code lowered the clock of an emulated AVX2 run); natively, or with TORCHINDUCTOR_CPP_MARCH set, the
     option is left to Inductor."""
-    from torch._inductor import config
-
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_MARCH", raising=False)
     assert "cpp.march" not in cpu.inductor_options()
     monkeypatch.setattr(cpu, "_x86", lambda: True)
     for cap, march in (("avx2", "x86-64-v3"), ("AVX2", "x86-64-v3"), ("default", "x86-64")):
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
         assert cpu.inductor_options()["cpp.march"] == march
-    monkeypatch.setattr(config.cpp, "march", "skylake")  # what TORCHINDUCTOR_CPP_MARCH sets
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_MARCH", "skylake")  # the user's own choice stands
     assert "cpp.march" not in cpu.inductor_options()
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_MARCH")
     monkeypatch.setattr(cpu, "_x86", lambda: False)
-    monkeypatch.setattr(config.cpp, "march", None)
     assert "cpp.march" not in cpu.inductor_options()
 
 

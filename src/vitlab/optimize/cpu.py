@@ -47,12 +47,14 @@ def inductor_options() -> dict:
     vectorise the kernels' scalar loops with AVX-512: the cores then ran at AVX-512's lower clock, and the AVX2
     GEMMs around those kernels with them (the compiled ``llama_100m`` batch-8 prefill ran at 1.01x the eager
     one; built for ``x86-64-v3``, at 1.09-1.16x)."""
-    from torch._inductor import config
+    import torch._inductor
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     options = {"freezing": True, "cpp.simdlen": pick_vec_isa().bit_width()}
     march = _CAP_MARCH.get(os.environ.get("ATEN_CPU_CAPABILITY", "").lower())
-    if march and _x86() and getattr(config.cpp, "march", "") is None:  # the option exists from torch 2.6 on
+    # the option where this torch has it (torch.compile's documented list of Inductor options)
+    if march and _x86() and not os.environ.get("TORCHINDUCTOR_CPP_MARCH") \
+            and "cpp.march" in torch._inductor.list_options():
         options["cpp.march"] = march
     return options
 
