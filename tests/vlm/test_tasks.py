@@ -617,6 +617,23 @@ def test_llava_stages_freeze_parts(stage, trained):
         assert {m.training for m in getattr(model, part).modules()} == {part in trained}, part
 
 
+def test_blip_freeze_keeps_the_frozen_parts_in_eval_mode(tmp_path):
+    """A blip run's --task_args.freeze freezes as LLaVA's stages do: no gradients, and eval mode (dropout off)
+    whatever mode the model is put in; the other parts train."""
+    cfg = TrainConfig.for_task("blip", task_args={"freeze": ["vision_tower"], "scenes_train": 4, "scenes_eval": 2},
+                               model_kwargs={"vision_depth": 1, "text_depth": 1}, output_dir=str(tmp_path / "r"))
+    from vitlab.train.task import create_task
+
+    task = create_task("blip")
+    task.build(cfg, torch.device("cpu"))
+    model = task.model
+    model.train()
+    assert {m.training for m in model.vision_tower.modules()} == {False}
+    assert {p.requires_grad for p in model.vision_tower.parameters()} == {False}
+    others = [m for n, m in model.named_children() if n != "vision_tower" and any(True for _ in m.parameters())]
+    assert others and all(m.training and all(p.requires_grad for p in m.parameters()) for m in others)
+
+
 def test_blind_runs_see_zeros():
     cfg = TrainConfig.for_task("vqa", task_args={"blind": True, "scenes_train": 4, "scenes_eval": 2},
                                model_kwargs={"vision_depth": 1, "text_n_layers": 1})

@@ -358,16 +358,20 @@ def _probe(part: nn.Module) -> list[torch.Tensor]:
     return [p.detach().flatten()[:4].clone() for p in part.parameters()]
 
 
-def apply_freezing(model: nn.Module, args: VLArgs) -> list[str]:
-    """Freeze the parts :func:`frozen_parts` names: no gradients, and eval mode whatever mode the model is put in,
-    so a frozen part computes as at inference (BatchNorm keeps its statistics, dropout stays off)."""
-    frozen = frozen_parts(args)
-    for name in frozen:
+def freeze_parts(model: nn.Module, names) -> list[str]:
+    """Freeze ``model``'s parts ``names``: no gradients, and eval mode whatever mode the model is put in, so a
+    frozen part computes as at inference (BatchNorm keeps its statistics, dropout stays off)."""
+    for name in names:
         part = getattr(model, name)
         part.requires_grad_(False)
         part.train = types.MethodType(_stay_in_eval, part)  # model.train() reaches each child through its train()
         part.eval()
-    return sorted(frozen)
+    return sorted(names)
+
+
+def apply_freezing(model: nn.Module, args: VLArgs) -> list[str]:
+    """Freeze the parts :func:`frozen_parts` names (:func:`freeze_parts`)."""
+    return freeze_parts(model, frozen_parts(args))
 
 
 # the parameters whose rows are indexed by token id: the input embeddings and the output head (Llama's
@@ -1004,9 +1008,7 @@ class BlipTask(_ScoredTask):
         kwargs = model_kwargs(cfg)
         model = self._model(cfg.model, kwargs, tok, img_size, context + a.max_new_tokens)
         self.loaded = _init(model, a.init, tok, cfg)
-        for part in a.freeze:
-            for p in getattr(model, part).parameters():
-                p.requires_grad_(False)
+        freeze_parts(model, a.freeze)  # as LLaVA's stages: no gradients, and dropout off in the frozen parts
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = prepare_model(model, cfg, device)
         self.module = BlipObjectives(self.model)
