@@ -175,3 +175,18 @@ def test_hf_index_leaving_a_shard_out_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"model.safetensors.index.json names no tensor of "
                                               r"model-00002-of-00002.safetensors of the 2 .*the index is incomplete$"):
         read_hf_state_dict(tmp_path)
+
+
+def test_config_differences_name_each_differing_field_once():
+    """The checks of config.json against a model (Llama, LLaVA, BLIP, CLIP) share one rule: values shown as repr,
+    floats equal within a relative 1e-6 (a JSON round trip), a caller's own verdict where it gives one."""
+    from vitlab.convert import config_differences
+
+    pairs = {"dim": (64, 32), "heads": (4, 4), "eps": (1e-5, 1e-5 * (1 + 1e-9)), "theta": (5000.0, 10000.0),
+             "act": ("gelu", "quick_gelu"), "layer": (2, -2, True), "ids": ([1], [1], False)}
+    assert config_differences(pairs, "text_config.") == [
+        "text_config.dim 64 (this model 32)", "text_config.theta 5000.0 (this model 10000.0)",
+        "text_config.act 'gelu' (this model 'quick_gelu')", "text_config.ids [1] (this model [1])"]
+    assert config_differences({"eps": (1e-6, 1e-5)}) == ["eps 1e-06 (this model 1e-05)"]
+    assert config_differences({"eps": (1e-5, "1e-05")}) == ["eps 1e-05 (this model '1e-05')"]
+    assert config_differences({}) == []

@@ -14,11 +14,13 @@ another architecture) and :func:`read_hf_state_dict` (``model.safetensors``, ``p
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -157,6 +159,26 @@ def resolve_pretrained(model_name: str, hf_hub_id: str | None) -> str:
 
 
 _HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+
+
+def config_differences(pairs: dict[str, tuple[Any, ...]], prefix: str = "") -> list[str]:
+    """``"{prefix}field theirs (this model mine)"`` (values as ``repr``) for each field of ``pairs`` -- field:
+    ``(theirs, mine)``, a checkpoint's ``config.json`` value and the model's -- whose values differ; floats (an eps,
+    a RoPE base) agree within a relative 1e-6, as a JSON round trip keeps them. A third element, where given, is
+    the caller's own verdict that the two agree (two names of one activation, two indices of one block), used
+    instead of comparing the values. The check of each family joins these into one ``ValueError`` line."""
+    bad = []
+    for field, (theirs, mine, *same) in pairs.items():
+        if same:
+            agree = same[0]
+        elif isinstance(theirs, float) or isinstance(mine, float):
+            agree = (isinstance(theirs, (int, float)) and isinstance(mine, (int, float))
+                     and math.isclose(theirs, mine, rel_tol=1e-6))
+        else:
+            agree = theirs == mine
+        if not agree:
+            bad.append(f"{prefix}{field} {theirs!r} (this model {mine!r})")
+    return bad
 
 
 def _hf_dir(path: str | os.PathLike) -> Path:

@@ -198,12 +198,10 @@ def test_profile_inputs_fit_a_short_text_context():
 
 # config.json fields the tensors' shapes do not show, each changed from blip_tiny_caption's, and the refusal's words
 ANOTHER_FUNCTION = [
-    ({"vision": {"hidden_act": "quick_gelu"}}, "vision_config.hidden_act 'QuickGELU()' (this model "
-                                               "\"GELU(approximate='none')\")"),
+    ({"vision": {"hidden_act": "quick_gelu"}}, "vision_config.hidden_act 'quick_gelu' (this model 'gelu')"),
     ({"vision": {"layer_norm_eps": 0.5}}, "vision_config.layer_norm_eps 0.5 (this model 1e-05)"),
     ({"vision": {"num_attention_heads": 2}}, "vision_config.num_attention_heads 2 (this model 4)"),
-    ({"text": {"hidden_act": "gelu_new"}}, "text_config.hidden_act \"GELU(approximate='tanh')\" (this model "
-                                           "\"GELU(approximate='none')\")"),
+    ({"text": {"hidden_act": "gelu_new"}}, "text_config.hidden_act 'gelu_new' (this model 'gelu')"),
     ({"text": {"layer_norm_eps": 0.5}}, "text_config.layer_norm_eps 0.5 (this model 1e-12)"),
     ({"text": {"num_attention_heads": 2}}, "text_config.num_attention_heads 2 (this model 4)"),
     ({"text": {"bos_token_id": 97}}, "text_config.bos_token_id 97 (this model 98)"),

@@ -375,7 +375,7 @@ def test_init_from_an_imported_checkpoint_of_another_architecture_is_named(tmp_p
 
 @pytest.mark.parametrize("kind,change,words", [
     ("blip", {"vision_config": {"hidden_act": "quick_gelu"}},
-     "another BLIP architecture: vision_config.hidden_act 'QuickGELU()' (this model \"GELU(approximate='none')\")"),
+     "another BLIP architecture: vision_config.hidden_act 'quick_gelu' (this model 'gelu')"),
     ("blip", {"text_config": {"layer_norm_eps": 1e-6}},
      "another BLIP architecture: text_config.layer_norm_eps 1e-06 (this model 1e-12)"),
     ("llava", {"text_config": {"model_type": "mistral", "sliding_window": 4}},

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from vitlab.clip.model import CLIP, HF_CLIP_TEXT_DEFAULTS, ImageTower, build_clip
+from vitlab.clip.model import CLIP, HF_CLIP_TEXT_DEFAULTS, ImageTower, build_clip, hf_eos_at_largest_id
 from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict
 from vitlab.models import (
     CLIP_ARCHITECTURES,
@@ -63,7 +63,7 @@ def clip_text_kwargs(text_config: dict) -> dict:
     c = {**HF_CLIP_TEXT_DEFAULTS, **text_config}
     if c["layer_norm_eps"] != 1e-5:
         raise ValueError(f"CLIP's text tower uses LayerNorm eps 1e-5; this config has {c['layer_norm_eps']}")
-    if c["eos_token_id"] not in (2, c["vocab_size"] - 1):
+    if not hf_eos_at_largest_id(c["eos_token_id"], c["vocab_size"]):
         raise ValueError(f"the text tower pools at the largest token id, but this config's end-of-text token is "
                          f"{c['eos_token_id']} of a vocabulary of {c['vocab_size']}")
     return dict(vocab_size=c["vocab_size"], context_length=c["max_position_embeddings"], width=c["hidden_size"],

@@ -236,6 +236,13 @@ HF_CLIP_TEXT_DEFAULTS = dict(vocab_size=49408, hidden_size=512, intermediate_siz
                              layer_norm_eps=1e-5, eos_token_id=49407)
 
 
+def hf_eos_at_largest_id(eos_token_id: int, vocab_size: int) -> bool:
+    """Whether vitlab's text tower, which pools at the largest token id, pools where transformers does for this
+    ``eos_token_id``: at the vocabulary's last id (Radford et al., 2021's tokenizer puts end-of-text there), or
+    for ``eos_token_id == 2`` (configs before transformers PR #24773, which pool at the largest id too)."""
+    return eos_token_id in (2, vocab_size - 1)
+
+
 def check_hf_config(model: CLIP, cfg: dict, source: str) -> None:
     """``ValueError`` (one line: the field, the checkpoint's value, this model's) unless a transformers
     ``CLIPConfig`` dict describes ``model``'s function beyond its tensors' shapes. The image tower (a ViT):
@@ -254,7 +261,7 @@ def check_hf_config(model: CLIP, cfg: dict, source: str) -> None:
         bad.append(f"text tower 'clip' with pre-norm blocks (this model {mine})")
     else:
         bad += hf_clip_tower_differences(text, t, "text_config.")
-    if t["eos_token_id"] not in (2, text.vocab_size - 1):
+    if not hf_eos_at_largest_id(t["eos_token_id"], text.vocab_size):
         bad.append(f"text_config.eos_token_id {t['eos_token_id']} (this model pools at the largest id, "
                    f"{text.vocab_size - 1})")
     if bad:

@@ -34,6 +34,7 @@ from vitlab.models.clip_vit import (  # noqa: E402
     convert_hf_clip_state_dict,
     convert_hf_clip_vision_state_dict,
     hf_act,
+    hf_act_pair,
     hf_clip_tower_differences,
     hf_clip_vision_differences,
     hf_clip_vision_kwargs,
@@ -49,7 +50,7 @@ from vitlab.models.vision_transformer import VisionTransformer  # noqa: E402
 __all__ = ["CLIP_ARCHITECTURES", "CLIP_VISION_ARCHITECTURES", "HF_CLIP_ARCHITECTURES", "CLIPVisionTransformer",
            "HF_CLIP_VISION_DEFAULTS", "HaLViT", "LevitBlock", "Llama", "PreNorm", "TokenModel", "VisionTransformer",
            "check_token_model", "clip_vision_transformer", "clip_vit_kwargs", "convert_hf_clip_state_dict",
-           "convert_hf_clip_vision_state_dict", "hf_act", "hf_clip_tower_differences",
+           "convert_hf_clip_vision_state_dict", "hf_act", "hf_act_pair", "hf_clip_tower_differences",
            "hf_clip_vision_differences", "hf_clip_vision_kwargs", "hf_layernorm", "hf_mlp_ratio",
            "is_hf_clip_state_dict", "keep_patches", "fill_tied_head", "llama_config_from_hf", "mask_patches", "mix_in",
            "mix_out", "mixin_of", "OPENAI_MEAN", "OPENAI_STD", "sample_next_token", "set_grad_checkpointing"]

@@ -36,7 +36,6 @@ heads, [CLS] pooling: :func:`hf_clip_vision_differences`, which vitlab's CLIP an
 
 from __future__ import annotations
 
-import math
 import re
 from functools import partial
 from pathlib import Path
@@ -44,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from vitlab.convert import read_hf_config, read_hf_state_dict, read_state_dict
+from vitlab.convert import config_differences, read_hf_config, read_hf_state_dict, read_state_dict
 from vitlab.layers import Mlp, PatchEmbed, get_act_layer, get_norm_layer
 from vitlab.models.vision_transformer import VisionTransformer
 from vitlab.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
@@ -107,31 +106,34 @@ def hf_act_name(act: nn.Module) -> str:
     return next((k for k, v in HF_ACTS.items() if repr(get_act_layer(v)()) == r), r)
 
 
+def hf_act_pair(name: str, act: nn.Module | None, mine: str | None = None) -> tuple[str, str, bool]:
+    """A transformers activation ``name`` and the module ``act`` as a :func:`vitlab.convert.config_differences`
+    entry: both named as transformers names them (``mine`` for a model without such a module), compared as
+    modules, so two names of one function agree and GELU differs from its tanh form. An activation vitlab does not
+    have is a difference, named as the checkpoint names it."""
+    try:
+        theirs = repr(get_act_layer(hf_act(name))())
+    except ValueError:
+        theirs = None
+    return (name, hf_act_name(act) if act is not None else mine, act is not None and theirs == repr(act))
+
+
 def hf_clip_tower_differences(tower: nn.Module, config: dict, prefix: str) -> list[str]:
     """What a transformers CLIP tower config (a dict, defaults filled in) says that the shapes of ``tower``'s
     tensors cannot show, as ``"{prefix}field theirs (this model ours)"`` for each field that differs:
-    ``hidden_act`` (the activations compared as modules, so two names of one function agree and GELU differs from
-    its tanh form), ``layer_norm_eps`` (every LayerNorm of the tower: transformers uses one eps throughout) and
-    ``num_attention_heads`` (the heads split the same fused qkv projection differently). ``tower`` holds
-    pre-norm blocks (:class:`vitlab.attention.Block`) as ``blocks``: CLIP's image tower or its text tower."""
+    ``hidden_act`` (:func:`hf_act_pair`), ``layer_norm_eps`` (every LayerNorm of the tower: transformers uses one
+    eps throughout; a tower of several is shown with the list of them) and ``num_attention_heads`` (the heads split
+    the same fused qkv projection differently). ``tower`` holds pre-norm blocks (:class:`vitlab.attention.Block`)
+    as ``blocks``: CLIP's image tower or its text tower, or BLIP's image tower."""
     block = tower.blocks[0]
-    try:
-        theirs_act = repr(get_act_layer(hf_act(config["hidden_act"]))())
-    except ValueError:  # an activation vitlab does not have: named as a difference
-        theirs_act = None
     # CLIP's MLP is fc1, the activation, fc2; another feed-forward (SwiGLU) is named by its class
     act = block.mlp.act if isinstance(block.mlp, Mlp) else None
     eps = sorted({m.eps for m in tower.modules() if isinstance(m, nn.LayerNorm)})
-    bad = []
-    if act is None or theirs_act != repr(act):
-        mine = repr(hf_act_name(act)) if act is not None else type(block.mlp).__name__
-        bad.append(f"{prefix}hidden_act {config['hidden_act']!r} (this model {mine})")
-    if not (len(eps) == 1 and math.isclose(eps[0], config["layer_norm_eps"], rel_tol=1e-6)):
-        mine = ", ".join(f"{e:g}" for e in eps) or "no LayerNorm"
-        bad.append(f"{prefix}layer_norm_eps {config['layer_norm_eps']:g} (this model {mine})")
-    if config["num_attention_heads"] != block.attn.num_heads:
-        bad.append(f"{prefix}num_attention_heads {config['num_attention_heads']} (this model {block.attn.num_heads})")
-    return bad
+    # one eps throughout agrees within float rounding; several never match transformers' one
+    eps_pair = (config["layer_norm_eps"], eps[0]) if len(eps) == 1 else (config["layer_norm_eps"], eps, False)
+    return config_differences({"hidden_act": hf_act_pair(config["hidden_act"], act, type(block.mlp).__name__),
+                               "layer_norm_eps": eps_pair,
+                               "num_attention_heads": (config["num_attention_heads"], block.attn.num_heads)}, prefix)
 
 
 def hf_clip_vision_differences(vit: VisionTransformer, vision_config: dict, prefix: str = "vision_config.",

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.convert import CheckpointError, read_hf_config, read_hf_state_dict, unreadable
+from vitlab.convert import CheckpointError, config_differences, read_hf_config, read_hf_state_dict, unreadable
 from vitlab.layers import (
     RMSNorm,
     SwiGLU,
@@ -244,8 +244,7 @@ class Llama(nn.Module):
         """``ValueError`` naming the differences unless ``other`` describes this decoder's function: its width,
         layers, heads, SwiGLU width, RMSNorm eps and RoPE base (the vocabulary and the context aside)."""
         keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "head_dim", "norm_eps", "rope_theta")
-        bad = [f"{k} {getattr(other, k)} (this model {getattr(self.config, k)})" for k in keys
-               if getattr(other, k) != getattr(self.config, k)]
+        bad = config_differences({k: (getattr(other, k), getattr(self.config, k)) for k in keys})
         if bad:
             raise ValueError(f"{source}: another Llama architecture: {', '.join(bad)}")
 

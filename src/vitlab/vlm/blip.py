@@ -32,7 +32,6 @@ key map. For the same weights: :meth:`BLIP.forward` gives ``BlipForConditionalGe
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass, fields
@@ -42,10 +41,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict, read_state_dict
+from vitlab.convert import config_differences, load_state_dict, read_hf_config, read_hf_state_dict, read_state_dict
 from vitlab.layers import Mlp, check_heads, checkpoint_seq, get_act_layer
 from vitlab.layers import attention_mask as sdpa_mask
-from vitlab.models import hf_act, hf_layernorm, hf_mlp_ratio, sample_next_token, set_grad_checkpointing
+from vitlab.models import (
+    hf_act,
+    hf_act_pair,
+    hf_clip_tower_differences,
+    hf_layernorm,
+    hf_mlp_ratio,
+    sample_next_token,
+    set_grad_checkpointing,
+)
 from vitlab.registry import create_model
 
 HEADS = ("itc", "itm", "lm")
@@ -447,23 +454,17 @@ class BLIP(nn.Module):
         that captioning starts, stops and pads with. ``token_ids=False`` is for a checkpoint whose token ids are
         mapped onto the model's (``--init``'s vocabulary transfer)."""
         v, t = {**_HF_VISION, **cfg.get("vision_config", {})}, {**_HF_TEXT, **cfg.get("text_config", {})}
-        block, text = self.vision_tower.blocks[0], self.text_config
-        try:  # the activations as modules: two names of one function compare equal, GELU and tanh GELU do not
-            acts = [repr(get_act_layer(hf_act(c["hidden_act"]))()) for c in (v, t)]
-        except ValueError as e:  # an activation vitlab does not have
-            raise ValueError(f"{source}: {e}") from None
+        text = self.text_config
+        # the image tower is CLIP's pre-norm ViT; the text layers (BERT's, post-norm) hold their settings in
+        # text_config, compared by the same rules (activations named as transformers names them)
+        bad = hf_clip_tower_differences(self.vision_tower, v, "vision_config.")
         # field: (the checkpoint's value, this model's)
-        pairs = {"vision_config.hidden_act": (acts[0], repr(block.mlp.act)),
-                 "vision_config.layer_norm_eps": (v["layer_norm_eps"], self.vision_tower.norm.eps),
-                 "vision_config.num_attention_heads": (v["num_attention_heads"], block.attn.num_heads),
-                 "text_config.hidden_act": (acts[1], repr(get_act_layer(text.act_layer)())),
-                 "text_config.layer_norm_eps": (t["layer_norm_eps"], text.eps),
-                 "text_config.num_attention_heads": (t["num_attention_heads"], text.num_heads)}
+        pairs = {"hidden_act": hf_act_pair(t["hidden_act"], get_act_layer(text.act_layer)()),
+                 "layer_norm_eps": (t["layer_norm_eps"], text.eps),
+                 "num_attention_heads": (t["num_attention_heads"], text.num_heads)}
         if token_ids:
-            pairs.update({f"text_config.{k}": (t[k], getattr(text, k))
-                          for k in ("bos_token_id", "sep_token_id", "pad_token_id")})
-        bad = [f"{k} {theirs!r} (this model {mine!r})" for k, (theirs, mine) in pairs.items()
-               if not (math.isclose(theirs, mine, rel_tol=1e-6) if k.endswith("_eps") else theirs == mine)]
+            pairs.update({k: (t[k], getattr(text, k)) for k in ("bos_token_id", "sep_token_id", "pad_token_id")})
+        bad += config_differences(pairs, "text_config.")
         if bad:
             raise ValueError(f"{source}: another BLIP architecture: {', '.join(bad)}")
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.convert import load_state_dict, read_hf_config, read_hf_state_dict, read_state_dict
+from vitlab.convert import config_differences, load_state_dict, read_hf_config, read_hf_state_dict, read_state_dict
 from vitlab.layers import get_act_layer
 from vitlab.models import (
     Llama,
@@ -294,15 +294,15 @@ class LLaVA(nn.Module):
         bad = (hf_clip_vision_differences(self.vision_tower, kw["vision"], pooled=False)
                if isinstance(self.vision_tower, VisionTransformer) else [])
         # field: (the checkpoint's value, this model's)
-        pairs = {"vision_feature_layer": (kw["vision_feature_layer"], self.vision_feature_layer),
+        # the feature layers compared as the blocks they name (2 and -2 are one block of a 3-block tower)
+        pairs = {"vision_feature_layer": (kw["vision_feature_layer"], self.vision_feature_layer,
+                                          self._blocks(kw["vision_feature_layer"]) == self._take),
                  "vision_feature_select_strategy": (kw["vision_feature_select_strategy"], self.select_strategy)}
         if self.projector.act is not None:  # the module's repr, not its class: tanh GELU is nn.GELU too
             pairs["projector_hidden_act"] = (repr(get_act_layer(kw["projector_act"])()), repr(self.projector.act))
         if token_ids:
             pairs["image_token_index"] = (kw["image_token_id"], self.image_token_id)
-        # the feature layers compared as the blocks they name (2 and -2 are one block of a 3-block tower)
-        bad += [f"{k} {theirs!r} (this model {mine!r})" for k, (theirs, mine) in pairs.items()
-                if (self._blocks(theirs) != self._take if k == "vision_feature_layer" else theirs != mine)]
+        bad += config_differences(pairs)
         if bad:
             raise ValueError(f"{source}: another LLaVA architecture: {', '.join(bad)}")
 
