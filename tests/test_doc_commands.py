@@ -88,6 +88,7 @@ SKIPS: tuple[Skip, ...] = (
          r"|dense_demo|llama_generate|vlm_demo|vlm_train_throughput|loader_throughput|train_mfu|eager_vs_timm|cait_folded)\.py",
          "a benchmark script: minutes of compiling, training or timing on the CPU"),
     Skip(r"--checkpoint ~/llama-2", "needs Llama 2 weights (a download)"),
+    Skip(r"--init llava-1.5-7b-hf/", "needs LLaVA-1.5-7B's transformers weights (a download)"),
     Skip(r"--tokenizer tokenizer.model", "needs a SentencePiece tokenizer.model (Llama's is a download)"),
     Skip(r"--data hf:", "needs a Hugging Face dataset (a save_to_disk folder, a parquet file or the Hub, online)"),
     Skip(r"^vitlab analyze window-study --epochs", "trains six LITv2-S on digits at 128 px: 90 s each on 2 cores"),

@@ -218,7 +218,7 @@ ANOTHER_FUNCTION = [
     ({"vision_feature_layer": -1}, "another LLaVA architecture: vision_feature_layer -1 (this model -2)"),
     ({"vision_feature_select_strategy": "full"}, "vision_feature_select_strategy 'full' (this model 'default')"),
     ({"projector_hidden_act": "quick_gelu"},
-     "projector_hidden_act 'QuickGELU()' (this model \"GELU(approximate='none')\")"),
+     "projector_hidden_act 'quick_gelu' (this model 'gelu')"),
     ({"text": {"rope_theta": 5000.0}}, "another Llama architecture: rope_theta 5000.0 (this model 10000.0)"),
     ({"vision": {"hidden_act": "gelu"}},
      "another LLaVA architecture: vision_config.hidden_act 'gelu' (this model 'quick_gelu')"),

@@ -365,8 +365,7 @@ def test_init_from_an_imported_checkpoint_of_another_architecture_is_named(tmp_p
                                       "'default')")
     _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(tmp_path / "llava_tanh"), "--output_dir",
                              str(out), *flags],
-                    "another LLaVA architecture: projector_hidden_act \"GELU(approximate='tanh')\" (this model "
-                    "\"GELU(approximate='none')\")")
+                    "another LLaVA architecture: projector_hidden_act 'gelu_pytorch_tanh' (this model 'gelu')")
     _one_line_error(capsys, ["train", "--task", "blip", "--model", "blip_tiny", "--init", str(tmp_path / "blip"),
                              "--output_dir", str(out), *TINY[6:]],
                     "another BLIP architecture than this run's: unexpected ['text_decoder.layers.2.")
@@ -444,6 +443,22 @@ def test_init_from_an_imported_checkpoint_is_refused_in_one_line(tmp_path, capsy
     _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(hf), "--output_dir", str(out), *TINY],
                     f"{hf}: its image tower uses hidden_act 'quick_gelu'")
     assert not out.exists()
+
+
+def test_init_that_names_nothing_is_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    import vitlab.vlm.tasks as tasks
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built before --init was checked")
+
+    monkeypatch.setattr(tasks, "build_vl_model", built)  # a 7B model would take minutes and most of the memory
+    monkeypatch.setattr(tasks.BlipTask, "_model", built)
+    out, missing = tmp_path / "run", tmp_path / "llava-1.5-7b-hf"
+    tiny_blip = ["--model_kwargs.vision_depth", "1", "--model_kwargs.text_depth", "1", *TINY[6:]]
+    for task, flags in (("vqa", TINY), ("caption", TINY), ("blip", tiny_blip)):
+        _one_line_error(capsys, ["train", "--task", task, "--init", str(missing), "--output_dir", str(out), *flags],
+                        f"--init {missing}: no such file or folder")
+        assert not out.exists()
 
 
 def test_caption_train_eval_predict(caption_run, scene_png, tmp_path, capsys):

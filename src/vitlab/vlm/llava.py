@@ -42,6 +42,7 @@ from vitlab.models import (
     convert_hf_clip_vision_state_dict,
     fill_tied_head,
     hf_act,
+    hf_act_pair,
     hf_clip_vision_differences,
     llama_config_from_hf,
     set_grad_checkpointing,
@@ -298,8 +299,8 @@ class LLaVA(nn.Module):
         pairs = {"vision_feature_layer": (kw["vision_feature_layer"], self.vision_feature_layer,
                                           self._blocks(kw["vision_feature_layer"]) == self._take),
                  "vision_feature_select_strategy": (kw["vision_feature_select_strategy"], self.select_strategy)}
-        if self.projector.act is not None:  # the module's repr, not its class: tanh GELU is nn.GELU too
-            pairs["projector_hidden_act"] = (repr(get_act_layer(kw["projector_act"])()), repr(self.projector.act))
+        if self.projector.act is not None:  # compared as modules, named as transformers names them
+            pairs["projector_hidden_act"] = hf_act_pair(cfg.get("projector_hidden_act", "gelu"), self.projector.act)
         if token_ids:
             pairs["image_token_index"] = (kw["image_token_id"], self.image_token_id)
         bad += config_differences(pairs)

@@ -544,6 +544,13 @@ def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
     return "the whole model"
 
 
+def check_init(source: str | None) -> None:
+    """A DataError when ``--init`` names nothing: checked before the run's model is built (a 7B model takes
+    minutes and most of the memory to build before its missing checkpoint would be found)."""
+    if source and not Path(source).exists():
+        raise DataError(f"--init {source}: no such file or folder")
+
+
 def _init(model: nn.Module, source: str | None, tokenizer: WordTokenizer, cfg) -> str | None:
     """:func:`init_from` when ``source`` is given, what it loaded said in one line of the run's log."""
     if not source:
@@ -628,6 +635,7 @@ class _VLTask(_ScoredTask):
     def build(self, cfg, device: torch.device) -> None:
         self.cfg, self.device, self.args = cfg, device, cfg.task_args
         a: VLArgs = self.args
+        check_init(a.init)
         mcfg = get_model_config(cfg.model)
         img_size = int(cfg.data.img_size or cfg.model_kwargs.get("img_size", mcfg.input_size[-1]))
         kind = "vqa" if self.instruct else "caption"
@@ -986,6 +994,7 @@ class BlipTask(_ScoredTask):
     def build(self, cfg, device: torch.device) -> None:
         self.cfg, self.device, self.args = cfg, device, cfg.task_args
         a: BlipArgs = self.args
+        check_init(a.init)
         mcfg = get_model_config(cfg.model)
         img_size = int(cfg.data.img_size or cfg.model_kwargs.get("img_size", mcfg.input_size[-1]))
         self.splits = sp = read_splits(cfg.data, "caption", a.scenes_train, a.scenes_eval, task=self.name)
