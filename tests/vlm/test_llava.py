@@ -112,6 +112,24 @@ def test_splice_widens_mask_and_labels():
     assert model(ids[:, 2:]).logits.shape == (2, 4, 120)
 
 
+def test_splice_places_each_rows_image_at_its_own_placeholder():
+    model = vitlab.create_model("llava_tiny")
+    ids = torch.tensor([[1, IMAGE, 5, 6, 7, 8], [1, 5, 6, 7, IMAGE, 8]])
+    x = torch.randn(2, 3, 32, 32)
+    mask, labels = torch.tensor([[1] * 6, [0, 1, 1, 1, 1, 1]]), ids.clone()
+    embeds, m, lab = model.merge(ids, x, mask, labels)
+    text = model.language_model.embed_tokens(ids.masked_fill(ids == IMAGE, 0))
+    feats = model.image_features(x)
+    for i, p in enumerate((1, 4)):  # every row: its text before the placeholder, the image's T tokens, the rest
+        torch.testing.assert_close(embeds[i], torch.cat([text[i, :p], feats[i], text[i, p + 1:]]), rtol=0, atol=0)
+        assert m[i].tolist() == mask[i, :p].tolist() + [1] * T + mask[i, p + 1:].tolist()
+        assert lab[i].tolist() == labels[i, :p].tolist() + [-100] * T + labels[i, p + 1:].tolist()
+    # the gradient reaches each text and image token once
+    embeds.sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert "language_model.embed_tokens.weight" in grads and any(n.startswith("projector.") for n in grads)
+
+
 @pytest.mark.parametrize("ids,images,match", [
     (torch.tensor([[1, 5, 6]]), 1, "no image placeholder"),
     (torch.tensor([[1, IMAGE, IMAGE, 6]]), 1, "2 image placeholders for its one image"),

@@ -171,17 +171,22 @@ class LLaVA(nn.Module):
                                  f"in a row as transformers' processor writes them, the same in every prompt)")
         if counts[0] == t:  # expanded placeholders: the image's tokens overwrite them in order
             return embeds.masked_scatter(is_image[..., None], feats), attention_mask, labels
-        pos = is_image.long().argmax(1).tolist()  # one placeholder per prompt: widen it into T tokens
-        rows, masks, labs = [], [], []
-        for i, p in enumerate(pos):
-            rows.append(torch.cat([embeds[i, :p], feats[i], embeds[i, p + 1:]]))
-            if attention_mask is not None:
-                m = attention_mask[i]
-                masks.append(torch.cat([m[:p], m.new_ones(t), m[p + 1:]]))
-            if labels is not None:
-                lab = labels[i]
-                labs.append(torch.cat([lab[:p], lab.new_full((t,), IGNORE_INDEX), lab[p + 1:]]))
-        return (torch.stack(rows), torch.stack(masks) if masks else None, torch.stack(labs) if labs else None)
+        # one placeholder per prompt, widened into the T image tokens: output position j of a row whose
+        # placeholder stands at p takes text token j before p, image token j - p from p on, then text token
+        # j - T + 1; one gather for the whole batch (rows cut and joined one by one cost a full-size zero-filled
+        # gradient per slice in the backward pass)
+        n = input_ids.shape[1]
+        p = is_image.long().argmax(1, keepdim=True)
+        j = torch.arange(n - 1 + t, device=input_ids.device).expand(b, -1)
+        src = torch.where(j < p, j, torch.where(j < p + t, n + j - p, j - t + 1))  # into [text tokens, image]
+
+        def widen(x: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+            both = torch.cat([x, image], 1)
+            return both.gather(1, src if both.dim() == 2 else src[..., None].expand(-1, -1, both.shape[-1]))
+
+        return (widen(embeds, feats),
+                None if attention_mask is None else widen(attention_mask, attention_mask.new_ones(b, t)),
+                None if labels is None else widen(labels, labels.new_full((b, t), IGNORE_INDEX)))
 
     # ---- the model ----------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
