@@ -666,6 +666,49 @@ def test_blind_runs_see_zeros():
     assert task.data.train[0][0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("weight", [1, 3])
+def test_scenes_with_a_position_question_count_position_weight_times(weight):
+    from vitlab.train.task import create_task
+    from vitlab.vlm.data import position_pairs
+
+    cfg = TrainConfig.for_task("vqa", task_args={"scenes_train": 24, "scenes_eval": 2,
+                                                 "scenes_position_weight": weight},
+                               model_kwargs={"vision_depth": 1, "text_n_layers": 1})
+    task = create_task("vqa")
+    task.build(cfg, torch.device("cpu"))
+    scenes = task.splits.scenes["train"]
+    paired = [i for i, s in enumerate(scenes) if position_pairs(s)]
+    assert 0 < len(paired) < len(scenes)
+    listed = [s.image for s in task.data.train.samples]
+    assert sorted(listed) == sorted([*range(len(scenes)), *paired * (weight - 1)])
+
+
+def test_training_step_drops_the_padding_columns_only():
+    """A batch is cut to its longest sequence before the model sees it; the loss is the one over the whole
+    context (causal attention: no real token sees the padding after it)."""
+    from vitlab.train.task import create_task
+    from vitlab.vlm.tasks import _logits
+
+    cfg = TrainConfig.for_task("vqa", task_args={"scenes_train": 8, "scenes_eval": 2},
+                               model_kwargs={"vision_depth": 1, "text_n_layers": 1})
+    task = create_task("vqa")
+    task.build(cfg, torch.device("cpu"))
+    x, ids, labels = (torch.stack(t) for t in zip(*(task.data.train[i] for i in range(8)), strict=True))
+    longest = int((ids != task.tokenizer.pad_id).sum(1).max())
+    assert longest < ids.shape[1]
+    shapes = []
+
+    def forward(i, img):
+        shapes.append(i.shape)
+        return task.model(i, img)
+
+    torch.manual_seed(0)
+    loss, _ = task.training_step((x, ids, labels), forward)
+    whole, _ = answer_loss(_logits(task.model(ids, with_coords(x))), labels, task._image_pos(ids))
+    assert shapes == [(8, longest)]
+    torch.testing.assert_close(loss, whole, rtol=1e-5, atol=1e-6)
+
+
 def test_stage_two_starts_from_a_stage_one_run(vqa_run, tmp_path):
     run = tmp_path / "s2"
     assert main(["train", "--task", "vqa", "--output_dir", str(run), *TINY, "--stage", "2", "--init",

@@ -417,6 +417,14 @@ def scene_captions(scene: Scene, templates=CAPTION_TEMPLATES) -> list[str]:
     return [t.format(objs=objects_phrase(scene), bg=scene.texture) for t in templates]
 
 
+def position_pairs(scene: Scene) -> list[tuple[SceneObject, SceneObject]]:
+    """The (a, b) a position question may ask about: two objects of classes the scene has once, in one row or
+    one column."""
+    unique = [o for o in scene.objects if scene.count(o.cls) == 1]
+    return [(a, b) for a in unique for b in unique
+            if a is not b and (a.cell // 2 == b.cell // 2 or a.cell % 2 == b.cell % 2)]
+
+
 def scene_question(scene: Scene, kind: str, rng: random.Random, templates=None) -> tuple[str, str] | None:
     """(question, answer) of ``kind`` about ``scene`` from ``templates`` (default: the training ones), None when
     the scene has none of that kind (``position`` needs two objects of unique classes in a row or column,
@@ -437,9 +445,7 @@ def scene_question(scene: Scene, kind: str, rng: random.Random, templates=None) 
     if kind == "class":
         o = rng.choice(scene.objects)
         return template.format(cell=CELLS[o.cell]), o.cls
-    unique = [o for o in scene.objects if scene.count(o.cls) == 1]
-    pairs = [(a, b) for a in unique for b in unique
-             if a is not b and (a.cell // 2 == b.cell // 2 or a.cell % 2 == b.cell % 2)]
+    pairs = position_pairs(scene)
     if not pairs:
         return None
     a, b = rng.choice(pairs)

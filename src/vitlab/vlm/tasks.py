@@ -57,6 +57,7 @@ from vitlab.vlm.data import (
     VLSample,
     make_scenes,
     objects_phrase,
+    position_pairs,
     read_caption_rows,
     read_coco,
     read_llava,
@@ -89,6 +90,8 @@ class VLArgs:
     scenes_train: int | None = None    # scenes: training scenes (None: 4000)
     scenes_eval: int | None = None     # scenes: validation and test scenes (None: 200 and 400)
     scenes_turns: int = 5              # scenes (vqa): questions per training conversation, of different kinds
+    scenes_position_weight: int = 2    # scenes (vqa): a training scene with a position question counts this many
+    #                                    times an epoch (position is the kind learned last)
     language_lr_scale: float = 0.3     # the language model's learning rate relative to the image side's
     image_after_question: bool = True  # vqa: the first question before the image (user : Q <image> assistant :)
     coord_channels: bool = True        # the pixels' x and y as two more input channels (CoordConv)
@@ -627,7 +630,7 @@ class _VLTask(_ScoredTask):
             raise ValueError(f"max_new_tokens must be >= 1, got {a.max_new_tokens}")
         if a.language_lr_scale <= 0:
             raise ValueError(f"language_lr_scale must be > 0, got {a.language_lr_scale}")
-        for k in ("scenes_train", "scenes_eval", "context_length", "scenes_turns"):
+        for k in ("scenes_train", "scenes_eval", "context_length", "scenes_turns", "scenes_position_weight"):
             v = getattr(a, k)
             if v is not None and v < 1:
                 raise ValueError(f"{k} must be >= 1, got {v}")
@@ -665,7 +668,10 @@ class _VLTask(_ScoredTask):
         tf = eval_transform(img_size, crop_pct=1.0, mean=mean, std=std)
         sp = self.splits
         scenes = sp.scenes.get("train") if self.instruct else None
-        self.data = _Data(VLDataset(sp.train, sp.images["train"], tf, self.seqs, True, a.blind, scenes,
+        train = sp.train
+        if scenes is not None and a.scenes_position_weight > 1:
+            train = train + [s for s in train if position_pairs(scenes[s.image])] * (a.scenes_position_weight - 1)
+        self.data = _Data(VLDataset(train, sp.images["train"], tf, self.seqs, True, a.blind, scenes,
                                     a.scenes_turns),
                           VLDataset(sp.val, sp.images["val"], tf, self.seqs, False, a.blind))
         kwargs = model_kwargs(cfg)
@@ -708,7 +714,12 @@ class _VLTask(_ScoredTask):
         return [g for g in out if g["params"]]
 
     def _batch(self, batch):
-        x, ids, labels = (t.to(self.device, non_blocking=True) for t in batch)
+        x, ids, labels = batch
+        # the sequences are right-padded to the context, so the columns after the batch's longest one hold only
+        # padding, which no real token attends to under the causal mask: cut, they cost nothing (the scenes'
+        # conversations fill ~60% of their context, and a training step of the demo runs ~1.2x faster)
+        n = int(ids.ne(self.tokenizer.pad_id).sum(1).max())
+        x, ids, labels = (t.to(self.device, non_blocking=True) for t in (x, ids[:, :n], labels[:, :n]))
         return with_coords(x) if self.args.coord_channels else x, ids, labels
 
     def training_step(self, batch, forward) -> tuple[torch.Tensor, dict]:
