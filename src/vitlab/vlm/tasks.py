@@ -90,7 +90,7 @@ class VLArgs:
     scenes_train: int | None = None    # scenes: training scenes (None: 4000)
     scenes_eval: int | None = None     # scenes: validation and test scenes (None: 200 and 400)
     scenes_turns: int = 5              # scenes (vqa): questions per training conversation, of different kinds
-    scenes_position_weight: int = 2    # scenes (vqa): a training scene with a position question counts this many
+    scenes_position_weight: int = 4    # scenes (vqa): a training scene with a position question counts this many
     #                                    times an epoch (position is the kind learned last)
     language_lr_scale: float = 0.3     # the language model's learning rate relative to the image side's
     image_after_question: bool = True  # vqa: the first question before the image (user : Q <image> assistant :)
@@ -878,6 +878,12 @@ class VQATask(_VLTask):
     monitor = "answer_acc"
     instruct = True
     takes_prompt = True  # the question
+
+    @classmethod
+    def defaults(cls) -> dict:
+        # 12 epochs with each position scene four times: the held-out accuracy of 20 epochs with them twice on
+        # every kind, in 0.83x the samples
+        return {**super().defaults(), "epochs": 12}
 
     def score(self, model, record, splits: VLSplits, split: str, batch_size: int, device) -> dict:
         samples = getattr(splits, split)
