@@ -452,6 +452,38 @@ def test_grad_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_logits_at_kept_positions_equal_the_full_forward_with_their_gradients(checkpointing):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**TINY))
+    model.set_grad_checkpointing(checkpointing)
+    ids, mask = _padded_batch()
+    keep = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) < 0.3
+    keep[0, -1] = True
+    seen = []
+    hook = model.layers[-1].mlp.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
+    out = []
+    for at in (None, keep):
+        model.zero_grad()
+        logits = model(ids, attention_mask=mask, logits_at=at)
+        logits = logits[keep] if at is None else logits
+        logits.logsumexp(-1).mean().backward()
+        out.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    hook.remove()
+    assert out[1][0].shape == (int(keep.sum()), TINY["vocab_size"])
+    assert seen[-1] == int(keep.sum())  # the last block's MLP ran on the kept positions alone
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(out[0][1], out[1][1], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("at", [torch.ones(2, 3, dtype=torch.bool), torch.ones(2, 5, dtype=torch.long)])
+def test_logits_at_of_another_shape_or_dtype_is_one_value_error(at):
+    model = Llama(LlamaConfig(**TINY))
+    with pytest.raises(ValueError, match="logits_at must be a boolean"):
+        model(torch.zeros(2, 5, dtype=torch.long), logits_at=at)
+
+
 def test_tied_embeddings_and_a_truncated_meta_file(tmp_path):
     ref = _hf_model(tmp_path / "tied", tie_word_embeddings=True)
     from vitlab.convert import read_hf_state_dict

@@ -68,6 +68,26 @@ def test_logits_loss_and_greedy_tokens_equal_transformers(tmp_path):
     assert {n for n, _ in ours.named_children()} == {"vision_tower", "projector", "language_model"}
 
 
+def test_scored_only_gives_the_scored_positions_logits_and_transformers_loss(tmp_path):
+    ref = _hf(tmp_path)
+    ours = vitlab.create_model("llava_tiny", checkpoint_path=str(tmp_path)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    expanded, single = _prompt(expanded=True), _prompt()
+
+    def answer(ids):  # labels on the last 3 tokens only
+        return ids.masked_fill(torch.arange(ids.shape[1]) < ids.shape[1] - 3, -100)
+
+    with torch.no_grad():
+        out = ref(input_ids=expanded, pixel_values=x, labels=answer(expanded))
+        logits, loss = ours(single, x, labels=answer(single), scored_only=True)
+    scored = out.logits[:, :-1][answer(expanded)[:, 1:] != -100]
+    assert logits.shape == (2 * 3, TEXT["vocab_size"])
+    torch.testing.assert_close(logits, scored, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(loss, out.loss, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="scored_only needs labels"):
+        ours(single, x, scored_only=True)
+
+
 def _registered_equals(ref, path):
     """llava_tiny loaded from ``path`` by ``checkpoint_path=`` computes ``ref``'s logits (transformers)."""
     ours = vitlab.create_model("llava_tiny", checkpoint_path=str(path)).eval()

@@ -83,6 +83,16 @@ def test_vqa_bad_questions(vqa_run, scene_png, capsys):
     assert main(["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", "<image> is there a horse"]) == 0
 
 
+@pytest.mark.parametrize("task,model,words", [
+    ("caption", "blip_tiny_caption", ("blip model", "--task blip")),
+    ("vqa", "vit_pico_patch8_32", ("LLaVA-style", "vit model")),
+])
+def test_a_model_that_is_no_llava_is_refused_in_one_line(task, model, words, tmp_path, capsys):
+    _one_line_error(capsys, ["train", "--task", task, "--model", model, "--output_dir", str(tmp_path / "run"),
+                             *TINY[4:]], *words)
+    assert not (tmp_path / "run").exists()
+
+
 def test_answers_get_the_whole_budget_or_the_prompt_is_refused(vqa_run):
     """A prompt that nearly fills the context still gets max_new_tokens to answer in (never an answer cut short
     without a word); one longer than the context is refused."""
@@ -683,9 +693,10 @@ def test_scenes_with_a_position_question_count_position_weight_times(weight):
     assert sorted(listed) == sorted([*range(len(scenes)), *paired * (weight - 1)])
 
 
-def test_training_step_drops_the_padding_columns_only():
-    """A batch is cut to its longest sequence before the model sees it; the loss is the one over the whole
-    context (causal attention: no real token sees the padding after it)."""
+def test_training_step_drops_the_padding_columns_and_unscored_positions_only():
+    """A batch is cut to its longest sequence before the model sees it, and the logits are computed at the
+    answers only; the loss and its gradients are those over the whole context (causal attention: no real token
+    sees the padding after it)."""
     from vitlab.train.task import create_task
     from vitlab.vlm.tasks import _logits
 
@@ -698,14 +709,23 @@ def test_training_step_drops_the_padding_columns_only():
     assert longest < ids.shape[1]
     shapes = []
 
-    def forward(i, img):
+    def forward(i, img, **kw):
         shapes.append(i.shape)
-        return task.model(i, img)
+        return task.model(i, img, **kw)
 
-    loss, _ = task.training_step((x, ids, labels), forward)
-    whole, _ = answer_loss(_logits(task.model(ids, with_coords(x))), labels, task._image_pos(ids))
+    grads = []
+    for step in (lambda: task.training_step((x, ids, labels), forward)[0],
+                 lambda: answer_loss(_logits(task.model(ids, with_coords(x))), labels, task._image_pos(ids))[0]):
+        task.model.zero_grad()
+        loss = step()
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in task.model.parameters() if p.grad is not None]))
     assert shapes == [(8, longest)]
+    (loss, g), (whole, g_whole) = grads
     torch.testing.assert_close(loss, whole, rtol=1e-5, atol=1e-6)
+    assert len(g) == len(g_whole) > 0
+    for a, b in zip(g, g_whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_stage_two_starts_from_a_stage_one_run(vqa_run, tmp_path):

@@ -27,6 +27,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -149,8 +150,13 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.hidden_dim, bias=False)  # fc1 = [W1 (gate); W3 (up)], fc2 = W2 (down)
 
-    def forward(self, x, freqs_cis, mask, kv=None, start: int = 0, last_only: bool = False) -> torch.Tensor:
+    def forward(self, x, freqs_cis, mask, kv=None, start: int = 0, last_only: bool = False,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``keep``: a (B, N) boolean mask; the output is then (M, dim) for its M true positions in row-major order,
+        and the MLP, which is per position, runs on those only."""
         h = (x[:, -1:] if last_only else x) + self.attn(self.attn_norm(x), freqs_cis, mask, kv, start, last_only)
+        if keep is not None:
+            h = h[keep]
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -287,7 +293,8 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, logits_to_keep: int = 0,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits (B, N, vocab_size) for ``input_ids`` (B, N) or ``inputs_embeds`` (B, N, dim).
 
         - ``attention_mask``: (B, past + N), 1 for real tokens and 0 for padding (left padding), covering the
@@ -300,6 +307,10 @@ class Llama(nn.Module):
           a cache and ``logits_to_keep=1`` the last block computes the keys and values of every position (the
           cache needs them) but its attention output and MLP for the last position only: the rest would be
           dropped.
+        - ``logits_at``: a (B, N) boolean mask of the positions whose logits are wanted (a training loss on some
+          tokens only, e.g. the answers); the logits come back (M, vocab_size) for its M true positions in
+          row-major order, and the last block runs its MLP on those positions only (the same logits; its
+          attention still reads every position).
 
         Cached plus new tokens (padding included) must fit the context (``config.max_seq_len``): otherwise
         ``ValueError``.
@@ -315,6 +326,11 @@ class Llama(nn.Module):
                              f"max_seq_len {context} (RoPE rotates positions 0..{context - 1} only)")
         if cache is not None and past + n > cache.max_len:
             raise ValueError(f"{past} cached plus {n} new tokens exceed the cache of {cache.max_len}")
+        if logits_at is not None and (logits_to_keep or logits_at.dtype != torch.bool
+                                      or tuple(logits_at.shape) != (b, n)):
+            raise ValueError(f"logits_at must be a boolean (batch, new tokens) = ({b}, {n}) mask, without "
+                             f"logits_to_keep; got {logits_at.dtype} {tuple(logits_at.shape)}, logits_to_keep "
+                             f"{logits_to_keep}")
         if attention_mask is not None and tuple(attention_mask.shape) != (b, past + n):
             raise ValueError(f"attention_mask must be (batch, cached + new) = ({b}, {past + n}), "
                              f"got {tuple(attention_mask.shape)}")
@@ -325,11 +341,14 @@ class Llama(nn.Module):
                 position_ids = torch.arange(past, past + n, device=x.device).expand(b, n)
         freqs_cis = torch.view_as_complex(self.rope_freqs[position_ids, None].float())  # (B, N, 1, head_dim/2)
         mask = self._mask(attention_mask, n, past)
+        layers = list(self.layers)
+        if logits_at is not None:  # the last block's output at the kept positions only
+            layers[-1] = partial(layers[-1], keep=logits_at)
         if cache is None:  # training or a full recomputation: blocks may recompute their activations
-            x = checkpoint_seq(self.layers, x, freqs_cis, mask, enabled=self.grad_checkpointing)
+            x = checkpoint_seq(layers, x, freqs_cis, mask, enabled=self.grad_checkpointing)
         else:
-            last = len(self.layers) - 1
-            for i, (layer, k, v) in enumerate(zip(self.layers, cache.k, cache.v)):
+            last = len(layers) - 1
+            for i, (layer, k, v) in enumerate(zip(layers, cache.k, cache.v)):
                 x = layer(x, freqs_cis, mask, (k, v), past, last_only=i == last and logits_to_keep == 1)
             cache.length = past + n
         x = self.norm(x if not logits_to_keep else x[:, -logits_to_keep:])

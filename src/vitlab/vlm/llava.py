@@ -56,8 +56,9 @@ IGNORE_INDEX = -100
 
 
 class LlavaOutput(NamedTuple):
-    """``logits`` (B, N', vocab) over the merged sequence (N' = N + T - 1 where a placeholder was widened) and the
-    mean next-token cross-entropy on the labelled tokens (None without ``labels``)."""
+    """``logits`` (B, N', vocab) over the merged sequence (N' = N + T - 1 where a placeholder was widened), or
+    (M, vocab) at the M scored positions only (``scored_only``), and the mean next-token cross-entropy on the
+    labelled tokens (None without ``labels``)."""
 
     logits: torch.Tensor
     loss: torch.Tensor | None
@@ -191,12 +192,24 @@ class LLaVA(nn.Module):
     # ---- the model ----------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
-                position_ids: torch.Tensor | None = None) -> LlavaOutput:
+                position_ids: torch.Tensor | None = None, scored_only: bool = False) -> LlavaOutput:
         """Next-token logits of the merged sequence and, with ``labels`` (B, N; -100 where not scored, aligned
         with ``input_ids``), the mean cross-entropy of position i's logits against label i + 1 (transformers'
         ``LlavaForConditionalGeneration`` loss). ``attention_mask`` (B, N): 1 for real tokens, 0 for (left)
-        padding."""
+        padding.
+
+        ``scored_only`` (with ``labels``): the logits of the positions the loss reads only, (M, vocab) row by row,
+        and the same loss; the language model's last block then runs its MLP on those M positions alone
+        (instruction tuning scores the answers, a small share of the tokens)."""
+        if scored_only and labels is None:
+            raise ValueError("scored_only needs labels: the scored positions are those whose next label is not -100")
         embeds, mask, labels = self.merge(input_ids, pixel_values, attention_mask, labels)
+        if scored_only:
+            target = labels[:, 1:]
+            scored = F.pad(target != IGNORE_INDEX, (0, 1))  # position i is scored against label i + 1
+            logits = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
+                                         logits_at=scored)
+            return LlavaOutput(logits, F.cross_entropy(logits.float(), target[scored[:, :-1]]))
         logits = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids)
         loss = None
         if labels is not None:
