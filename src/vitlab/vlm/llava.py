@@ -206,10 +206,10 @@ class LLaVA(nn.Module):
         embeds, mask, labels = self.merge(input_ids, pixel_values, attention_mask, labels)
         if scored_only:
             target = labels[:, 1:]
-            scored = F.pad(target != IGNORE_INDEX, (0, 1))  # position i is scored against label i + 1
+            scored = target != IGNORE_INDEX
             logits = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-                                         logits_at=scored)
-            return LlavaOutput(logits, F.cross_entropy(logits.float(), target[scored[:, :-1]]))
+                                         logits_at=F.pad(scored, (0, 1)))  # position i is scored against label i + 1
+            return LlavaOutput(logits, F.cross_entropy(logits.float(), target[scored]))
         logits = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids)
         loss = None
         if labels is not None:

@@ -728,7 +728,7 @@ class _VLTask(_ScoredTask):
     def training_step(self, batch, forward) -> tuple[torch.Tensor, dict]:
         x, ids, labels = self._batch(batch)
         # right padding under causal attention: no real token attends to a pad, so no mask is needed; the logits
-        # of the scored tokens only: the answers are ~15% of a scenes conversation, and the last decoder block's
+        # of the scored tokens only: the answers are ~12% of a scenes conversation, and the last decoder block's
         # MLP skips the rest (the same loss; a demo training step ~1.2x faster)
         return forward(ids, x, labels=labels, scored_only=True).loss, {}
 
