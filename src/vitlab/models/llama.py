@@ -116,11 +116,18 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
                 last_only: bool = False) -> torch.Tensor:
-        """``last_only``: keys and values of every position (written to ``kv``), the output of the last one only."""
+        """``last_only``: keys and values of every position (written to ``kv``), the query and output of the last
+        one only (``freqs_cis`` then per sequence, (B, N, 1, head_dim/2), as :meth:`Llama.forward` makes it)."""
         b, n, _ = x.shape
-        q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
-                                     self.n_kv_heads * self.head_dim], dim=-1)
-        q = apply_rotary_embs(q.view(b, n, self.n_heads, self.head_dim), freqs_cis).transpose(1, 2)
+        dq, dkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if last_only:  # the cache needs every position's keys and values; the output, the last query only
+            w_q, w_kv = self.qkv.weight.split([dq, 2 * dkv])
+            q = apply_rotary_embs(F.linear(x[:, -1:], w_q).view(b, 1, self.n_heads, self.head_dim),
+                                  freqs_cis[:, -1:]).transpose(1, 2)
+            k, v = F.linear(x, w_kv).split([dkv, dkv], dim=-1)
+        else:
+            q, k, v = self.qkv(x).split([dq, dkv, dkv], dim=-1)
+            q = apply_rotary_embs(q.view(b, n, self.n_heads, self.head_dim), freqs_cis).transpose(1, 2)
         k = apply_rotary_embs(k.view(b, n, self.n_kv_heads, self.head_dim), freqs_cis).transpose(1, 2)
         v = v.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if kv is not None:  # write this step's keys and values, attend over everything cached so far
@@ -130,7 +137,7 @@ class LlamaAttention(nn.Module):
             if start:  # with nothing cached before, the new keys and values are all there are
                 k, v = k_cache[:, :, :start + n], v_cache[:, :, :start + n]
         if last_only:  # the last query sees every key; a padding mask's last row says which are real
-            q, mask, n = q[:, :, -1:], None if mask is None else mask[:, :, -1:], 1
+            mask, n = None if mask is None else mask[:, :, -1:], 1
         # no mask: a prompt from position 0 is plain causal; one new token may see every cached one
         # SDPA's is_causal must be a plain bool: written as a branch, it stays one when torch.compile traces n as a
         # symbolic size (the branch becomes a guard; the comparison's value would be a symbolic bool)
@@ -305,7 +312,7 @@ class Llama(nn.Module):
           ``cache.length`` advances by N, so the next call passes only the new tokens.
         - ``logits_to_keep``: only the last that many positions' logits (0: all); generation needs the last. With
           a cache and ``logits_to_keep=1`` the last block computes the keys and values of every position (the
-          cache needs them) but its attention output and MLP for the last position only: the rest would be
+          cache needs them) but its query, attention output and MLP for the last position only: the rest would be
           dropped.
         - ``logits_at``: a (B, N) boolean mask of the positions whose logits are wanted (a training loss on some
           tokens only, e.g. the answers); the logits come back (M, vocab_size) for its M true positions in
