@@ -125,6 +125,18 @@ def test_predict_topk_zero(cli_run, image, capsys):
                     "--topk must be >= 1, got 0")
 
 
+@pytest.mark.parametrize("device, words", [("bogus", ("not a device name",)),
+                                           ("cuda:99", ("'cuda:99' requested but", "CUDA"))])
+def test_a_device_this_machine_lacks_is_named(cli_run, image, device, words, capsys):
+    """Refused while the command line is read (argparse's one line), by every command with ``--device``: never a
+    driver's traceback at the first transfer. No machine has a cuda:99."""
+    for argv in (["predict", "--checkpoint", str(cli_run), str(image)], ["eval", "--checkpoint", str(cli_run)],
+                 ["generate", "--checkpoint", "llama_tiny", "hi"], ["zeroshot", "--checkpoint", str(cli_run)],
+                 ["probe", "--checkpoint", str(cli_run)], ["bench", "attention"], ["analyze", "memory"]):
+        _one_line_error(capsys, [*argv, "--device", device], "argument --device", *words)
+    _one_line_error(capsys, ["train", "--device", device], *words)  # a config field: checked as the run starts
+
+
 # ---------------------------------------------------------------- distillation
 
 

@@ -1,5 +1,6 @@
 """What a run prints in a log or a pipe: plain progress lines, unwrapped lines, one accuracy format, where a resumed
-or interrupted run stands; and a fresh run that fails before its first checkpoint leaves no directory."""
+or interrupted run stands; and a fresh run that fails before its first checkpoint leaves no directory (nor files
+in a directory that was there)."""
 
 from __future__ import annotations
 
@@ -106,13 +107,15 @@ def _fail_in_first_epoch(monkeypatch, exc: type[BaseException]) -> None:
 def test_fresh_run_that_fails_before_its_first_checkpoint_leaves_nothing(tmp_path, monkeypatch, capsys):
     kept = tmp_path / "kept"
     kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
     _fail_in_first_epoch(monkeypatch, RuntimeError)
     with pytest.raises(RuntimeError, match="boom"):
         fit(tiny_config(tmp_path, output_dir=str(tmp_path / "new" / "run")))
     assert not (tmp_path / "new").exists()  # the run directory and the parent the run made for it
     with pytest.raises(RuntimeError, match="boom"):
         fit(tiny_config(tmp_path, output_dir=str(kept)))
-    assert kept.is_dir()  # it was there before the run: not the run's to remove
+    # it was there before the run: not the run's to remove, but what the run wrote in it is
+    assert [p.name for p in kept.iterdir()] == ["notes.txt"]
 
     _fail_in_first_epoch(monkeypatch, KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):

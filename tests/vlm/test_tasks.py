@@ -5,8 +5,10 @@ line with exit code 2."""
 from __future__ import annotations
 
 import copy
+import io
 import json
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -525,6 +527,18 @@ def test_corrupt_coco_image_is_one_line(tmp_path, capsys):
     _one_line_error(capsys, ["train", "--task", "caption", "--data", f"coco:{tmp_path / 'c.json'}",
                              "--output_dir", str(out), *TINY], "corrupt image", "b.png")
     assert not out.exists()
+    # half a JPEG: its header and PIL's verify() pass, its decoding fails; named before training, and an output
+    # directory that was there before is left as it was
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buf, "JPEG")
+    (tmp_path / "images" / "b.jpg").write_bytes(buf.getvalue()[:len(buf.getvalue()) // 2])
+    d["images"][1]["file_name"] = "b.jpg"
+    (tmp_path / "c.json").write_text(json.dumps(d))
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    _one_line_error(capsys, ["train", "--task", "caption", "--data", f"coco:{tmp_path / 'c.json'}",
+                             "--output_dir", str(out), *TINY], "corrupt image", "b.jpg", "truncated")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 def _pictures(folder, n):

@@ -56,6 +56,19 @@ class ConfigParser(Parser):
         return ns, []
 
 
+def device_arg(name: str) -> str:
+    """A ``--device`` flag's value checked as a device of this machine
+    (:func:`vitlab.train.strategy.resolve_device`): a name torch does not know, or a GPU the machine lacks, is one
+    line at parse time rather than a driver's traceback on the first transfer. ``auto`` becomes the device it
+    picks."""
+    from vitlab.train.strategy import resolve_device  # torch: imported once a command line is read, not before
+
+    try:
+        return str(resolve_device(name))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _normalise(token: str) -> str:
     if not token.startswith("--") or len(token) == 2:
         return token

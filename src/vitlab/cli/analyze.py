@@ -23,7 +23,7 @@ import argparse
 from pathlib import Path
 
 from vitlab._console import console
-from vitlab.cli._dataclass_args import model_arg_pairs
+from vitlab.cli._dataclass_args import device_arg, model_arg_pairs
 
 
 def _model(args):
@@ -400,7 +400,7 @@ def register(sub) -> None:
     _common(m, model="vit_base_patch16_224", images=False)
     m.add_argument("--batch-size", type=int, nargs="+", default=[64], help="one or more batch sizes")
     m.add_argument("--mode", default="infer", choices=["infer", "train", "both"])
-    m.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    m.add_argument("--device", default="cpu", type=device_arg, choices=["cpu", "cuda"])
     m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="fp32 is Q = 32, bf16 Q = 16")
     m.add_argument("--sdpa", default="auto", choices=["auto", "math"],
                    help="SDPA kernel: PyTorch's choice (flash on the CPU) or the math kernel, which builds the maps")

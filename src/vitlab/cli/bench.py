@@ -5,6 +5,7 @@ warmup) is refused in one line before anything is built."""
 from __future__ import annotations
 
 from vitlab._console import console, say
+from vitlab.cli._dataclass_args import device_arg
 
 
 def _save(module, rows, args) -> None:
@@ -86,7 +87,7 @@ def cmd_tokens(args) -> int:
 
 
 def _common(p, batch_size: int, runs: int) -> None:
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", type=device_arg, choices=["cpu", "cuda"])
     p.add_argument("--batch-size", type=int, default=batch_size)
     p.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")
     p.add_argument("--runs", type=int, default=runs, help="timed runs; the median is reported")

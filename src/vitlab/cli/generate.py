@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from vitlab.cli._dataclass_args import device_arg
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -96,7 +98,7 @@ def register(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in Llama 2-Chat's [INST] ... [/INST]")
     p.add_argument("--system", default=None, help="with --chat: a system prompt")
     p.add_argument("--dtype", default="float32", choices=_DTYPES)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_arg)
     p.add_argument("--optimize", action="store_true",
                    help="compile the decoding step (vitlab.optimize.llama; the first tokens wait for the compile)")
     p.set_defaults(func=cmd_generate)

@@ -18,7 +18,7 @@ import argparse
 import json
 
 from vitlab._console import console
-from vitlab.cli._dataclass_args import model_arg_pairs
+from vitlab.cli._dataclass_args import device_arg, model_arg_pairs
 
 
 def cmd_pretrain(args) -> int:
@@ -86,7 +86,7 @@ def register(sub) -> None:
     p.add_argument("--k", type=int, default=20, help="knn: neighbours")
     p.add_argument("--temperature", type=float, default=0.07, help="knn: vote weight exp(sim / T)")
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_arg)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, metavar="FILE",
                    help="the JSON file (default RUN/probe-<protocol>.json; for random:MODEL "

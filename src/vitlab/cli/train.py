@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 
-from vitlab.cli._dataclass_args import ConfigParser
+from vitlab.cli._dataclass_args import ConfigParser, device_arg
 
 # short flags of every task (a task adds its own through Task.aliases)
 ALIASES = {"data": "data.dataset", "img_size": "data.img_size", "workers": "data.num_workers"}
@@ -207,7 +207,7 @@ def register(sub) -> None:
     e.add_argument("--output-dir", default=None, help="where the results go (default: the run directory)")
     e.add_argument("--weights", default="auto", choices=["auto", "raw", "ema"])
     e.add_argument("--batch-size", type=int, default=256)
-    e.add_argument("--device", default="cpu")
+    e.add_argument("--device", default="cpu", type=device_arg)
     e.add_argument("--no-optimize", action="store_true",
                    help="run the model as built (eager) instead of through vitlab.optimize")
     e.add_argument("--json", action="store_true")
@@ -221,7 +221,7 @@ def register(sub) -> None:
     p.add_argument("--topk", type=int, default=5, help="labels per image (classification, zero-shot)")
     p.add_argument("--prompt", default=None, help="the question a vision-language run answers about each image")
     p.add_argument("--weights", default="auto", choices=["auto", "raw", "ema"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_arg)
     p.add_argument("--no-optimize", action="store_true",
                    help="run the model as built (eager) instead of through vitlab.optimize")
     p.add_argument("--output-dir", default=None,

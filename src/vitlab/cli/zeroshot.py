@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vitlab.cli._dataclass_args import device_arg
+
 
 def read_list(values: list[str] | None) -> list[str] | None:
     """The values themselves, or the lines of the one file named (one class name / template per line)."""
@@ -27,7 +29,7 @@ def add_checkpoint_args(p) -> None:
     p.add_argument("--bpe", default=None, metavar="PATH", help="CLIP's bpe_simple_vocab_16e6.txt.gz "
                                                                "(default: the installed open_clip's)")
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_arg)
     p.add_argument("--json", action="store_true")
 
 

@@ -44,11 +44,24 @@ if TYPE_CHECKING:
 
 
 def resolve_device(name: str) -> torch.device:
+    """``name`` as a device of this machine (``auto``: the GPU when there is one, else the CPU); ValueError,
+    naming what is wrong, for a name torch does not know or a device this machine lacks (before any model is
+    built or moved, rather than a driver's traceback on the first transfer)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device {name!r} is not a device name (cpu, cuda, cuda:1, mps, auto ...)") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not n:
+            raise ValueError(f"device {name!r} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"device {name!r} requested but this machine has {n} CUDA device(s): cuda:0 to "
+                             f"cuda:{n - 1}")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r} requested but MPS is not available")
     return dev
 
 

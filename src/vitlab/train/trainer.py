@@ -436,14 +436,21 @@ class Trainer:
         self.setup()
         rng_to_restore = self.resume() if cfg.resume else None
         run_dir = self.run_dir
-        # the directories a fresh run creates: one that fails before its first checkpoint takes them away again,
-        # rather than leave a stub run (a config and no weights) that looks like a run to resume
-        made = [] if cfg.resume or not st.is_main else [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+        # what a fresh run creates (its directories, or its files in a directory that was there): a run that fails
+        # before its first checkpoint takes them away again, rather than leave a stub run (a config and no
+        # weights) that looks like a run to resume
+        fresh = st.is_main and not cfg.resume
+        made = [p for p in (run_dir, *run_dir.parents) if not p.exists()] if fresh else []
+        there = set(run_dir.iterdir()) if fresh and not made else None
         try:
             return self._train(rng_to_restore)
         except BaseException:
-            if made and ck.find_checkpoint(run_dir) is None:
-                shutil.rmtree(made[0], ignore_errors=True)
+            if (made or there is not None) and ck.find_checkpoint(run_dir) is None:
+                for p in [made[0]] if made else sorted(set(run_dir.iterdir()) - there):
+                    if p.is_dir():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink(missing_ok=True)
                 for parent in made[1:]:  # e.g. runs/, unless another run has appeared in it meanwhile
                     try:
                         parent.rmdir()

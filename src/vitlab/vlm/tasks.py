@@ -42,6 +42,7 @@ from torch.utils.data import Dataset
 
 from vitlab._console import say
 from vitlab.data import DataConfig, DataError, load_image
+from vitlab.data.datasets import first_undecodable
 from vitlab.data.transforms import channel_stats, eval_transform
 from vitlab.models import HF_CLIP_ARCHITECTURES, CLIPVisionTransformer
 from vitlab.registry import create_model, get_model_config
@@ -257,6 +258,11 @@ def read_splits(data: DataConfig, kind: str, scenes_train: int | None = None,
                             f"--task {task} reads {sources(kind)}")
         raise DataError(f"--task {task} reads {sources(kind)}, not {data.dataset!r}")
     s = READERS[name](path)
+    # the readers check each image's header; a truncated JPEG passes that and fails only when decoded, which
+    # would stop the run an epoch in (the validation images at the first evaluation): every image decoded now
+    bad = first_undecodable(list(dict.fromkeys(str(x.image) for split in s.values() for x in split)))
+    if bad:
+        raise DataError(f"{data.dataset}: corrupt image {bad[0]}: {bad[1]}")
     return VLSplits(s["train"], s["val"], s.get("test"), {k: None for k in ("train", "val", "test")})
 
 
