@@ -268,9 +268,9 @@ def read_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             unnamed = [f"{stem}-{i:0{width}d}-of-{m.group(2)}{ext}" for i in range(1, total + 1)]
             unnamed = [f for f in unnamed if f not in shards]
             if unnamed:
-                raise CheckpointError(f"{index} names no tensor of {unnamed[0]}"
-                                      + (f" and {len(unnamed) - 1} more shard(s)" if len(unnamed) > 1 else "")
-                                      + f" of the {total} its shard names count: the index is incomplete")
+                raise CheckpointError(f"{index} is incomplete: its shard names count {total} shards, but it puts "
+                                      f"no tensor in {unnamed[0]}"
+                                      + (f" nor in {len(unnamed) - 1} more" if len(unnamed) > 1 else ""))
             break
     sd: dict[str, torch.Tensor] = {}
     for shard, keys in shards.items():

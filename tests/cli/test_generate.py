@@ -59,6 +59,11 @@ def test_sampling_is_seeded(lm_dir, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--max-new-tokens", "40"], r"the prompt \(\d+ tokens\) plus --max-new-tokens \(40\) exceed the context of 32 "
                                  r"tokens: shorten the prompt or ask for fewer tokens"),
+    # the settings are named before anything is read (a context check would otherwise speak first)
+    (["--max-new-tokens", "40", "--top-p", "1.5"], r"--top-p must be in \(0, 1\], got 1.5"),
+    (["--temperature", "-1"], r"--temperature must be finite and >= 0 \(0: greedy\), got -1.0"),
+    (["--top-k", "0"], r"--top-k must be at least 1, got 0"),
+    (["--system", "be brief"], r"--system is a system prompt of the chat template: it needs --chat"),
     (["--tokenizer", "WRONG_TOKENIZER"], r"tokenizer .*tokenizer.model has \d+ tokens but the model .*'s embedding "
                                          r"has 512 rows: they belong to different models"),
 ])

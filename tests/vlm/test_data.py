@@ -77,6 +77,12 @@ def test_coco_names_a_corrupt_image_and_bad_entries(tmp_path):
     (tmp_path / "images" / "2.png").unlink()
     with pytest.raises(DataError, match=r"image not found: .*2\.png"):
         read_coco(file)
+    _images(tmp_path / "images", ["2.png"])
+    d["annotations"][1]["caption"] = "<Image> a picture"  # a caption is text, never a place for the image
+    file.write_text(json.dumps(d))
+    with pytest.raises(DataError, match=r"annotations\[1\]: the caption holds the image placeholder <image>"):
+        read_coco(file)
+    d["annotations"][1]["caption"] = "a picture"
     d["annotations"].append({"image_id": 99, "caption": "x"})
     file.write_text(json.dumps(d))
     with pytest.raises(DataError, match="names no image"):
@@ -105,6 +111,10 @@ def test_vqa_jsonl(tmp_path):
     rows[0]["question"] = "<image> what <image> colour?"
     file.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(DataError, match=r"q\.jsonl line 1: 2 <image> placeholders for one image; keep at most one"):
+        read_vqa(file)
+    rows[0]["question"] = "<IMAGE> what colour?"  # not the placeholder, and not to be read as words either
+    file.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DataError, match=r"line 1: <IMAGE> is not the image placeholder <image> \(lower-case\)"):
         read_vqa(file)
     rows[0]["question"] = " <image> "
     file.write_text("\n".join(json.dumps(r) for r in rows))
@@ -181,6 +191,10 @@ def test_caption_rows_group_an_images_captions(tmp_path):
     assert [len(s[k]) for k in ("train", "val", "test")] == [8, 1, 1] and s["train"][0].refs == ["cap 0 ☃"]
     (tmp_path / "4.png").write_bytes(b"not a png")
     with pytest.raises(DataError, match=r"corrupt image .*4\.png"):
+        read_caption_rows(file)
+    lines[4]["caption"] = "<image> four"
+    file.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in lines))
+    with pytest.raises(DataError, match=r"captions\.jsonl: image .*4\.png: the caption holds the image placeholder"):
         read_caption_rows(file)
 
 

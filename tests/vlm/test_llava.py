@@ -155,6 +155,7 @@ def test_splice_places_each_rows_image_at_its_own_placeholder():
     (torch.tensor([[1, IMAGE, IMAGE, 6]]), 1, "2 image placeholders for its one image"),
     (torch.tensor([[1, IMAGE, 6]]), 0, "no image is given"),
     (torch.tensor([[1, IMAGE, 6]]), 2, "2 images for 1 prompts"),
+    (torch.tensor([[1] + [IMAGE] * 8 + [5] + [IMAGE] * 8 + [6]]), 1, "placeholders of a prompt must stand in a row"),
 ])
 def test_bad_prompts_are_one_line(ids, images, match):
     model = vitlab.create_model("llava_tiny")

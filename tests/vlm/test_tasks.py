@@ -82,7 +82,15 @@ def test_vqa_bad_questions(vqa_run, scene_png, capsys):
     # one image: a second placeholder is refused, not stripped; one is taken out of the question
     _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt",
                              "<image> is there a horse <image>"], "2 <image> placeholders", "is there a horse")
+    capsys.readouterr()
     assert main(["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", "<image> is there a horse"]) == 0
+    assert capsys.readouterr().err == ""
+    _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt",
+                             "<Image> is there a horse"], "<Image> is not the image placeholder <image>")
+    # words the run never saw: answered, with a warning naming them
+    assert main(["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", "is there a zyzzyva"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("warning: 'zyzzyva' not in the run's vocabulary of"), err
 
 
 @pytest.mark.parametrize("task,model,words", [

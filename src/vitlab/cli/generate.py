@@ -19,14 +19,18 @@ _DTYPES = ("float32", "bfloat16", "float16")
 def cmd_generate(args) -> int:
     import torch
 
-    from vitlab.models.llama import llama_config_from_dir, load_llama
+    from vitlab.models.llama import check_sampling, llama_config_from_dir, load_llama
     from vitlab.registry import is_model
     from vitlab.text import StreamDecoder, check_vocab, llama2_chat, load_tokenizer
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    try:  # the sampling settings first: a bad one is named before any file is read
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    except ValueError as e:  # in the flags' own names
+        raise ValueError(f"--{str(e).replace('_', '-')}") from None
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a system prompt of the chat template: it needs --chat")
     is_dir = Path(args.checkpoint).is_dir()
     if not is_dir and not is_model(args.checkpoint):
         raise FileNotFoundError(f"{args.checkpoint} is neither a checkpoint directory nor a registered language "

@@ -398,7 +398,15 @@ class Llama(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         prompt = inputs_embeds if inputs_embeds is not None else input_ids
+        if prompt.dim() != (3 if inputs_embeds is not None else 2) or not prompt.shape[1]:
+            raise ValueError(f"the prompt must be (batch, tokens{', dim' if inputs_embeds is not None else ''}) "
+                             f"with at least one token, got {tuple(prompt.shape)}")
         b, n = prompt.shape[:2]
+        # named here, once per call, rather than as an embedding lookup's IndexError (or a GPU's device assert)
+        if input_ids is not None and prompt.numel() and not 0 <= int(prompt.min()) <= int(prompt.max()) < (
+                self.config.vocab_size):
+            raise ValueError(f"the prompt holds token ids outside the vocabulary 0..{self.config.vocab_size - 1}: "
+                             f"{int(prompt.min())} to {int(prompt.max())}")
         if n + max_new_tokens > self.config.max_seq_len:
             raise ValueError(f"the prompt ({n} tokens) plus max_new_tokens ({max_new_tokens}) exceed the context of "
                              f"{self.config.max_seq_len} tokens")

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,11 +79,23 @@ def take_image_placeholder(text: str, where: str) -> str:
     itself (LLaVA's conversations hold one placeholder where the image goes; Liu et al., 2023, Sec. 3), so one
     placeholder is dropped from the words and more than one is refused -- a second stands for no image. Read
     by every source and prompt that holds a question (VQA JSONL, LLaVA conversations, ``vitlab predict
-    --prompt``), so a placeholder is never tokenized as the words '<', 'image', '>'."""
+    --prompt``), so a placeholder is never tokenized as the words '<', 'image', '>'. The placeholder is
+    lower-case, as LLaVA writes it: another spelling (``<Image>``) is refused rather than read as words."""
     n = text.count(IMAGE_TOKEN)
     if n > 1:
         raise DataError(f"{where}: {n} {IMAGE_TOKEN} placeholders for one image; keep at most one")
+    other = re.search(re.escape(IMAGE_TOKEN), text.replace(IMAGE_TOKEN, " "), flags=re.IGNORECASE)
+    if other:
+        raise DataError(f"{where}: {other.group(0)} is not the image placeholder {IMAGE_TOKEN} (lower-case)")
     return text.replace(IMAGE_TOKEN, " ").strip()
+
+
+def no_image_placeholder(text: str, where: str) -> str:
+    """``text`` (a caption), refused when it holds an image placeholder: a caption is the words for an image,
+    never a place for one."""
+    if IMAGE_TOKEN in text.lower():
+        raise DataError(f"{where}: the caption holds the image placeholder {IMAGE_TOKEN}; a caption is text only")
+    return text
 
 
 def _hold_out(samples: list[VLSample], what: str) -> dict[str, list[VLSample]]:
@@ -137,7 +150,7 @@ def read_coco_file(file: Path, image_dirs: list[Path]) -> list[VLSample]:
         c = a.get("caption")
         if not isinstance(c, str) or not c.strip():
             raise DataError(f"{file}: annotations[{i}] has an empty caption")
-        captions.setdefault(a["image_id"], []).append(c.strip())
+        captions.setdefault(a["image_id"], []).append(no_image_placeholder(c.strip(), f"{file}: annotations[{i}]"))
     if not captions:
         raise DataError(f"{file}: no captions")
     out = []
@@ -264,7 +277,7 @@ def read_caption_rows(path: str | Path) -> dict[str, list[VLSample]]:
     for split, rows in read_captions(path).items():
         refs: dict[str, list[str]] = {}
         for image, caption in rows:
-            refs.setdefault(image, []).append(caption)
+            refs.setdefault(image, []).append(no_image_placeholder(caption, f"{where}: image {image}"))
         out[split] = [VLSample(_checked_image(Path(image), where), refs=caps) for image, caps in refs.items()]
     return out
 

@@ -171,6 +171,11 @@ class LLaVA(nn.Module):
                 raise ValueError(f"prompt {i} has {c} image placeholders for its one image (expected one, or {t} "
                                  f"in a row as transformers' processor writes them, the same in every prompt)")
         if counts[0] == t:  # expanded placeholders: the image's tokens overwrite them in order
+            n = input_ids.shape[1]
+            first, last = is_image.long().argmax(1), n - 1 - is_image.flip(1).long().argmax(1)
+            if bool((last - first + 1 != t).any()):  # scattered ones would put the image's tokens apart
+                raise ValueError(f"the {t} image placeholders of a prompt must stand in a row, as transformers' "
+                                 f"processor writes them")
             return embeds.masked_scatter(is_image[..., None], feats), attention_mask, labels
         # one placeholder per prompt, widened into the T image tokens: output position j of a row whose
         # placeholder stands at p takes text token j before p, image token j - p from p on, then text token

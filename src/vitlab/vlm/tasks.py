@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +124,16 @@ class WordTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [self.encoder.get(w, self.unk_id) for w in _WORD.findall(text.lower())]
+
+    def warn_unknown(self, text: str) -> None:
+        """A line on stderr naming the words of ``text`` (a user's question) outside the vocabulary, which the
+        model reads as one unknown token each: an answer to them is a guess."""
+        unknown = list(dict.fromkeys(w for w in _WORD.findall(text.lower()) if w not in self.encoder))
+        if unknown:
+            shown = ", ".join(repr(w) for w in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5
+                                                                else "")
+            print(f"warning: {shown} not in the run's vocabulary of {len(self.words):,} words: read as unknown",
+                  file=sys.stderr)
 
     def decode(self, ids: list[int]) -> str:
         """The words of ``ids`` up to the first ``</s>``, special tokens left out."""
@@ -842,6 +853,7 @@ class _VLTask(_ScoredTask):
             text = take_image_placeholder(prompt, f"the prompt {prompt!r}")  # the image is the input file
             if not text:
                 raise ValueError("empty question: the prompt holds only the image placeholder")
+            seqs.tok.warn_unknown(text)
             p = seqs.prompt(text)
         else:
             if prompt is not None:
@@ -1173,6 +1185,7 @@ class BlipTask(_ScoredTask):
             x = torch.zeros_like(x)
         # the image is the input file: a placeholder in the prompt is taken out, more than one refused (as vqa's)
         text = take_image_placeholder(prompt, f"the prompt {prompt!r}") if prompt else ""
+        tok.warn_unknown(text)
         start = [tok.dec_id, *tok.encode(text)]
         ids = torch.tensor([start] * len(inputs), device=device)
         new = model.generate_caption(x, ids, max_new_tokens=int(record.task_args.get("max_new_tokens", MAX_NEW_TOKENS)))
