@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -529,9 +530,12 @@ def run_vitlab(argv: list[str]) -> tuple[int, str]:
 
 
 def parse_vitlab(argv: list[str]) -> tuple[int, str]:
-    """``vitlab ARGV`` through the parser only (flags, choices, required arguments): (exit code, error)."""
+    """``vitlab ARGV`` through the parser only (flags, choices, required arguments): (exit code, error). As on a
+    machine with a GPU: ``--device cuda`` is checked for a device this machine has when the line is read."""
     try:
-        build_parser().parse_args(import_plugins(argv))
+        with mock.patch("torch.cuda.is_available", return_value=True), \
+                mock.patch("torch.cuda.device_count", return_value=1):
+            build_parser().parse_args(import_plugins(argv))
     except ValueError as e:
         return 2, f"vitlab: error: {e}"
     except SystemExit as e:
