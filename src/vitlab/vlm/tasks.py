@@ -246,11 +246,13 @@ def sources(kind: str) -> str:
 
 
 def read_splits(data: DataConfig, kind: str, scenes_train: int | None = None,
-                scenes_eval: int | None = None, task: str | None = None, scored_train: bool = False) -> VLSplits:
+                scenes_eval: int | None = None, task: str | None = None, scored_train: bool = False,
+                read: tuple[str, ...] = ("train", "val", "test")) -> VLSplits:
     """The samples of ``data`` for ``kind`` ('caption' or 'vqa'); ``task`` (default ``kind``) is the task named in
     a refusal. ``scored_train``: the scenes' training split as fixed questions (one of each kind a scene has, the
     training templates), what ``vitlab eval --split train`` scores, rather than one sample per scene that draws a
-    fresh conversation each time it is read."""
+    fresh conversation each time it is read. ``read``: the splits whose image files are decoded once to check
+    them (all of a training run's; the scored ones of an evaluation)."""
     name, path = data.name, data.path
     task = task or kind
     if name == "scenes":
@@ -271,7 +273,7 @@ def read_splits(data: DataConfig, kind: str, scenes_train: int | None = None,
     s = READERS[name](path)
     # the readers check each image's header; a truncated JPEG passes that and fails only when decoded, which
     # would stop the run an epoch in (the validation images at the first evaluation): every image decoded now
-    bad = first_undecodable(list(dict.fromkeys(str(x.image) for split in s.values() for x in split)))
+    bad = first_undecodable(list(dict.fromkeys(str(x.image) for split in read for x in s.get(split) or [])))
     if bad:
         raise DataError(f"{data.dataset}: corrupt image {bad[0]}: {bad[1]}")
     return VLSplits(s["train"], s["val"], s.get("test"), {k: None for k in ("train", "val", "test")})
@@ -284,7 +286,8 @@ def eval_splits(record: RunRecord, data: str | None, split: str | None, kind: st
     a = record.task_args
     cfg = DataConfig(**{**record.data, "dataset": data}) if data else DataConfig(**record.data)
     scenes_train = (a.get("scenes_train") if split == "train" else 1) if cfg.name == "scenes" else None
-    return read_splits(cfg, kind, scenes_train, a.get("scenes_eval"), task=task, scored_train=split == "train")
+    return read_splits(cfg, kind, scenes_train, a.get("scenes_eval"), task=task, scored_train=split == "train",
+                       read=("train",) if split == "train" else ("val", "test"))
 
 
 def eval_split(splits: VLSplits, split: str | None, dataset: str) -> str:
