@@ -912,3 +912,20 @@ def test_init_refuses_a_tokenizer_of_another_vocabulary(tmp_path, capsys):
                              "--init", str(tmp_path / "hf"), "--output_dir", str(run)],
                     f"has {sub.get_vocab_size()} tokens but --init {tmp_path / 'hf'}'s embedding has 400 rows")
     assert not run.exists()
+
+
+def test_in_memory_images_are_transformed_once_as_the_files_are_one_by_one(tmp_path):
+    """The scenes' images, transformed as one batch when the source is made, equal each image transformed alone
+    (what a file gets), at the working size and resized."""
+    from vitlab.data.transforms import eval_transform
+    from vitlab.vlm.data import make_scenes
+    from vitlab.vlm.tasks import ImageSource
+
+    images = make_scenes("val", 0, 6).images
+    Image.fromarray(images[2].permute(1, 2, 0).numpy()).save(tmp_path / "2.png")
+    for size in (64, 48):
+        tf = eval_transform(size, crop_pct=1.0, mean=[0.5] * 3, std=[0.25] * 3)
+        source = ImageSource(images, tf)
+        for i in range(6):
+            assert torch.equal(source(i), tf(images[i]))
+        assert torch.equal(ImageSource(None, tf)(str(tmp_path / "2.png")), source(2))
