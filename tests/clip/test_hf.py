@@ -62,10 +62,12 @@ def test_clip_model_embeddings_equal(tmp_path, act):
     assert ours.embed_dim == 24 and ours.context_length == 12
 
 
-@pytest.mark.parametrize("projection", [False, True])
-def test_clip_vision_model_equal(tmp_path, projection):
+# the second: a width whose quotient's product rounds below it (56 * (115 / 56) = 114.99999999999999)
+@pytest.mark.parametrize("projection, widths", [(False, {}), (True, dict(hidden_size=56, intermediate_size=115))])
+def test_clip_vision_model_equal(tmp_path, projection, widths):
     cls = transformers.CLIPVisionModelWithProjection if projection else transformers.CLIPVisionModel
-    ref = _perturbed(cls(transformers.CLIPVisionConfig(**VISION, projection_dim=24, layer_norm_eps=1e-6)))
+    ref = _perturbed(cls(transformers.CLIPVisionConfig(**{**VISION, **widths}, projection_dim=24,
+                                                       layer_norm_eps=1e-6)))
     ref.save_pretrained(tmp_path)
     ours = clip_vision_from_hf(str(tmp_path)).eval()
     x = torch.randn(2, 3, 32, 32)

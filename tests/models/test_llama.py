@@ -369,6 +369,25 @@ def test_generate_stops_at_the_config_eos_by_default_as_transformers(pair):
         ours.config.eos_token_id, ref.generation_config.eos_token_id = saved
 
 
+def test_several_ends_of_sequence_from_the_generation_config_as_transformers(tmp_path):
+    """A checkpoint's generation_config.json listing several end-of-sequence ids (Llama 3's instruction models
+    do): the loaded model stops at any of them, as transformers' generate does, rather than at the first only."""
+    ref = _hf_model(tmp_path)
+    ids = torch.randint(3, 512, (3, 5), generator=torch.Generator().manual_seed(1))
+    free = Llama.from_pretrained(tmp_path).generate(ids, max_new_tokens=10, eos_token_id=[])
+    ends = [2, int(free[0, 2])]  # the third greedy token of row 0 made a second end
+    ref.generation_config.eos_token_id = ends
+    ref.generation_config.save_pretrained(tmp_path)
+    ours = Llama.from_pretrained(tmp_path)
+    assert ours.config.eos_token_id == ends
+    mine = ours.generate(ids, max_new_tokens=10, pad_token_id=0)
+    theirs = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
+    assert torch.equal(mine, theirs[:, :mine.shape[1]]) and (mine[0, 3:] == 0).all()
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "x"}')
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be a token id or a list"):
+        Llama.from_pretrained(tmp_path)
+
+
 def test_forward_beyond_the_context_is_one_value_error():
     """RoPE has rotations for max_seq_len positions: more is refused by the shapes, not by an index error."""
     model = Llama(LlamaConfig(**{**TINY, "max_seq_len": 64})).eval()

@@ -112,6 +112,10 @@ def test_feature_layers_strategy_and_pretrained_config(tmp_path):
     ref = _hf(tmp_path, vision_feature_layer=[-3, -1], vision_feature_select_strategy="full")
     ours = LLaVA.from_pretrained(tmp_path)
     assert ours.num_image_tokens == T + 1
+    assert ours.language_model.config.eos_token_id == TEXT.get("eos_token_id", 2)
+    ref.generation_config.eos_token_id = [2, 7]  # generate's ends, where transformers reads them
+    ref.generation_config.save_pretrained(tmp_path)
+    assert LLaVA.from_pretrained(tmp_path).language_model.config.eos_token_id == [2, 7]
     x = torch.randn(1, 3, 32, 32)
     ids = torch.cat([torch.tensor([[1]]), torch.full((1, T + 1), IMAGE), torch.tensor([[7, 8, 9]])], 1)
     with torch.no_grad():

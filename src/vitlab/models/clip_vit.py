@@ -36,6 +36,7 @@ heads, [CLS] pooling: :func:`hf_clip_vision_differences`, which vitlab's CLIP an
 
 from __future__ import annotations
 
+import math
 import re
 from functools import partial
 from pathlib import Path
@@ -92,11 +93,13 @@ def hf_layernorm(eps: float):
 
 
 def hf_mlp_ratio(cfg: dict) -> float:
-    """``intermediate_size / hidden_size`` of a transformers config, refused if vitlab's MLP cannot express it."""
-    ratio = cfg["intermediate_size"] / cfg["hidden_size"]
-    if int(cfg["hidden_size"] * ratio) != cfg["intermediate_size"]:
-        raise ValueError(f"intermediate_size {cfg['intermediate_size']} is not a whole multiple of hidden_size "
-                         f"{cfg['hidden_size']} that vitlab's MLP can express")
+    """``intermediate_size / hidden_size`` of a transformers config, as the ``mlp_ratio`` whose MLP width
+    ``int(hidden_size * mlp_ratio)`` is ``intermediate_size``: the quotient, raised by the least that undoes a
+    product's round-off below the whole number (56 * (115 / 56) is 114.99999999999999 in floating point)."""
+    hidden, inner = cfg["hidden_size"], cfg["intermediate_size"]
+    ratio = inner / hidden
+    while int(hidden * ratio) < inner:
+        ratio = math.nextafter(ratio, math.inf)
     return ratio
 
 

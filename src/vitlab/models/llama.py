@@ -34,7 +34,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitlab.convert import CheckpointError, config_differences, read_hf_config, read_hf_state_dict, unreadable
+from vitlab.convert import (
+    CheckpointError,
+    config_differences,
+    read_hf_config,
+    read_hf_generation_eos,
+    read_hf_state_dict,
+    unreadable,
+)
 from vitlab.layers import (
     RMSNorm,
     SwiGLU,
@@ -72,7 +79,7 @@ class LlamaConfig:
     max_seq_len: int = 4096  # the context: prompt plus generated tokens
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
-    eos_token_id: int | None = 2
+    eos_token_id: int | list[int] | None = 2  # one end of sequence or several (generation stops at any)
     pad_token_id: int | None = None
 
     def __post_init__(self):
@@ -653,8 +660,6 @@ def llama_config_from_hf(hf: dict, **overrides) -> LlamaConfig:
               max_seq_len=hf.get("max_position_embeddings", 4096),
               tie_word_embeddings=hf.get("tie_word_embeddings", False), bos_token_id=hf.get("bos_token_id"),
               eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"))
-    if isinstance(kw["eos_token_id"], list):
-        kw["eos_token_id"] = kw["eos_token_id"][0]
     return LlamaConfig(**{**kw, **overrides})
 
 
@@ -684,6 +689,9 @@ def llama_config_from_dir(path: str | os.PathLike, **overrides) -> LlamaConfig:
     path = Path(path)
     if (path / "config.json").is_file():
         hf = read_hf_config(path, HF_ARCHITECTURES)
+        eos = read_hf_generation_eos(path)  # where transformers' generate stops, when the file says
+        if eos is not None:
+            hf = {**hf, "eos_token_id": eos}
         try:
             return llama_config_from_hf(hf, **overrides)
         except KeyError as e:
