@@ -170,6 +170,29 @@ def test_imagefolder_truncated_image_found_at_load_time(folder):
     assert x.shape == (3, 8, 8) and len(b.train) == 10
 
 
+def test_first_undecodable_decodes_what_verify_passes(tmp_path, monkeypatch, capsys):
+    """Half a JPEG (which PIL's verify() passes) is the first file that does not decode, named in the files'
+    order whatever thread decoded it; a check of many images says so before and after."""
+    from vitlab.data import datasets
+
+    noise = np.random.default_rng(0).integers(0, 255, (48, 64, 3), dtype=np.uint8)
+    paths = []
+    for i in range(6):
+        paths.append(str(tmp_path / f"{i}.jpg"))
+        Image.fromarray(noise).save(paths[-1], quality=90)
+    assert datasets.image_ok(Path(paths[3])) and datasets.first_undecodable(paths) is None
+    for i in (3, 5):
+        Path(paths[i]).write_bytes(Path(paths[i]).read_bytes()[:1000])
+    assert datasets.image_ok(Path(paths[3]))
+    bad, why = datasets.first_undecodable(paths)
+    assert bad == paths[3] and "truncated" in why
+    monkeypatch.setattr(datasets, "DECODE_SAYS_FROM", 2)
+    capsys.readouterr()
+    assert datasets.first_undecodable(paths[:3]) is None
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said[0] == "decoding 3 images once to check them" and said[1].startswith("all 3 images decode (")
+
+
 def test_imagefolder_missing_directories(tmp_path, folder):
     with pytest.raises(DataError, match="missing directory .*nowhere"):
         build(DataConfig(f"imagefolder:{tmp_path / 'nowhere'}"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -205,22 +206,29 @@ def undecodable(path: str | os.PathLike) -> str | None:
         return str(e) or type(e).__name__
 
 
+DECODE_SAYS_FROM = 2000  # images: a check of more says what it does, and how long it took (a second or more)
+
+
 def first_undecodable(paths: list[str]) -> tuple[str, str] | None:
     """The first of ``paths`` (in their order) that does not decode, with the reason (:func:`undecodable`), or
-    None. Decoded on a thread per CPU (PIL releases the GIL while it decodes); a line on the console first when
-    there are many."""
-    if len(paths) >= 2000:
-        from vitlab._console import say
+    None. Decoded on a thread per CPU (PIL releases the GIL while it decodes); for many, a line on the console
+    before and one after (the count, the time)."""
+    from vitlab._console import say
 
+    many, start = len(paths) >= DECODE_SAYS_FROM, time.perf_counter()
+    if many:
         say(f"decoding {len(paths):,} images once to check them")
     pool = ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 8))
     try:
         for path, why in zip(paths, pool.map(undecodable, paths)):
             if why is not None:
                 return path, why
-        return None
     finally:
         pool.shutdown(cancel_futures=True)  # the rest unchecked once one has failed
+    if many:
+        seconds = time.perf_counter() - start
+        say(f"all {len(paths):,} images decode ({seconds:.1f} s, {len(paths) / max(seconds, 1e-9):,.0f} images/s)")
+    return None
 
 
 def class_dirs(root: Path) -> list[str]:
