@@ -61,14 +61,12 @@ _PAPER = "Radford et al., Learning Transferable Visual Models From Natural Langu
 def clip_text_kwargs(text_config: dict) -> dict:
     """The :class:`vitlab.clip.TextTransformer` arguments of a transformers ``CLIPTextConfig`` (a dict)."""
     c = {**HF_CLIP_TEXT_DEFAULTS, **text_config}
-    if c["layer_norm_eps"] != 1e-5:
-        raise ValueError(f"CLIP's text tower uses LayerNorm eps 1e-5; this config has {c['layer_norm_eps']}")
     if not hf_eos_at_largest_id(c["eos_token_id"], c["vocab_size"]):
         raise ValueError(f"the text tower pools at the largest token id, but this config's end-of-text token is "
                          f"{c['eos_token_id']} of a vocabulary of {c['vocab_size']}")
     return dict(vocab_size=c["vocab_size"], context_length=c["max_position_embeddings"], width=c["hidden_size"],
                 depth=c["num_hidden_layers"], num_heads=c["num_attention_heads"], mlp_ratio=hf_mlp_ratio(c),
-                act_layer=hf_act(c["hidden_act"]))
+                act_layer=hf_act(c["hidden_act"]), norm_eps=c["layer_norm_eps"])
 
 
 def _pretrained_cfg(name: str, task: str, vision_config: dict) -> ModelConfig:

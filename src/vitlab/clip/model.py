@@ -43,6 +43,7 @@ from vitlab.models import (
     convert_hf_clip_state_dict,
     hf_clip_tower_differences,
     hf_clip_vision_differences,
+    hf_layernorm,
     is_hf_clip_state_dict,
     set_grad_checkpointing,
 )
@@ -80,20 +81,22 @@ class TextTransformer(nn.Module):
     """A causal text transformer over token ids (B, context_length) -> (B, embed_dim), pooled at the end-of-text
     token, which both vitlab tokenizers (and CLIP's) give the largest id: ``argmax`` over the ids finds it.
 
-    ``style='clip'``: learned absolute positions, LayerNorm (eps 1e-5), GELU (``act_layer='quick_gelu'`` for
-    OpenAI's weights), MLP ratio 4. ``style='llama'``: 1-D RoPE in every attention layer, RMSNorm, SwiGLU
-    (Touvron et al., 2023). ``post_norm=True`` gives original-Transformer blocks (an option, not CLIP's)."""
+    ``style='clip'``: learned absolute positions, LayerNorm (eps ``norm_eps``, CLIP's 1e-5), GELU
+    (``act_layer='quick_gelu'`` for OpenAI's weights), MLP ratio 4. ``style='llama'``: 1-D RoPE in every attention
+    layer, RMSNorm, SwiGLU (Touvron et al., 2023). ``post_norm=True`` gives original-Transformer blocks (an
+    option, not CLIP's)."""
 
     def __init__(self, vocab_size: int = 49408, context_length: int = 77, width: int = 512, depth: int = 12,
                  num_heads: int = 8, mlp_ratio: float = 4.0, embed_dim: int = 512, style: TextStyle = "clip",
-                 act_layer: str = "gelu", post_norm: bool = False, rope_base: float = 10000.0):
+                 act_layer: str = "gelu", post_norm: bool = False, rope_base: float = 10000.0,
+                 norm_eps: float = 1e-5):
         super().__init__()
         if style not in ("clip", "llama"):
             raise ValueError(f"unknown text tower style {style!r}; choose 'clip' or 'llama'")
         head_dim = check_heads(width, num_heads)
         self.style, self.context_length, self.vocab_size, self.width = style, context_length, vocab_size, width
         self.grad_checkpointing = False
-        norm = "layernorm_eps5" if style == "clip" else "rmsnorm"
+        norm = hf_layernorm(norm_eps) if style == "clip" else "rmsnorm"
         self.token_embedding = nn.Embedding(vocab_size, width)
         if style == "clip":
             self.pos_embed = nn.Parameter(torch.zeros(context_length, width))
