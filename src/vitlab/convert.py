@@ -188,22 +188,18 @@ def _hf_dir(path: str | os.PathLike) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def read_hf_generation_eos(path: str | os.PathLike) -> int | list[int] | None:
-    """The ``eos_token_id`` of a ``save_pretrained`` directory's ``generation_config.json`` (one id or several),
-    or None without that file or field. transformers' ``generate`` stops there rather than at ``config.json``'s
-    when the file has one (Llama 3's instruction-tuned checkpoints list several ends there)."""
+def with_generation_eos(config: dict, path: str | os.PathLike) -> dict:
+    """``config`` (a Llama's ``config.json`` fields) with the ``eos_token_id`` of the ``save_pretrained`` directory
+    ``path``'s ``generation_config.json`` (one id or several) when that file names one: transformers' ``generate``
+    stops there rather than at ``config.json``'s (Llama 3's instruction-tuned checkpoints list several ends
+    there)."""
     file = Path(path) / "generation_config.json"
-    if not file.is_file():
-        return None
-    try:
-        cfg = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e})") from None
-    eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
-    if eos is not None and not (isinstance(eos, int) or isinstance(eos, list) and all(isinstance(i, int)
-                                                                                       for i in eos)):
+    eos = read_hf_config(file).get("eos_token_id") if file.is_file() else None
+    if eos is None:
+        return config
+    if not (isinstance(eos, int) or isinstance(eos, list) and all(isinstance(i, int) for i in eos)):
         raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
-    return eos
+    return {**config, "eos_token_id": eos}
 
 
 def read_hf_config(path: str | os.PathLike, architectures: tuple[str, ...] = ()) -> dict:

@@ -332,7 +332,8 @@ def test_generate_checks_and_eos():
         want = f"attention_mask must be (batch, prompt) = (2, 10), got {shape}"
         with pytest.raises(ValueError, match=re.escape(want)):
             model.generate(ids, max_new_tokens=2, attention_mask=torch.ones(shape, dtype=torch.long))
-    for bad, want in ((ids[:, :0], "at least one token, got (2, 0)"), (ids[0], "got (10,)"),
+    for bad, want in ((ids[:, :0], "at least one row of one token, got (2, 0)"), (ids[:0], "got (0, 10)"),
+                      (ids[0], "got (10,)"),
                       (ids.masked_fill(ids == ids[1, 3], 512),
                        f"outside the vocabulary 0..511: {int(ids.min())} to 512"),
                       (ids.masked_fill(ids == ids[1, 3], -1), "outside the vocabulary 0..511: -1 to")):

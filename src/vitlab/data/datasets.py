@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from torchvision.transforms.v2 import functional as TF
 
+from vitlab._console import say
 from vitlab.data.registry import DataError, register_dataset
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
@@ -213,8 +214,6 @@ def first_undecodable(paths: list[str]) -> tuple[str, str] | None:
     """The first of ``paths`` (in their order) that does not decode, with the reason (:func:`undecodable`), or
     None. Decoded on a thread per CPU (PIL releases the GIL while it decodes); for many, a line on the console
     before and one after (the count, the time)."""
-    from vitlab._console import say
-
     many, start = len(paths) >= DECODE_SAYS_FROM, time.perf_counter()
     if many:
         say(f"decoding {len(paths):,} images once to check them")

@@ -38,9 +38,9 @@ from vitlab.convert import (
     CheckpointError,
     config_differences,
     read_hf_config,
-    read_hf_generation_eos,
     read_hf_state_dict,
     unreadable,
+    with_generation_eos,
 )
 from vitlab.layers import (
     RMSNorm,
@@ -405,15 +405,16 @@ class Llama(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         prompt = inputs_embeds if inputs_embeds is not None else input_ids
-        if prompt.dim() != (3 if inputs_embeds is not None else 2) or not prompt.shape[1]:
+        if prompt.dim() != (3 if inputs_embeds is not None else 2) or 0 in prompt.shape[:2]:
             raise ValueError(f"the prompt must be (batch, tokens{', dim' if inputs_embeds is not None else ''}) "
-                             f"with at least one token, got {tuple(prompt.shape)}")
+                             f"with at least one row of one token, got {tuple(prompt.shape)}")
         b, n = prompt.shape[:2]
         # named here, once per call, rather than as an embedding lookup's IndexError (or a GPU's device assert)
-        if input_ids is not None and prompt.numel() and not 0 <= int(prompt.min()) <= int(prompt.max()) < (
-                self.config.vocab_size):
-            raise ValueError(f"the prompt holds token ids outside the vocabulary 0..{self.config.vocab_size - 1}: "
-                             f"{int(prompt.min())} to {int(prompt.max())}")
+        if input_ids is not None:
+            lo, hi = (int(t) for t in prompt.aminmax())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"the prompt holds token ids outside the vocabulary 0..{self.config.vocab_size - 1}: "
+                                 f"{lo} to {hi}")
         if n + max_new_tokens > self.config.max_seq_len:
             raise ValueError(f"the prompt ({n} tokens) plus max_new_tokens ({max_new_tokens}) exceed the context of "
                              f"{self.config.max_seq_len} tokens")
@@ -688,10 +689,7 @@ def llama_config_from_dir(path: str | os.PathLike, **overrides) -> LlamaConfig:
     """The architecture of a checkpoint directory: Hugging Face's ``config.json`` or Meta's ``params.json``."""
     path = Path(path)
     if (path / "config.json").is_file():
-        hf = read_hf_config(path, HF_ARCHITECTURES)
-        eos = read_hf_generation_eos(path)  # where transformers' generate stops, when the file says
-        if eos is not None:
-            hf = {**hf, "eos_token_id": eos}
+        hf = with_generation_eos(read_hf_config(path, HF_ARCHITECTURES), path)  # where generate stops
         try:
             return llama_config_from_hf(hf, **overrides)
         except KeyError as e:

@@ -37,9 +37,9 @@ from vitlab.convert import (
     config_differences,
     load_state_dict,
     read_hf_config,
-    read_hf_generation_eos,
     read_hf_state_dict,
     read_state_dict,
+    with_generation_eos,
 )
 from vitlab.layers import get_act_layer
 from vitlab.models import (
@@ -365,11 +365,10 @@ class LLaVA(nn.Module):
         """A LLaVA with the architecture (``config.json``) and weights of a transformers
         ``LlavaForConditionalGeneration`` directory (a CLIP image tower and a Llama decoder), in eval mode."""
         cfg = read_hf_config(path, architectures=HF_ARCHITECTURES)
-        text = cfg.get("text_config") or {}
-        eos = read_hf_generation_eos(path)  # where transformers' generate stops, when the file says
+        text = with_generation_eos(cfg.get("text_config") or {}, path)  # where generate stops
         try:
             kw = llava_kwargs_from_hf(cfg)
-            language = Llama(llama_config_from_hf(text if eos is None else {**text, "eos_token_id": eos}))
+            language = Llama(llama_config_from_hf(text))
         except ValueError as e:  # an image tower, a language model or an activation vitlab does not have
             raise ValueError(f"{path}: {e}") from None
         model = cls(clip_vision_transformer(kw.pop("vision")), language, **kw)
