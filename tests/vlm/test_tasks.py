@@ -914,18 +914,20 @@ def test_init_refuses_a_tokenizer_of_another_vocabulary(tmp_path, capsys):
     assert not run.exists()
 
 
-def test_in_memory_images_are_transformed_once_as_the_files_are_one_by_one(tmp_path):
+def test_in_memory_images_are_transformed_once_as_the_files_are_one_by_one(tmp_path, monkeypatch):
     """The scenes' images, transformed as one batch when the source is made, equal each image transformed alone
-    (what a file gets), at the working size and resized."""
+    (what a file gets), at the working size and resized; past the cache's size, each is transformed when read."""
     from vitlab.data.transforms import eval_transform
+    from vitlab.vlm import tasks
     from vitlab.vlm.data import make_scenes
-    from vitlab.vlm.tasks import ImageSource
 
     images = make_scenes("val", 0, 6).images
     Image.fromarray(images[2].permute(1, 2, 0).numpy()).save(tmp_path / "2.png")
-    for size in (64, 48):
+    for size, cache in ((64, tasks.IMAGE_CACHE_BYTES), (48, tasks.IMAGE_CACHE_BYTES), (64, 5 * 3 * 64 * 64 * 4)):
+        monkeypatch.setattr(tasks, "IMAGE_CACHE_BYTES", cache)
         tf = eval_transform(size, crop_pct=1.0, mean=[0.5] * 3, std=[0.25] * 3)
-        source = ImageSource(images, tf)
+        source = tasks.ImageSource(images, tf)
+        assert (source.ready is None) == (cache < 6 * 3 * size * size * 4)
         for i in range(6):
             assert torch.equal(source(i), tf(images[i]))
-        assert torch.equal(ImageSource(None, tf)(str(tmp_path / "2.png")), source(2))
+        assert torch.equal(tasks.ImageSource(None, tf)(str(tmp_path / "2.png")), source(2))

@@ -303,18 +303,27 @@ def eval_split(splits: VLSplits, split: str | None, dataset: str) -> str:
     return split
 
 
+IMAGE_CACHE_BYTES = 512 * 2**20  # in-memory images kept transformed up to this size (4,000 scenes at 64 px: 188 MiB)
+
+
 class ImageSource:
     """A split's images by sample: ``source(s.image)`` is the transformed image (C, H, W). In-memory images (the
-    scenes, an index) are transformed once, as one batch, when the source is made (the transform is
-    deterministic: per sample, torchvision's dispatch was half of the loader's time, some 4% of a training step on
-    two cores); files (a path) are read and transformed when asked for."""
+    scenes, an index) are transformed once, as one batch, when the source is made, if the result fits in
+    ``IMAGE_CACHE_BYTES`` (the transform is deterministic: per sample, torchvision's dispatch was half of the
+    loader's time, some 4% of a training step on two cores); beyond that (the same scenes at 224 px would take
+    2.4 GB of floats), and for files (a path), each image is transformed when asked for."""
 
     def __init__(self, images: torch.Tensor | None, transform):
-        self.transform = transform
-        self.ready = None if images is None else transform(images)
+        self.images, self.transform, self.ready = images, transform, None
+        if images is not None and len(images):
+            one = transform(images[:1])
+            if one.numel() * one.element_size() * len(images) <= IMAGE_CACHE_BYTES:
+                self.ready = transform(images)
 
     def __call__(self, image: str | int) -> torch.Tensor:
-        return self.ready[image] if isinstance(image, int) else self.transform(load_image(image, 3))
+        if not isinstance(image, int):
+            return self.transform(load_image(image, 3))
+        return self.transform(self.images[image]) if self.ready is None else self.ready[image]
 
 
 class VLDataset(Dataset):
