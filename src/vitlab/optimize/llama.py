@@ -26,15 +26,23 @@ compile.
 The cache is the model's preallocated :class:`~vitlab.models.llama.KVCache`. Shapes are left to Dynamo's automatic
 dynamic mode: the first call of a kind (prefill or step, with or without a padding mask) compiles with static
 sizes, and the sizes that then change (prompt length, cache position and length, mask length) become symbolic in
-the second graph, which serves every later call. The batch size stays static, so Inductor's fp32 GEMMs use MKL's
-prepacked weights (for a symbolic batch size, as ``dynamic=True`` would make it, Inductor switches to oneDNN's
-linear kernel instead). Each batch size therefore has a compiled function of its own, whose at most eight graphs
-stay within Dynamo's recompilation limit (eight per code object); a function of its own per model too, since the
-graphs are unguarded snapshots of one model's weights.
+the second graph, which serves every later call. Each batch size has a compiled function of its own, whose at most
+eight graphs stay within Dynamo's recompilation limit (eight per code object); a function of its own per model too,
+since the graphs are unguarded snapshots of one model's weights.
+
+Which GEMM library runs the frozen fp32 linears is chosen by measurement (``gemm="auto"``). Inductor packs a
+frozen fp32 weight for one of two kernels, by the row count of the product: a static count gets MKL's packed
+sgemm, a symbolic one oneDNN's matmul. Which is faster depends on the CPU: on AMD's Zen 4, where MKL does not take
+its AVX-512 paths, oneDNN's was 2.3x faster for the eight rows of a ``llama_100m`` batch-8 decoding step and 1.2x
+for a batch-8 prompt's 1,024, under AVX-512 and under an AVX2 cap alike; on Intel's Xeons MKL's is fast.
+:func:`packed_gemm_times` times both on the model's own weight shapes at the call's row count (the first prefill
+and the first decoding step of each batch size, once per process), and where oneDNN's wins, the call's batch
+and sequence sizes are marked dynamic, which hands its GEMMs to oneDNN.
 """
 
 from __future__ import annotations
 
+import statistics
 import types
 import warnings
 from collections.abc import Callable
@@ -45,6 +53,11 @@ import torch.nn as nn
 from vitlab.models.llama import KVCache, Llama, check_sampling
 from vitlab.optimize import cpu as cpuinfo
 from vitlab.optimize.compiled import CompiledInference, compile_inference, share_copy
+from vitlab.timing import round_robin_times
+
+GEMMS = ("auto", "mkl", "onednn")  # compile_llama's gemm=
+GEMM_MARGIN = 0.03  # oneDNN's GEMMs are chosen when faster than MKL's by this fraction (MKL: Inductor's default)
+GEMM_MAX_ROWS = 256  # rows timed at most: beyond, both kernels run at their large-product rate
 
 
 def _own_entry(model: nn.Module, tag: str) -> Callable[..., torch.Tensor]:
@@ -59,13 +72,97 @@ def _own_entry(model: nn.Module, tag: str) -> Callable[..., torch.Tensor]:
     return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
 
 
-def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None = None) -> Callable[..., torch.Tensor]:
+def packed_gemms_available() -> bool:
+    """Whether Inductor can pack a frozen fp32 CPU linear for both MKL's and oneDNN's kernels (an x86 build of
+    torch with both libraries); elsewhere there is no choice to make."""
+    return bool(torch._C.has_mkl) and torch.backends.mkldnn.is_available()
+
+
+def packed_gemm_times(weights: list[torch.Tensor], rows: int, runs: int = 5) -> dict[str, float]:
+    """Seconds per pass over ``weights`` ((out, in) fp32 CPU matrices), one product each with an input of
+    ``rows`` rows (at most :data:`GEMM_MAX_ROWS`), by each packed kernel Inductor emits for a frozen fp32 linear:
+    ``"mkl"`` (``mkl._mkl_linear``) and ``"onednn"`` (``mkldnn._linear_pointwise``); medians of ``runs``
+    round-robin runs after one warm-up."""
+    rows = max(1, min(rows, GEMM_MAX_ROWS))
+    with torch.no_grad():
+        xs = [torch.randn(rows, w.shape[1]) for w in weights]
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
+        dnn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+
+        def run_mkl():
+            for x, w, p in zip(xs, weights, mkl):
+                torch.ops.mkl._mkl_linear(x, p, w, None, rows)
+
+        def run_onednn():
+            for x, p in zip(xs, dnn):
+                torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+        times = round_robin_times({"mkl": run_mkl, "onednn": run_onednn}, torch.device("cpu"), warmup=1,
+                                  runs=runs)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+_GEMM_CHOICES: dict[tuple, str] = {}  # (weight shapes, timed rows) -> "mkl" | "onednn", measured in this process
+
+
+def faster_gemm(model: nn.Module, rows: int) -> str:
+    """``"onednn"`` or ``"mkl"``: the packed kernel that runs ``model``'s linear weights (one of each shape)
+    faster on this machine for an input of ``rows`` rows; MKL's, Inductor's own choice, unless oneDNN's is faster
+    by :data:`GEMM_MARGIN`. Measured once per process for each set of shapes and row count."""
+    weights = {}
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+            weights.setdefault(tuple(m.weight.shape), m.weight.detach())
+    key = (tuple(weights), max(1, min(rows, GEMM_MAX_ROWS)))
+    if key not in _GEMM_CHOICES:
+        t = packed_gemm_times(list(weights.values()), rows) if weights else {"mkl": 0.0, "onednn": 0.0}
+        _GEMM_CHOICES[key] = "onednn" if t["onednn"] < t["mkl"] * (1 - GEMM_MARGIN) else "mkl"
+    return _GEMM_CHOICES[key]
+
+
+def _symbolic_rows(input_ids: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
+    """Mark the batch size and the number of new tokens of a call dynamic (sizes of 1 stay static: Dynamo
+    specialises them), on every tensor that carries them, so that the rows of its GEMMs are symbolic and
+    Inductor gives them oneDNN's kernel. The caller's prompt is marked through a view (its own tensor is left
+    as it was); the cache's tensors are marked themselves (written in place, they are the graph's inputs)."""
+    x = input_ids if input_ids is not None else kwargs["inputs_embeds"]
+    x = x.view(x.shape)
+    b, n = x.shape[:2]
+    dims = ([0] if b > 1 else []) + ([1] if n > 1 else [])
+    for d in dims:
+        torch._dynamo.maybe_mark_dynamic(x, d)
+    for name in ("position_ids", "logits_at"):  # (B, N), like the prompt
+        if kwargs.get(name) is not None:
+            kwargs[name] = kwargs[name].view(kwargs[name].shape)
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(kwargs[name], d)
+    mask = kwargs.get("attention_mask")
+    if mask is not None:  # (B, cached + N): its length follows N in a prompt
+        kwargs["attention_mask"] = mask = mask.view(mask.shape)
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(mask, d)
+    cache = kwargs.get("cache")
+    if cache is not None and b > 1:
+        for t in cache.k + cache.v:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    if input_ids is not None:
+        return x
+    kwargs["inputs_embeds"] = x
+    return None
+
+
+def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None = None,
+                  gemm: str = "auto") -> Callable[..., torch.Tensor]:
     """A forward for ``model.generate(..., forward=...)``: decoding steps compiled, and prompts too unless
     ``prefill=False``. Inference only (``generate`` runs under ``torch.no_grad()``), and a snapshot: the weights
     are frozen into the graph and the model's attributes are not checked again, so a model changed afterwards
     needs a new ``compile_llama``. Each batch size gets its own compiled function (its graphs: prefill and step,
     with and without a padding mask), compiled at its first call; other models' compiled forwards never share
-    them. ``options``: ``torch.compile`` options over the defaults."""
+    them. ``options``: ``torch.compile`` options over the defaults. ``gemm`` (fp32 on the CPU): the library of the
+    frozen linears' GEMMs, ``"mkl"`` or ``"onednn"``, or ``"auto"`` (the faster here, :func:`faster_gemm`,
+    measured at the first prefill and the first decoding step of each batch size)."""
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     model.eval()
     # no guards on the model's attributes and parameters, checked before every call (a sizeable share of a small
     # decoding step): the compiled forward is a snapshot of the model, its weights constants of the graph
@@ -75,14 +172,23 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
         # the graph's wrapper in C++ too: a decoding step is some hundred small calls, each launched from Python
         # otherwise
         options = {**cpuinfo.inductor_options(), "cpp_wrapper": True, **options}
+    weight = next(model.parameters())
+    choose = weight.device.type == "cpu" and weight.dtype == torch.float32 and packed_gemms_available()
     by_batch: dict[int, Callable[..., torch.Tensor]] = {}
+    libraries: dict[tuple[int, bool], str] = {}  # (batch size, prompt or step) -> the GEMM library of its graphs
 
     def forward(input_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         if not prefill and (input_ids is None or input_ids.shape[1] != 1):
             return model(input_ids, **kwargs)
-        b = (input_ids if input_ids is not None else kwargs["inputs_embeds"]).shape[0]
-        if b not in by_batch:  # the batch size stays static in the graphs (MKL's prepacked GEMMs)
+        b, n = (input_ids if input_ids is not None else kwargs["inputs_embeds"]).shape[:2]
+        if b not in by_batch:
             by_batch[b] = compile_inference(_own_entry(model, f"b{b}"), options)
+        if choose:
+            kind = (b, n > 1)
+            if kind not in libraries:
+                libraries[kind] = faster_gemm(model, b * n) if gemm == "auto" else gemm
+            if libraries[kind] == "onednn":
+                input_ids = _symbolic_rows(input_ids, kwargs)
         with warnings.catch_warnings():
             # RoPE's complex product stays one ATen call inside the graph, which Inductor says when it compiles
             warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
