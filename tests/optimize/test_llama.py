@@ -1,10 +1,12 @@
 """The compiled forward of the Llama decoder: the same tokens as eager generation, with padding or without, a few
-graphs shared across prompt lengths and decoding steps, the weights frozen (prepacked for MKL's GEMM); and
-``vitlab.optimize.optimize`` on a Llama or on a LLaVA-style model's language model."""
+graphs shared across prompt lengths and decoding steps, the weights frozen (prepacked for MKL's or oneDNN's GEMM,
+whichever is faster here); and ``vitlab.optimize.optimize`` on a Llama or on a LLaVA-style model's language
+model."""
 
 from __future__ import annotations
 
 import itertools
+import platform
 
 import pytest
 import torch
@@ -12,7 +14,13 @@ import torch
 import vitlab
 from vitlab.models.llama import Llama
 from vitlab.optimize import explain, optimize
-from vitlab.optimize.llama import CompiledLlama, compile_llama
+from vitlab.optimize.llama import (
+    CompiledLlama,
+    compile_llama,
+    faster_gemm,
+    packed_gemm_times,
+    packed_gemms_available,
+)
 from vitlab.vlm.llava import LLaVA
 
 
@@ -71,6 +79,46 @@ def test_two_optimized_models_and_several_batch_sizes_keep_their_own_graphs():
                 assert torch.equal(fast_b.generate(x, 4, attention_mask=mask),
                                    eager[1].generate(x, 4, attention_mask=mask))
                 assert torch.equal(fast_b.generate(x, 4), eager[1].generate(x, 4))
+
+
+def test_the_gemm_library_is_timed_on_the_models_weight_shapes():
+    if platform.machine().lower() in ("x86_64", "amd64"):  # the official x86 wheels carry MKL and oneDNN
+        assert packed_gemms_available()
+    if not packed_gemms_available():
+        pytest.skip("no MKL in this torch build: Inductor packs for oneDNN alone, nothing to choose")
+    model = vitlab.create_model("llama_tiny").eval()
+    weights = [model.layers[0].attn.qkv.weight, model.lm_head.weight]
+    times = packed_gemm_times(weights, rows=3, runs=3)
+    assert set(times) == {"mkl", "onednn"} and all(t > 0 for t in times.values())
+    assert faster_gemm(model, 3) in ("mkl", "onednn") and faster_gemm(model, 3) == faster_gemm(model, 3)
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        compile_llama(model, gemm="openblas")
+
+
+@pytest.mark.slow  # Inductor compiles C++ (a minute or two on two cores)
+@pytest.mark.parametrize("gemm", ["onednn", "mkl"])
+def test_the_chosen_gemm_library_runs_every_linear(gemm):
+    """``gemm="onednn"`` hands every GEMM with more than one row to oneDNN's kernel (symbolic row counts), prompt
+    and decoding steps, with a padding mask or without; ``"mkl"`` leaves them all to MKL's packed sgemm. The same
+    tokens as eager either way."""
+    from torch.profiler import ProfilerActivity, profile
+
+    assert packed_gemms_available()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = vitlab.create_model("llama_tiny").eval()
+    fast = compile_llama(model, options={"cpp_wrapper": False}, gemm=gemm)  # the Python wrapper: calls profiled
+    ids = torch.randint(3, 512, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    for kwargs in ({}, {"attention_mask": mask}):
+        want = model.generate(ids, 6, **kwargs)
+        assert torch.equal(model.generate(ids, 6, forward=fast, **kwargs), want)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            assert torch.equal(model.generate(ids, 6, forward=fast, **kwargs), want)
+        ran = {e.key for e in prof.key_averages()}
+        mine, other = ("mkldnn::_linear_pointwise", "mkl::_mkl_linear")[:: 1 if gemm == "onednn" else -1]
+        assert mine in ran and other not in ran, sorted(k for k in ran if "linear" in k or "mm" in k)
 
 
 def test_optimize_picks_the_language_model_compile_without_compiling_yet():
