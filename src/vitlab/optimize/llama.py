@@ -13,14 +13,14 @@ sharing its weights, whose language model is the compiled one: :func:`compile_la
     fast.generate(ids, max_new_tokens=64)
 
 The function is unchanged (the compiled forward computes the same logits within float rounding). Decoding is where
-the time goes per token: one token through every layer, many small kernels, each launched from Python in eager
-mode; compiled, a step is a few fused C++ kernels and GEMMs with prepacked weights (on the CPU the graph is
-compiled with the weights frozen and the SIMD width stated, :func:`vitlab.optimize.cpu.inductor_options`). Freezing
-is what turns the weights into constants that Inductor prepacks for MKL, whose packed GEMM beats the plain one
+the time goes per token: one token through every layer, many small kernels, each launched from Python in eager mode;
+compiled, a step is a few fused C++ kernels and GEMMs with prepacked weights (on the CPU the graph is compiled with
+the weights frozen and the SIMD width stated, :func:`vitlab.optimize.cpu.inductor_options`). Freezing is what turns
+the weights into constants that Inductor prepacks (for MKL or oneDNN, below), a packed GEMM beating the plain one
 against a row-major ``nn.Linear`` weight for a few one-token rows. On the CPU the graph's wrapper is C++ as well
 (``cpp_wrapper``), and the model's attributes are not guarded: a one-token step is short, so launching a hundred
-kernels from Python, or checking a guard per parameter before each call, is a visible share of it. The prefill
-gains less (large GEMMs, already near the CPU's peak, dominate it); ``prefill=False`` leaves it eager and saves its
+kernels from Python, or checking a guard per parameter before each call, is a visible share of it. The prefill gains
+less (large GEMMs, already near the CPU's peak, dominate it); ``prefill=False`` leaves it eager and saves its
 compile.
 
 The cache is the model's preallocated :class:`~vitlab.models.llama.KVCache`. Shapes are left to Dynamo's automatic
@@ -30,14 +30,14 @@ the second graph, which serves every later call. Each batch size has a compiled 
 eight graphs stay within Dynamo's recompilation limit (eight per code object); a function of its own per model too,
 since the graphs are unguarded snapshots of one model's weights.
 
-Which GEMM library runs the frozen fp32 linears is chosen by measurement (``gemm="auto"``). Inductor packs a
-frozen fp32 weight for one of two kernels, by the row count of the product: a static count gets MKL's packed
-sgemm, a symbolic one oneDNN's matmul. Which is faster depends on the CPU: on AMD's Zen 4, where MKL does not take
-its AVX-512 paths, oneDNN's was 2.3x faster for the eight rows of a ``llama_100m`` batch-8 decoding step and 1.2x
-for a batch-8 prompt's 1,024, under AVX-512 and under an AVX2 cap alike; on Intel's Xeons MKL's is fast.
-:func:`packed_gemm_times` times both on the model's own weight shapes at the call's row count (the first prefill
-and the first decoding step of each batch size, once per process), and where oneDNN's wins, the call's batch
-and sequence sizes are marked dynamic, which hands its GEMMs to oneDNN.
+Which GEMM library runs the frozen fp32 linears is chosen by measurement (``gemm="auto"``). Inductor packs a frozen
+fp32 weight for one of two kernels, by the row count of the product: a static count gets MKL's packed sgemm, a
+symbolic one oneDNN's matmul. Which is faster depends on the CPU: on AMD's Zen 4, where MKL does not take its
+AVX-512 paths, oneDNN's GEMMs took 16 ms of a ``llama_100m`` batch-8 decoding step where MKL's took 43, and 584 ms
+of a batch-8 prompt where MKL's took 642 (a similar lead under an AVX2 cap); on Intel's Xeons MKL's is fast.
+:func:`packed_gemm_times` times both on the model's own weight shapes at the call's row count (the first prefill and
+the first decoding step of each batch size, once per process), and where oneDNN's wins, the call's batch and
+sequence sizes are marked dynamic, which hands its GEMMs to oneDNN.
 """
 
 from __future__ import annotations
@@ -160,7 +160,9 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
     with and without a padding mask), compiled at its first call; other models' compiled forwards never share
     them. ``options``: ``torch.compile`` options over the defaults. ``gemm`` (fp32 on the CPU): the library of the
     frozen linears' GEMMs, ``"mkl"`` or ``"onednn"``, or ``"auto"`` (the faster here, :func:`faster_gemm`,
-    measured at the first prefill and the first decoding step of each batch size)."""
+    measured at the first prefill and the first decoding step of each batch size). ``"mkl"`` holds where the row
+    count is static: once prompts of several lengths have made the prompt's length symbolic, Inductor gives that
+    graph's GEMMs to oneDNN whatever the choice."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     model.eval()
