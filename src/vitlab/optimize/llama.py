@@ -102,18 +102,19 @@ def packed_gemm_times(weights: list[torch.Tensor], rows: int, runs: int = 5) -> 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-_GEMM_CHOICES: dict[tuple, str] = {}  # (weight shapes, timed rows) -> "mkl" | "onednn", measured in this process
+# (weight shapes, timed rows, threads) -> "mkl" | "onednn", measured in this process
+_GEMM_CHOICES: dict[tuple, str] = {}
 
 
 def faster_gemm(model: nn.Module, rows: int) -> str:
     """``"onednn"`` or ``"mkl"``: the packed kernel that runs ``model``'s linear weights (one of each shape)
     faster on this machine for an input of ``rows`` rows; MKL's, Inductor's own choice, unless oneDNN's is faster
-    by :data:`GEMM_MARGIN`. Measured once per process for each set of shapes and row count."""
+    by :data:`GEMM_MARGIN`. Measured once per process for each set of shapes, row count and thread count."""
     weights = {}
     for m in model.modules():
         if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
             weights.setdefault(tuple(m.weight.shape), m.weight.detach())
-    key = (tuple(weights), max(1, min(rows, GEMM_MAX_ROWS)))
+    key = (tuple(weights), max(1, min(rows, GEMM_MAX_ROWS)), torch.get_num_threads())
     if key not in _GEMM_CHOICES:
         t = packed_gemm_times(list(weights.values()), rows) if weights else {"mkl": 0.0, "onednn": 0.0}
         _GEMM_CHOICES[key] = "onednn" if t["onednn"] < t["mkl"] * (1 - GEMM_MARGIN) else "mkl"
