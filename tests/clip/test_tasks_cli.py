@@ -195,7 +195,11 @@ def test_digits_run_evaluate_and_predict_through_its_record(digits_run, tmp_path
 
     img = _digit_png(tmp_path / "seven.png")
     rows = predict(digits_run, [img, img], topk=10, optimize=False)
-    assert len(rows) == 2 and rows[0]["top"] == rows[1]["top"]
+    assert len(rows) == 2
+    # the same image twice: the same top class and the same probabilities up to float rounding (the GEMM kernels
+    # may treat two rows of a batch differently: on an AMD EPYC they differed in the ninth digit)
+    assert rows[0]["top"][0][0] == rows[1]["top"][0][0]
+    assert dict(rows[0]["top"]) == pytest.approx(dict(rows[1]["top"]), rel=1e-5, abs=1e-7)
     labels, probs = zip(*rows[0]["top"])
     assert sorted(labels) == sorted(DIGIT_WORDS) and sum(probs) == pytest.approx(1.0, abs=1e-5)
     assert list(probs) == sorted(probs, reverse=True)
