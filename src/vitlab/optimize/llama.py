@@ -115,41 +115,32 @@ def faster_gemm(model: nn.Module, rows: int) -> str:
         if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
             weights.setdefault(tuple(m.weight.shape), m.weight.detach())
     key = (tuple(weights), max(1, min(rows, GEMM_MAX_ROWS)), torch.get_num_threads())
+    if not weights:
+        return "mkl"
     if key not in _GEMM_CHOICES:
-        t = packed_gemm_times(list(weights.values()), rows) if weights else {"mkl": 0.0, "onednn": 0.0}
+        t = packed_gemm_times(list(weights.values()), rows)
         _GEMM_CHOICES[key] = "onednn" if t["onednn"] < t["mkl"] * (1 - GEMM_MARGIN) else "mkl"
     return _GEMM_CHOICES[key]
 
 
-def _symbolic_rows(input_ids: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
-    """Mark the batch size and the number of new tokens of a call dynamic (sizes of 1 stay static: Dynamo
-    specialises them), on every tensor that carries them, so that the rows of its GEMMs are symbolic and
-    Inductor gives them oneDNN's kernel. The caller's prompt is marked through a view (its own tensor is left
-    as it was); the cache's tensors are marked themselves (written in place, they are the graph's inputs)."""
-    x = input_ids if input_ids is not None else kwargs["inputs_embeds"]
-    x = x.view(x.shape)
+def _symbolic_rows(kwargs: dict) -> None:
+    """Mark the batch size and the number of new tokens of a call (its keyword arguments, the prompt among them)
+    dynamic on every tensor that carries them (sizes of 1 stay static: Dynamo specialises them), so that the rows
+    of its GEMMs are symbolic and Inductor gives them oneDNN's kernel. The caller's tensors are marked through
+    views (its own are left as they were); the cache's are marked themselves (written in place, they are the
+    graph's inputs)."""
+    x = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
     b, n = x.shape[:2]
     dims = ([0] if b > 1 else []) + ([1] if n > 1 else [])
-    for d in dims:
-        torch._dynamo.maybe_mark_dynamic(x, d)
-    for name in ("position_ids", "logits_at"):  # (B, N), like the prompt
+    # (B, N) or (B, N, dim); the mask is (B, cached + N), its length following N in a prompt
+    for name in ("input_ids", "inputs_embeds", "position_ids", "logits_at", "attention_mask"):
         if kwargs.get(name) is not None:
-            kwargs[name] = kwargs[name].view(kwargs[name].shape)
+            kwargs[name] = t = kwargs[name].view(kwargs[name].shape)
             for d in dims:
-                torch._dynamo.maybe_mark_dynamic(kwargs[name], d)
-    mask = kwargs.get("attention_mask")
-    if mask is not None:  # (B, cached + N): its length follows N in a prompt
-        kwargs["attention_mask"] = mask = mask.view(mask.shape)
-        for d in dims:
-            torch._dynamo.maybe_mark_dynamic(mask, d)
-    cache = kwargs.get("cache")
-    if cache is not None and b > 1:
-        for t in cache.k + cache.v:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+    if kwargs.get("cache") is not None and b > 1:
+        for t in kwargs["cache"].k + kwargs["cache"].v:
             torch._dynamo.maybe_mark_dynamic(t, 0)
-    if input_ids is not None:
-        return x
-    kwargs["inputs_embeds"] = x
-    return None
 
 
 def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None = None,
@@ -191,7 +182,9 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
             if kind not in libraries:
                 libraries[kind] = faster_gemm(model, b * n) if gemm == "auto" else gemm
             if libraries[kind] == "onednn":
-                input_ids = _symbolic_rows(input_ids, kwargs)
+                kwargs["input_ids"] = input_ids
+                _symbolic_rows(kwargs)
+                input_ids = kwargs.pop("input_ids")
         with warnings.catch_warnings():
             # RoPE's complex product stays one ATen call inside the graph, which Inductor says when it compiles
             warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
