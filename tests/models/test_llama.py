@@ -562,3 +562,35 @@ def test_checkpoint_lacking_a_tensor_is_named(tmp_path, load):
             Llama.from_pretrained(tmp_path / "cut")
         else:
             vitlab.create_model("llama_tiny", checkpoint_path=tmp_path / "cut")
+
+
+@pytest.mark.parametrize("load", ["from_pretrained", "create_model"])
+@pytest.mark.parametrize("extra", ["model.layers.0.self_attn.q_proj.bias", "model.layers.2.mlp.down_proj.weight"])
+def test_checkpoint_holding_a_tensor_its_config_has_no_place_for_is_refused(tmp_path, load, extra):
+    """A bias its config.json does not declare, or a layer beyond its num_hidden_layers: the checkpoint computes
+    another function, so the tensor is named in one CheckpointError, never dropped without a word. (Older
+    transformers' per-layer rotary inv_freq buffers are no weights: they still load.)"""
+    from safetensors.torch import save_file
+
+    from vitlab.convert import read_hf_state_dict
+
+    _hf_model(tmp_path / "full")
+    sd = read_hf_state_dict(tmp_path / "full")
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
+    save_file({**{k: v.contiguous() for k, v in sd.items()}, extra: torch.zeros(64),
+               "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)},
+              str(tmp_path / "more" / "model.safetensors"))
+    message = (r"more: the checkpoint holds 1 tensor\(s\) a Llama of its config \(n_layers 2, no biases\) has no "
+               rf"place for, e.g. '{re.escape(extra)}'")
+    with pytest.raises(CheckpointError, match=message):
+        if load == "from_pretrained":
+            Llama.from_pretrained(tmp_path / "more")
+        else:
+            vitlab.create_model("llama_tiny", checkpoint_path=tmp_path / "more")
+    del sd["lm_head.weight"]  # the inv_freq buffer alone passes (and a tied head is filled in as before)
+    save_file({**{k: v.contiguous() for k, v in sd.items()}, "model.layers.0.self_attn.rotary_emb.inv_freq":
+               torch.zeros(8)}, str(tmp_path / "more" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "more" / "config.json").read_text())
+    (tmp_path / "more" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    assert Llama.from_pretrained(tmp_path / "more").lm_head.weight.shape == (512, 64)

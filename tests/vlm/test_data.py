@@ -82,6 +82,10 @@ def test_coco_names_a_corrupt_image_and_bad_entries(tmp_path):
     file.write_text(json.dumps(d))
     with pytest.raises(DataError, match=r"annotations\[1\]: the caption holds the image placeholder <image>"):
         read_coco(file)
+    d["annotations"][1]["caption"] = 5  # not text: named as such, not as an empty caption
+    file.write_text(json.dumps(d))
+    with pytest.raises(DataError, match=r"annotations\[1\]: 'caption' must be text, got int 5$"):
+        read_coco(file)
     d["annotations"][1]["caption"] = "a picture"
     d["annotations"].append({"image_id": 99, "caption": "x"})
     file.write_text(json.dumps(d))
@@ -123,6 +127,10 @@ def test_vqa_jsonl(tmp_path):
     rows[0]["question"] = "  "
     file.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(DataError, match="line 1: empty question"):
+        read_vqa(file)
+    rows[0]["question"] = 7  # not text: named as such, not as an empty question
+    file.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DataError, match=r"line 1: 'question' must be text, got int 7$"):
         read_vqa(file)
 
 

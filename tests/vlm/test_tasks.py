@@ -914,6 +914,29 @@ def test_init_refuses_a_tokenizer_of_another_vocabulary(tmp_path, capsys):
     assert not run.exists()
 
 
+def test_init_from_a_llama_with_a_tensor_its_config_has_no_place_for_is_refused(tmp_path, capsys):
+    """An imported Llama holding a bias its config.json does not declare: named in one line with the --init
+    directory (as a missing tensor is), never dropped, and the run writes nothing."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)).save_pretrained(tmp_path / "hf")
+    _subword_tokenizer(tmp_path / "hf")
+    sd = load_file(tmp_path / "hf" / "model.safetensors")
+    sd["model.layers.0.self_attn.q_proj.bias"] = torch.randn(64)
+    save_file(sd, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    run = tmp_path / "run"
+    capsys.readouterr()
+    _one_line_error(capsys, ["train", "--task", "vqa", "--model", "llava_tiny", "--task_args.coord_channels", "false",
+                             *TINY[6:], "--init", str(tmp_path / "hf"), "--output_dir", str(run)],
+                    f"--init {tmp_path / 'hf'}: the checkpoint holds 1 tensor(s)",
+                    "'model.layers.0.self_attn.q_proj.bias'")
+    assert not run.exists()
+
+
 def test_in_memory_images_are_transformed_once_as_the_files_are_one_by_one(tmp_path, monkeypatch):
     """The scenes' images, transformed as one batch when the source is made, equal each image transformed alone
     (what a file gets), at the working size and resized; past the cache's size, each is transformed when read."""

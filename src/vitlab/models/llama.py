@@ -564,13 +564,30 @@ def _check_keys(sd: dict[str, torch.Tensor], needed: list[str]) -> None:
                               f"config needs, e.g. {', '.join(map(repr, missing[:3]))}")
 
 
+# buffers some checkpoints carry that are no weights: RoPE tables (older transformers' per-layer ``inv_freq``,
+# Meta's ``rope.freqs``), recomputed here
+_RECOMPUTED = ("rotary_emb.inv_freq", "rope.freqs")
+
+
+def _check_unread(sd: dict[str, torch.Tensor], read: set[str], cfg: LlamaConfig) -> None:
+    """:class:`CheckpointError` naming the tensors of ``sd`` the conversion does not read (biases, layers beyond
+    the config's ``n_layers``): refused, never dropped, since the checkpoint then computes another function."""
+    unread = sorted(k for k in sd if k not in read and not k.endswith(_RECOMPUTED))
+    if unread:
+        raise CheckpointError(f"the checkpoint holds {len(unread)} tensor(s) a Llama of its config (n_layers "
+                              f"{cfg.n_layers}, no biases) has no place for, e.g. {', '.join(map(repr, unread[:3]))}: "
+                              f"another architecture, refused rather than dropped")
+
+
 def hf_to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """A Hugging Face ``LlamaForCausalLM`` state dict -> ours: q/k/v packed into ``qkv`` (q and k rows back in
     RoPE's pair order), gate/up packed into ``mlp.fc1``, down -> ``mlp.fc2``."""
-    _check_keys(sd, ["model.embed_tokens.weight", "model.norm.weight"] + [
+    needed = ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{i}.{name}.weight" for i in range(cfg.n_layers)
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                     "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")])
+                     "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")]
+    _check_keys(sd, needed)
+    _check_unread(sd, {*needed, "lm_head.weight"}, cfg)
     out = {"embed_tokens.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
     if "lm_head.weight" in sd:
         out["lm_head.weight"] = sd["lm_head.weight"]
@@ -591,10 +608,12 @@ def hf_to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dic
 
 def meta_to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """Meta's ``consolidated.*.pth`` names -> ours (no permutation: Meta already rotates consecutive pairs)."""
-    _check_keys(sd, ["tok_embeddings.weight", "norm.weight", "output.weight"] + [
+    needed = ["tok_embeddings.weight", "norm.weight", "output.weight"] + [
         f"layers.{i}.{name}.weight" for i in range(cfg.n_layers)
         for name in ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
-                     "feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm")])
+                     "feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm")]
+    _check_keys(sd, needed)
+    _check_unread(sd, set(needed), cfg)
     out = {"embed_tokens.weight": sd["tok_embeddings.weight"], "norm.weight": sd["norm.weight"],
            "lm_head.weight": sd["output.weight"]}
     for i in range(cfg.n_layers):

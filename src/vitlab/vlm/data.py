@@ -148,6 +148,8 @@ def read_coco_file(file: Path, image_dirs: list[Path]) -> list[VLSample]:
             raise DataError(f"{file}: annotations[{i}] names no image of the file (image_id "
                             f"{a.get('image_id') if isinstance(a, dict) else None!r})")
         c = a.get("caption")
+        if c is not None and not isinstance(c, str):  # a number or a list is no caption, not an empty one
+            raise DataError(f"{file}: annotations[{i}]: 'caption' must be text, got {type(c).__name__} {c!r:.40}")
         if not isinstance(c, str) or not c.strip():
             raise DataError(f"{file}: annotations[{i}] has an empty caption")
         captions.setdefault(a["image_id"], []).append(no_image_placeholder(c.strip(), f"{file}: annotations[{i}]"))
@@ -201,6 +203,8 @@ def read_vqa(path: str | Path) -> dict[str, list[VLSample]]:
         if not isinstance(row, dict) or not isinstance(row.get("image"), str):
             raise DataError(f"{where}: expected an object with 'image', 'question' and 'answers'")
         q = row.get("question")
+        if q is not None and not isinstance(q, str):  # a number or a list is no question, not an empty one
+            raise DataError(f"{where}: 'question' must be text, got {type(q).__name__} {q!r:.40}")
         # the row's image is the sample's: a placeholder in the question is taken out, as predict's prompt's is
         q = take_image_placeholder(q, where) if isinstance(q, str) else q
         if not isinstance(q, str) or not q:

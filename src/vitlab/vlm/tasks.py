@@ -496,7 +496,7 @@ def import_checkpoint(model: nn.Module, path: Path, tokenizer: WordTokenizer) ->
     (:func:`transfer_vocabulary`), a learned position table gives the run's context its first rows; every other
     tensor must fit the run's model as it is (``--model`` and its ``--model_kwargs`` name the same architecture).
     Returns what was loaded, for the run's log."""
-    from vitlab.convert import load_state_dict, read_hf_config
+    from vitlab.convert import CheckpointError, load_state_dict, read_hf_config
     from vitlab.vlm.blip import BLIP
     from vitlab.vlm.llava import LLaVA
 
@@ -523,7 +523,10 @@ def import_checkpoint(model: nn.Module, path: Path, tokenizer: WordTokenizer) ->
     sd = target.read_checkpoint(path) if kind == "llama" else target.read_checkpoint(path, token_ids=False)
     if kind == "llava" and "image_token_index" in hf:  # a SentencePiece tokenizer.model lacks the added <image>
         specials[IMAGE_TOKEN] = hf["image_token_index"]
-    sd = target.checkpoint_filter_fn(sd, target)
+    try:
+        sd = target.checkpoint_filter_fn(sd, target)
+    except CheckpointError as e:  # tensors missing or left unread by the conversion: say which checkpoint
+        raise CheckpointError(f"--init {path}: {e}") from None
     sub = load_tokenizer(file)
     # the tokenizer must be the checkpoint's own, as vitlab generate requires: one of another model's vocabulary
     # would carry unrelated rows to the run's words (refused before the run writes anything)
