@@ -55,8 +55,8 @@ def _spy_kernel_calls(monkeypatch) -> list[str]:
     """The names of the HiLo kernel operators called from now on, in call order."""
     seen = []
     for name in ("lofi_attention", "window_attention"):
-        real = getattr(torch.ops.vitlab_hilo, name)
-        monkeypatch.setattr(torch.ops.vitlab_hilo, name,
+        real = getattr(torch.ops.vitlab_kernels, name)
+        monkeypatch.setattr(torch.ops.vitlab_kernels, name,
                             lambda *a, _real=real, _name=name: seen.append(_name) or _real(*a))
     return seen
 

@@ -1,5 +1,6 @@
-"""vitlab.optimize.kernels: the HiLo attention operators compute what PyTorch's SDPA computes, on both instruction
-set paths and any shape they accept, reject the others with a clear error, and build once into an atomic cache.
+"""vitlab.optimize.kernels: the attention operators (HiLo's two and the causal prompt attention) compute what
+PyTorch's SDPA computes, on both instruction set paths and any shape they accept, reject the others with a clear
+error, and build once into an atomic cache.
 
 Where the toolchain exists (x86-64 Linux, a C++ compiler, ninja, an AVX2 CPU) the kernels must be available:
 those tests fail rather than skip when the build breaks."""
@@ -89,6 +90,39 @@ def test_window_attention_equals_per_window_sdpa(isa, hw, s, d):
     torch.testing.assert_close(out, _window_reference(qkv, s, heads), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("d", [16, 48, 64, 128])
+@pytest.mark.parametrize("n", [1, 7, 63, 64, 65, 130])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
+def test_causal_equals_sdpa(isa, d, n, heads):
+    hq, hkv = heads
+    B = 2
+    q = torch.randn(B, n, hq * d).view(B, n, hq, d).transpose(1, 2)  # (B, N, heads, d) memory, as a projection's
+    kv = torch.randn(B, n, 2 * hkv * d + 8)  # k and v: strided views of one wider projection
+    k = kv[..., :hkv * d].view(B, n, hkv, d).transpose(1, 2)
+    v = kv[..., hkv * d:2 * hkv * d].view(B, n, hkv, d).transpose(1, 2)
+    with torch.inference_mode():
+        out = kernels.causal_attention(q, k, v)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=3e-6, rtol=1e-5)
+    assert out.transpose(1, 2).is_contiguous()  # (B, N, heads, d) memory, as SDPA's CPU output
+
+
+def test_causal_scale_large_logits_and_longest_prompt(isa):
+    q, k, v = torch.randn(1, 2, 100, 32) * 30, torch.randn(1, 2, 100, 32) * 30, torch.randn(1, 2, 100, 32)
+    with torch.no_grad():
+        for scale in (None, 1.0, 0.01):
+            # logits in the thousands: fp32 rounding of near-tied ones moves the output of any implementation, so
+            # the kernel is held to SDPA's own error against a float64 reference
+            exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, scale=scale)
+            ours = (kernels.causal_attention(q, k, v, scale=scale) - exact).abs().max().item()
+            sdpa = (F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale) - exact).abs().max().item()
+            assert ours <= 2 * sdpa + 1e-5, (scale, ours, sdpa)
+        n = kernels.CAUSAL_MAX_TOKENS
+        q, k, v = (torch.randn(1, 1, n, 16) for _ in range(3))
+        torch.testing.assert_close(kernels.causal_attention(q, k, v),
+                                   F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=3e-6, rtol=1e-5)
+
+
 def test_results_do_not_depend_on_threads(isa):
     q, k, v = torch.randn(4, 5, 50, 64), torch.randn(4, 5, 49, 64), torch.randn(4, 5, 49, 64)
     qkv = torch.randn(3, 14, 14, 3 * 2 * 64)
@@ -96,9 +130,11 @@ def test_results_do_not_depend_on_threads(isa):
     try:
         with torch.no_grad():
             torch.set_num_threads(1)
-            one = kernels.lofi_attention(q, k, v), kernels.window_attention(qkv, 2, 2)
+            one = (kernels.lofi_attention(q, k, v), kernels.window_attention(qkv, 2, 2),
+                   kernels.causal_attention(q, q, q))
             torch.set_num_threads(max(2, threads))
-            many = kernels.lofi_attention(q, k, v), kernels.window_attention(qkv, 2, 2)
+            many = (kernels.lofi_attention(q, k, v), kernels.window_attention(qkv, 2, 2),
+                    kernels.causal_attention(q, q, q))
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(one, many):
@@ -122,12 +158,22 @@ def test_unsupported_input_is_a_clear_error(built):
             kernels.window_attention(torch.randn(1, 4, 4, 48), 2, 0)
         with pytest.raises(ValueError, match="4-D"):
             kernels.lofi_attention(*[torch.randn(2, 8, 16)] * 3)
+        with pytest.raises(ValueError, match="head_dim a multiple of 16 up to 128"):
+            kernels.causal_attention(*[torch.randn(1, 2, 8, 24)] * 3)
+        with pytest.raises(ValueError, match="1025 tokens"):
+            kernels.causal_attention(*[torch.randn(1, 1, 1025, 16)] * 3)
+        with pytest.raises(ValueError, match="Hkv dividing"):
+            kernels.causal_attention(torch.randn(1, 3, 8, 16), *[torch.randn(1, 2, 8, 16)] * 2)
+        with pytest.raises(ValueError, match="one shape"):
+            kernels.causal_attention(torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 9, 16))
         with pytest.raises(RuntimeError, match="isa must be"):  # the operator itself checks its path
-            torch.ops.vitlab_hilo.lofi_attention(*[torch.randn(1, 2, 8, 16)] * 3, 0.25, 7)
+            torch.ops.vitlab_kernels.lofi_attention(*[torch.randn(1, 2, 8, 16)] * 3, 0.25, 7)
     with pytest.raises(ValueError, match="no autograd"):
         kernels.lofi_attention(*[torch.randn(1, 2, 8, 16, requires_grad=True)] * 3)
     assert kernels.lofi_supported(64, 49) and not kernels.lofi_supported(80, 49)
     assert kernels.window_supported(32, 8) and not kernels.window_supported(32, 9)
+    assert kernels.causal_supported(128, 1024)
+    assert not kernels.causal_supported(64, 1025) and not kernels.causal_supported(136, 8)
 
 
 def test_cached_library_is_shared_and_atomic(built, monkeypatch):
@@ -238,10 +284,11 @@ def test_operators_trace_under_fake_tensors(built):
     q, k = torch.randn(2, 3, 50, 32), torch.randn(2, 3, 49, 32)
     qkv = torch.randn(2, 5, 7, 3 * 2 * 32)
     with torch.no_grad():
-        real = kernels.lofi_attention(q, k, k), kernels.window_attention(qkv, 2, 2)
+        real = kernels.lofi_attention(q, k, k), kernels.window_attention(qkv, 2, 2), kernels.causal_attention(q, q, q)
     with FakeTensorMode() as mode:
         fq, fk, fqkv = (mode.from_tensor(t) for t in (q, k, qkv))
-        fake = (torch.ops.vitlab_hilo.lofi_attention(fq, fk, fk, 0.1, 2),
-                torch.ops.vitlab_hilo.window_attention(fqkv, 2, 2, 0.1, 2))
+        fake = (torch.ops.vitlab_kernels.lofi_attention(fq, fk, fk, 0.1, 2),
+                torch.ops.vitlab_kernels.window_attention(fqkv, 2, 2, 0.1, 2),
+                torch.ops.vitlab_kernels.causal_attention(fq, fq, fq, 0.1, 2))
     for r, f in zip(real, fake):
         assert r.shape == f.shape and r.stride() == f.stride()

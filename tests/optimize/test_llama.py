@@ -13,13 +13,15 @@ import torch
 
 import vitlab
 from vitlab.models.llama import Llama
-from vitlab.optimize import explain, optimize
+from vitlab.optimize import explain, kernels, optimize
 from vitlab.optimize.llama import (
     CompiledLlama,
+    KernelLlamaAttention,
     compile_llama,
     faster_gemm,
     packed_gemm_times,
     packed_gemms_available,
+    with_fused_attention,
 )
 from vitlab.vlm.llava import LLaVA
 
@@ -119,6 +121,69 @@ def test_the_chosen_gemm_library_runs_every_linear(gemm):
         ran = {e.key for e in prof.key_averages()}
         mine, other = ("mkldnn::_linear_pointwise", "mkl::_mkl_linear")[:: 1 if gemm == "onednn" else -1]
         assert mine in ran and other not in ran, sorted(k for k in ran if "linear" in k or "mm" in k)
+
+
+def _ran(fn) -> set[str]:
+    """The operators ``fn()`` ran (CPU profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+FUSED = "vitlab_kernels::causal_attention"
+
+
+@pytest.fixture
+def kernels_built():
+    """vitlab's CPU kernels, asserted built where the toolchain is (skipped only where it is not)."""
+    reason = kernels._unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"CPU kernels: {reason}")
+    assert kernels.available(), kernels.status()
+
+
+def test_fused_attention_snapshot_runs_the_kernel_for_prompts_only(kernels_built):
+    """The snapshot shares the model's tensors and swaps its attention layers, the model itself untouched; a prompt
+    from position 0 runs the fused causal kernel, with eager's logits and tokens; a padded prompt and the decoding
+    steps stay on SDPA."""
+    torch.manual_seed(0)
+    model = vitlab.create_model("llama_tiny").eval()  # grouped-query heads: 4 query heads, 2 key / value heads
+    fused = with_fused_attention(model)
+    assert _tensors(fused) == _tensors(model)
+    assert all(type(b.attn) is KernelLlamaAttention for b in fused.layers)
+    assert all(type(b.attn) is not KernelLlamaAttention for b in model.layers)
+    ids = torch.randint(3, 512, (2, 70))  # two of the kernel's 64-row chunks
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids), model(ids), atol=1e-5, rtol=1e-5)
+        assert FUSED in _ran(lambda: fused(ids))
+        want = model.generate(ids, 5)
+        assert torch.equal(fused.generate(ids, 5), want)
+        cache = fused.new_cache(2, 80)
+        fused(ids, cache=cache, logits_to_keep=1)
+        step = ids[:, -1:]
+        assert FUSED not in _ran(lambda: fused(step, cache=cache))  # one token against the cache
+        mask = torch.ones_like(ids)
+        mask[0, :4] = 0
+        assert FUSED not in _ran(lambda: fused(ids, attention_mask=mask))
+        assert torch.equal(fused.generate(ids, 5, attention_mask=mask), model.generate(ids, 5, attention_mask=mask))
+
+
+@pytest.mark.slow  # Inductor compiles C++ (a minute or two on two cores)
+def test_compiled_prefill_runs_the_fused_attention(kernels_built):
+    """Compiled, the prompt's attention is the fused kernel (an opaque operator in the graph), and the tokens are
+    eager's; ``fused_attention=False`` keeps SDPA."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = vitlab.create_model("llama_tiny").eval()
+    ids = torch.randint(3, 512, (2, 21))
+    want = model.generate(ids, 6)
+    for fused in (True, False):
+        fast = compile_llama(model, options={"cpp_wrapper": False}, fused_attention=fused)
+        assert torch.equal(model.generate(ids, 6, forward=fast), want)
+        assert (FUSED in _ran(lambda fast=fast: model.generate(ids, 6, forward=fast))) is fused
+    assert all(type(b.attn) is not KernelLlamaAttention for b in model.layers)
 
 
 def test_optimize_picks_the_language_model_compile_without_compiling_yet():

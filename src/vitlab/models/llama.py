@@ -149,9 +149,16 @@ class LlamaAttention(nn.Module):
         # SDPA's is_causal must be a plain bool: written as a branch, it stays one when torch.compile traces n as a
         # symbolic size (the branch becomes a guard; the comparison's value would be a symbolic bool)
         causal = mask is None and (True if n > 1 else False)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             enable_gqa=self.n_kv_heads != self.n_heads)
+        out = self.attend(q, k, v, mask, causal)
         return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+        """softmax(q k^T / sqrt(head_dim) + mask) v, per head (SDPA): q (B, n_heads, N, head_dim), k and v
+        (B, n_kv_heads, M, head_dim), ``causal`` for a prompt from position 0 (M = N, no mask). A method of its own
+        so that an optimized attention can stand in for it from outside (:mod:`vitlab.optimize.llama`)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=self.n_kv_heads != self.n_heads)
 
 
 class LlamaBlock(nn.Module):

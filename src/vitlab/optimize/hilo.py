@@ -60,8 +60,8 @@ class KernelHiLo(Fp32WindowHiLo):
     def hifi(self, qkv: torch.Tensor, H: int, W: int) -> torch.Tensor:
         if kernels.window_supported(self.head_dim, self.ws) and not self._dropout() and _plain_fp32_cpu(qkv):
             # raster (B, H, W, h_dim), which HiLo.place_hifi copies as it is
-            o = torch.ops.vitlab_hilo.window_attention(qkv, self.ws, self.h_heads, self.head_dim**-0.5,
-                                                       kernels.isa_code())
+            o = torch.ops.vitlab_kernels.window_attention(qkv, self.ws, self.h_heads, self.head_dim**-0.5,
+                                                          kernels.isa_code())
             return self.h_proj(o)
         return super().hifi(qkv, H, W)
 
@@ -84,7 +84,7 @@ class KernelHiLo(Fp32WindowHiLo):
         q = q.reshape(B, H * W, heads, d).transpose(1, 2)
         if _LOFI[kernels.isa_code()] and kernels.lofi_supported(d, M):
             k, v = kv.unbind(0)  # strided views of the projection: the kernel reads them in place
-            o = torch.ops.vitlab_hilo.lofi_attention(q, k, v, d**-0.5, kernels.isa_code())
+            o = torch.ops.vitlab_kernels.lofi_attention(q, k, v, d**-0.5, kernels.isa_code())
         else:
             k, v = kv.contiguous().unbind(0)
             o = F.scaled_dot_product_attention(q, k, v)
@@ -111,8 +111,8 @@ class KernelHiLo(Fp32WindowHiLo):
         y = F.linear(x, w, b)  # (B, H, W, 3 h_dim + l_dim)
         hq, hd = 3 * self.h_dim, self.h_dim
         out = x.new_empty(B * N, C)
-        hi = torch.ops.vitlab_hilo.window_attention(y[..., :hq], self.ws, self.h_heads, self.head_dim**-0.5,
-                                                    kernels.isa_code())  # (B, H, W, h_dim) raster
+        hi = torch.ops.vitlab_kernels.window_attention(y[..., :hq], self.ws, self.h_heads, self.head_dim**-0.5,
+                                                       kernels.isa_code())  # (B, H, W, h_dim) raster
         torch.addmm(self.h_proj.bias, hi.view(B * N, hd), self.h_proj.weight.t(), out=out[:, :hd])
         lo = self._lofi_attention(x, y[..., hq:])
         torch.addmm(self.l_proj.bias, lo, self.l_proj.weight.t(), out=out[:, hd:])

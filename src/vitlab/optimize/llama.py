@@ -50,8 +50,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from vitlab.models.llama import KVCache, Llama, check_sampling
+from vitlab.models.llama import KVCache, Llama, LlamaAttention, check_sampling
 from vitlab.optimize import cpu as cpuinfo
+from vitlab.optimize import kernels
 from vitlab.optimize.compiled import CompiledInference, compile_inference, share_copy
 from vitlab.timing import round_robin_times
 
@@ -70,6 +71,34 @@ def _own_entry(model: nn.Module, tag: str) -> Callable[..., torch.Tensor]:
 
     code = call.__code__.replace(co_name=f"llama_forward_{tag}")
     return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
+
+
+class KernelLlamaAttention(LlamaAttention):
+    """:class:`~vitlab.models.llama.LlamaAttention` whose causal prompt attention (a prompt from position 0, no
+    padding mask) runs vitlab's fused fp32 CPU kernel, :func:`vitlab.optimize.kernels.causal_attention`; every
+    other call (a decoding step against the cache, a padded batch, another dtype or device, a prompt beyond the
+    kernel's length) goes to its parent's SDPA. Made by :func:`compile_llama` in its snapshot of the model, never
+    built directly."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+        if (causal and q.shape[2] == k.shape[2] and kernels.causal_supported(q.shape[3], q.shape[2])
+                and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))):
+            return torch.ops.vitlab_kernels.causal_attention(q, k, v, q.shape[3]**-0.5, kernels.isa_code())
+        return super().attend(q, k, v, mask, causal)
+
+
+def with_fused_attention(model: nn.Module) -> nn.Module:
+    """A snapshot of ``model`` (its module tree copied, its tensors shared) whose Llama attention layers are
+    :class:`KernelLlamaAttention`; ``model`` itself unchanged. ``model`` as it is where the kernels are not
+    available here (:func:`vitlab.optimize.kernels.status` says why)."""
+    if not kernels.available():
+        return model
+    snapshot = share_copy(model)
+    for m in snapshot.modules():
+        if type(m) is LlamaAttention:
+            m.__class__ = KernelLlamaAttention
+    return snapshot
 
 
 def packed_gemms_available() -> bool:
@@ -144,7 +173,7 @@ def _symbolic_rows(kwargs: dict) -> None:
 
 
 def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None = None,
-                  gemm: str = "auto") -> Callable[..., torch.Tensor]:
+                  gemm: str = "auto", fused_attention: bool = True) -> Callable[..., torch.Tensor]:
     """A forward for ``model.generate(..., forward=...)``: decoding steps compiled, and prompts too unless
     ``prefill=False``. Inference only (``generate`` runs under ``torch.no_grad()``), and a snapshot: the weights
     are frozen into the graph and the model's attributes are not checked again, so a model changed afterwards
@@ -154,7 +183,9 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
     frozen linears' GEMMs, ``"mkl"`` or ``"onednn"``, or ``"auto"`` (the faster here, :func:`faster_gemm`,
     measured at the first prefill and the first decoding step of each batch size). ``"mkl"`` holds where the row
     count is static: once prompts of several lengths have made the prompt's length symbolic, Inductor gives that
-    graph's GEMMs to oneDNN whatever the choice."""
+    graph's GEMMs to oneDNN whatever the choice. ``fused_attention`` (fp32 on the CPU): the prompt's causal
+    attention by vitlab's fused kernel (:class:`KernelLlamaAttention`, where the kernels build here), else by
+    SDPA."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     model.eval()
@@ -167,16 +198,19 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
         # otherwise
         options = {**cpuinfo.inductor_options(), "cpp_wrapper": True, **options}
     weight = next(model.parameters())
-    choose = weight.device.type == "cpu" and weight.dtype == torch.float32 and packed_gemms_available()
+    fp32_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+    choose = fp32_cpu and packed_gemms_available()
+    # what runs: the model, or a snapshot of it with the fused prompt attention (the caller's model stays as it is)
+    target = with_fused_attention(model) if fp32_cpu and fused_attention else model
     by_batch: dict[int, Callable[..., torch.Tensor]] = {}
     libraries: dict[tuple[int, bool], str] = {}  # (batch size, prompt or step) -> the GEMM library of its graphs
 
     def forward(input_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         if not prefill and (input_ids is None or input_ids.shape[1] != 1):
-            return model(input_ids, **kwargs)
+            return target(input_ids, **kwargs)
         b, n = (input_ids if input_ids is not None else kwargs["inputs_embeds"]).shape[:2]
         if b not in by_batch:
-            by_batch[b] = compile_inference(_own_entry(model, f"b{b}"), options)
+            by_batch[b] = compile_inference(_own_entry(target, f"b{b}"), options)
         if choose:
             kind = (b, n > 1)
             if kind not in libraries:

@@ -1,5 +1,6 @@
-"""Fused fp32 CPU attention kernels for HiLo (Pan et al., NeurIPS 2022), built on first use by
-``torch.utils.cpp_extension`` as PyTorch operators (``torch.ops.vitlab_hilo``).
+"""Fused fp32 CPU attention kernels, built on first use by ``torch.utils.cpp_extension`` as PyTorch operators
+(``torch.ops.vitlab_kernels``): HiLo's two attention cores (Pan et al., NeurIPS 2022) and a decoder's causal
+prompt attention.
 
 HiLo's two attention cores are shapes that PyTorch's CPU kernels serve poorly:
 
@@ -9,13 +10,19 @@ HiLo's two attention cores are shapes that PyTorch's CPU kernels serve poorly:
   problem of s*s tokens per window and head, and a window-reverse copy; the kernel reads the projected tokens
   in place and writes raster order.
 
-Both compute what ``F.scaled_dot_product_attention`` computes (max |diff| ~3e-7 in fp32) and have no backward:
-they are for fp32 CPU inference, applied from outside the models by :func:`vitlab.optimize.hilo.swap_hilo`
-(``vitlab.optimize.optimize(model, backend="kernels")``).
+A decoder's prompt is the third: :func:`causal_attention`, a prompt of a few hundred tokens attending causally, which
+PyTorch's CPU flash kernel runs as 32-row query blocks through small GEMM calls and an online softmax; the kernel
+keeps a block of query rows against every key it may see in registers and never touches the keys above the
+diagonal (:mod:`vitlab.optimize.llama` uses it for a Llama's prefill).
 
-Instruction sets. ``hilo_attention.cpp`` compiles the kernel body (``hilo_body.h``) twice, for AVX2 + FMA
-(8-float vectors, register blocks sized for 16 registers; what ``-mavx2 -mfma`` gives) and for AVX-512
-(16-float vectors, 32 registers), and each call runs the path of ATen's CPU capability
+All three compute what ``F.scaled_dot_product_attention`` computes (max |diff| ~1e-6 in fp32) and have no
+backward: they are for fp32 CPU inference, applied from outside the models by
+:func:`vitlab.optimize.hilo.swap_hilo` (``vitlab.optimize.optimize(model, backend="kernels")``) and
+:func:`vitlab.optimize.llama.compile_llama`.
+
+Instruction sets. ``attention.cpp`` compiles the kernel bodies (``simd.h``, ``hilo_body.h``, ``causal_body.h``)
+twice, for AVX2 + FMA (8-float vectors, register blocks sized for 16 registers; what ``-mavx2 -mfma`` gives) and
+for AVX-512 (16-float vectors, 32 registers), and each call runs the path of ATen's CPU capability
 (``torch.backends.cpu.get_cpu_capability()``): the CPU's best, or what ``ATEN_CPU_CAPABILITY=avx2`` asks, which
 measures the AVX2 path on an AVX-512 machine. :func:`isa` says which.
 
@@ -51,12 +58,14 @@ import torch.nn.functional as F
 
 from vitlab.optimize.cpu import cpp_extension
 
-SOURCES = (Path(__file__).with_name("hilo_attention.cpp"), Path(__file__).with_name("hilo_body.h"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("attention.cpp", "simd.h", "hilo_body.h", "causal_body.h"))
 CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")  # no -march: each ISA region has its own `#pragma GCC target`
 LDFLAGS = ("-fopenmp",)
 MAX_HEAD_DIM = 64  # the kernels hold a head's row in registers
 MAX_KEYS = 64  # Lo-Fi keys per (batch, head) item
 MAX_WINDOW_TOKENS = 64  # tokens of one Hi-Fi window (s <= 8)
+CAUSAL_MAX_HEAD_DIM = 128  # the causal kernel's head widths: multiples of 16 up to this
+CAUSAL_MAX_TOKENS = 1024  # longer prompts: the flash kernel, whose key blocks suit them better (causal_body.h)
 _ISA_CODES = {"AVX512": 512, "AVX2": 2}
 _ISA_CODE = 0  # set when the operators load
 _reason = "not loaded yet"
@@ -93,6 +102,34 @@ def window_supported(head_dim: int, window: int) -> bool:
     return 0 < head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0 and 0 < window * window <= MAX_WINDOW_TOKENS
 
 
+def causal_supported(head_dim: int, tokens: int) -> bool:
+    """Whether :func:`causal_attention` takes heads of this width over a prompt of this many tokens."""
+    return 0 < head_dim <= CAUSAL_MAX_HEAD_DIM and head_dim % 16 == 0 and 0 < tokens <= CAUSAL_MAX_TOKENS
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` for fp32 CPU tensors: q
+    (B, Hq, N, D), k and v (B, Hkv, N, D) with Hq a multiple of Hkv (query head h reads key and value head
+    h // (Hq // Hkv)), any strides with a contiguous last dimension. Query i attends to keys 0 .. i: a prompt
+    written from position 0.
+
+    Returns (B, Hq, N, D) laid out as (B, N, Hq, D), as PyTorch's CPU SDPA does."""
+    _require()
+    _check(q, k, v)
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"causal_attention takes 4-D (B, heads, tokens, D) tensors, k and v of one shape, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
+    B, H, N, D = q.shape
+    if k.shape[0] != B or k.shape[2:] != (N, D) or k.shape[1] < 1 or H % k.shape[1]:
+        raise ValueError(f"causal_attention: k and v must be (B, Hkv, N, D) with B, N, D of q {tuple(q.shape)} and "
+                         f"Hkv dividing its heads, got {tuple(k.shape)}")
+    if not causal_supported(D, N):
+        raise ValueError(f"causal_attention takes head_dim a multiple of 16 up to {CAUSAL_MAX_HEAD_DIM} and 1 to "
+                         f"{CAUSAL_MAX_TOKENS} tokens, got head_dim {D} and {N} tokens")
+    scale = D**-0.5 if scale is None else scale
+    return torch.ops.vitlab_kernels.causal_attention(q, k, v, scale, _ISA_CODE)
+
+
 def lofi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v)`` for fp32 CPU tensors: q (B, heads, N, D), k and v
     (B, heads, M, D), any strides with a contiguous last dimension (k and v must share theirs).
@@ -113,7 +150,7 @@ def lofi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         raise ValueError(f"lofi_attention takes head_dim a multiple of 16 up to {MAX_HEAD_DIM} and 1 to {MAX_KEYS} "
                          f"keys, got head_dim {D} and {M} keys")
     scale = D**-0.5 if scale is None else scale
-    return torch.ops.vitlab_hilo.lofi_attention(q, k, v, scale, _ISA_CODE)
+    return torch.ops.vitlab_kernels.lofi_attention(q, k, v, scale, _ISA_CODE)
 
 
 def window_attention(qkv: torch.Tensor, window: int, heads: int, scale: float | None = None) -> torch.Tensor:
@@ -136,7 +173,7 @@ def window_attention(qkv: torch.Tensor, window: int, heads: int, scale: float | 
         raise ValueError(f"window_attention takes head_dim a multiple of 16 up to {MAX_HEAD_DIM} and windows of at "
                          f"most {MAX_WINDOW_TOKENS} tokens, got head_dim {D} and window {window}")
     scale = D**-0.5 if scale is None else scale
-    return torch.ops.vitlab_hilo.window_attention(qkv, window, heads, scale, _ISA_CODE)
+    return torch.ops.vitlab_kernels.window_attention(qkv, window, heads, scale, _ISA_CODE)
 
 
 def _check(*tensors: torch.Tensor) -> None:
@@ -174,7 +211,7 @@ def _key(cxx: list[str]) -> str:
 def _build(cxx: list[str], rebuild: bool = False, load: bool = True) -> Path:
     """The cached library (built once per key; see the module docstring). With ``load`` the operators are
     registered in this process (once a process: a second library of the namespace would clash)."""
-    name = f"vitlab_hilo_{_key(cxx)}"
+    name = f"vitlab_kernels_{_key(cxx)}"
     root = _cache_dir()
     lib = root / f"{name}.so"
     root.mkdir(parents=True, exist_ok=True)
@@ -209,35 +246,45 @@ def _compile_only(name: str, build_dir: str) -> None:
 
 
 def _self_check() -> str | None:
-    """Compare both kernels with PyTorch on small problems that exercise padding and odd sizes; None when equal."""
+    """Compare the kernels with PyTorch on small problems that exercise padding and odd sizes; None when equal."""
     g = torch.Generator().manual_seed(0)
     cpu = dict(dtype=torch.float32, device="cpu")  # whatever the default dtype and device are
     code = _ISA_CODES[isa()]
     with torch.no_grad():
         q, k, v = (torch.randn(2, 3, n, 32, generator=g, **cpu) for n in (13, 21, 21))
-        out = torch.ops.vitlab_hilo.lofi_attention(q, k, v, 32**-0.5, code)
+        out = torch.ops.vitlab_kernels.lofi_attention(q, k, v, 32**-0.5, code)
         if not torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5):
             return "lofi_attention disagrees with SDPA"
         qkv = torch.randn(1, 3, 5, 3 * 16, generator=g, **cpu)  # one head of 16 channels, windows cut at the border
-        out = torch.ops.vitlab_hilo.window_attention(qkv, 2, 1, 0.25, code)
+        out = torch.ops.vitlab_kernels.window_attention(qkv, 2, 1, 0.25, code)
         for r in range(0, 3, 2):
             for c in range(0, 5, 2):
                 win = qkv[0, r:r + 2, c:c + 2].reshape(-1, 3, 16)
                 ref = F.scaled_dot_product_attention(win[:, 0], win[:, 1], win[:, 2], scale=0.25)
                 if not torch.allclose(out[0, r:r + 2, c:c + 2].reshape(-1, 16), ref, atol=1e-5):
                     return "window_attention disagrees with SDPA"
+        q, k, v = (torch.randn(2, h, 70, 32, generator=g, **cpu) for h in (4, 2, 2))  # two chunks, grouped heads
+        out = torch.ops.vitlab_kernels.causal_attention(q, k, v, 32**-0.5, code)
+        if not torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                              atol=1e-5):
+            return "causal_attention disagrees with SDPA"
     return None
 
 
 def _register_fakes() -> None:
     """Shapes for torch.compile / FakeTensor tracing (the operators stay opaque calls in a compiled graph)."""
 
-    @torch.library.register_fake("vitlab_hilo::lofi_attention")
+    @torch.library.register_fake("vitlab_kernels::lofi_attention")
     def _(q, k, v, scale, isa):
         B, H, N, D = q.shape
         return q.new_empty(B, N, H, D).transpose(1, 2)
 
-    @torch.library.register_fake("vitlab_hilo::window_attention")
+    @torch.library.register_fake("vitlab_kernels::causal_attention")
+    def _(q, k, v, scale, isa):
+        B, H, N, D = q.shape
+        return q.new_empty(B, N, H, D).transpose(1, 2)
+
+    @torch.library.register_fake("vitlab_kernels::window_attention")
     def _(qkv, window, heads, scale, isa):
         B, H, W, C3 = qkv.shape
         return qkv.new_empty(B, H, W, C3 // 3)

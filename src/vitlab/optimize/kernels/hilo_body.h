@@ -1,6 +1,5 @@
-/* The body of vitlab's HiLo attention kernels, included once per instruction set by hilo_attention.cpp inside a
- * namespace and a `#pragma GCC target` region that define VW (floats per vector register: 8 for AVX2, 16 for
- * AVX-512) and RB (accumulator registers a register block may hold: 12 of AVX2's 16, 24 of AVX-512's 32).
+/* The body of vitlab's HiLo attention kernels, included once per instruction set by attention.cpp after simd.h
+ * (VW, RB, the vector type and the register blocks), inside the same namespace and `#pragma GCC target` region.
  *
  * lofi_attention: softmax(q k^T * scale) v where every query row of a (batch, head) item attends to the same few
  *   keys (M <= 64: the s x s average-pooled map). PyTorch's CPU flash kernel runs such rows as small GEMM calls;
@@ -13,91 +12,10 @@
  * Head width D: a multiple of 16 up to 64. Strides are in elements; the last dimension is contiguous. No headers
  * here: they are included once, outside the target regions. */
 
-typedef float vec __attribute__((vector_size(VW * 4)));
-typedef float vecu __attribute__((vector_size(VW * 4), aligned(4)));
-typedef int32_t ivec __attribute__((vector_size(VW * 4)));
-
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE vec load(const float *p) { return *(const vecu *)p; }
-INLINE void store(float *p, vec x) { *(vecu *)p = x; }
-INLINE vec splat(float x) { return (vec){} + x; }
-INLINE vec vmax(vec a, vec b) { return a > b ? a : b; }
-
-INLINE vec fold(vec x, bool add) { /* max or sum of all lanes, in every lane (butterfly) */
-    for (int half = VW / 2; half >= 1; half /= 2) {
-        ivec perm;
-        for (int i = 0; i < VW; i++) perm[i] = i ^ half;
-        vec y = __builtin_shuffle(x, perm);
-        x = add ? x + y : vmax(x, y);
-    }
-    return x;
-}
-
-/* exp(x) for x <= 0 (logits minus their max): 2^n * P(r) with Cephes' expf polynomial, rel. error ~1e-7 */
-INLINE vec vexp(vec x) {
-    const ivec low = x < splat(-87.0f); /* clamp above exp's underflow; a NaN compares false and stays NaN */
-    x = (vec)(((ivec)x & ~low) | ((ivec)splat(-87.0f) & low));
-    const vec magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to the nearest integer */
-    vec t = x * splat(1.44269504088896341f) + magic;
-    vec n = t - magic;
-    vec r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
-    vec p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
-    const ivec nan = x != x; /* a NaN's payload bits would corrupt the exponent arithmetic: pass x through */
-    return (vec)((((ivec)p + (((ivec)t - (ivec)magic) << 23)) & ~nan) | ((ivec)x & nan));
-}
-
-constexpr int cmax(int a, int b) { return a > b ? a : b; }
-constexpr int cmin(int a, int b) { return a < b ? a : b; }
-
-/* Logits of R query rows against the key vectors j0 .. j0 + JB - 1 (JB * VW keys), into p (row stride MP). */
-template <int R, int JB>
-INLINE void qk_block(const float *const *qr, int D, const float *kt, int MP, int j0, float *p) {
-    vec s[R][JB];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < JB; j++) s[r][j] = splat(0.0f);
-    for (int d = 0; d < D; d++) {
-        vec kv[JB];
-        for (int j = 0; j < JB; j++) kv[j] = load(kt + d * MP + VW * (j0 + j));
-        for (int r = 0; r < R; r++) {
-            vec qb = splat(qr[r][d]);
-            for (int j = 0; j < JB; j++) s[r][j] += qb * kv[j];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < JB; j++) store(p + r * MP + VW * (j0 + j), s[r][j]);
-}
-
-/* Weighted values of R rows for the value vectors j0 .. j0 + DB - 1, scaled by inv[r], into o (row stride on). */
-template <int R, int DB>
-INLINE void pv_block(const float *p, int MP, const float *v, long kn, int M, int j0, const float *inv, float *o,
-                     long on, int rows) {
-    vec acc[R][DB];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < DB; j++) acc[r][j] = splat(0.0f);
-    for (int m = 0; m < M; m++) {
-        vec vv[DB];
-        for (int j = 0; j < DB; j++) vv[j] = load(v + m * kn + VW * (j0 + j));
-        for (int r = 0; r < R; r++) {
-            vec pb = splat(p[r * MP + m]);
-            for (int j = 0; j < DB; j++) acc[r][j] += pb * vv[j];
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < DB; j++) store(o + r * on + VW * (j0 + j), acc[r][j] * splat(inv[r]));
-}
-
 /* One (batch, head) item of the Lo-Fi attention: N queries (row stride qn), M keys / values (row stride kn);
  * DV vectors per head row, J vectors of keys. kt: scratch for D * J * VW floats, p: for RMAX * J * VW.
  * Register blocks: R query rows against C vectors of keys (logits) or of values (outputs), R * C <= RB
  * accumulators, the rest in blocks of the remainder. */
-constexpr int RMAX = 6;
 template <int DV, int J>
 INLINE void lofi_item(const float *q, long qn, const float *k, const float *v, long kn, int M, float *o, long on,
                       int N, float scale, float *kt, float *p) {
@@ -252,5 +170,4 @@ int hifi_attention(const float *x, long xb, long xr, long xc, long qo, long ko, 
     return 0;
 }
 
-#undef INLINE
 #undef MAXW

@@ -1,9 +1,10 @@
-// vitlab's fused fp32 CPU attention kernels for HiLo, as PyTorch operators: torch.ops.vitlab_hilo.*
+// vitlab's fused fp32 CPU attention kernels, as PyTorch operators: torch.ops.vitlab_kernels.* (HiLo's two
+// attention cores and a decoder's causal prompt attention)
 //
 // Built by torch.utils.cpp_extension (vitlab/optimize/kernels/__init__.py) with -O3 -fopenmp and no -march: the
-// kernel body (hilo_body.h) is compiled twice, once for AVX2 + FMA (what -mavx2 -mfma gives) and once for
-// AVX-512 (F, DQ, BW, VL), each in its own namespace under `#pragma GCC target`. Each call runs the path its
-// `isa` argument names (512 or 2): the Python side passes ATen's CPU capability
+// kernel bodies (simd.h, hilo_body.h, causal_body.h) are compiled twice, once for AVX2 + FMA (what -mavx2 -mfma
+// gives) and once for AVX-512 (F, DQ, BW, VL), each in its own namespace under `#pragma GCC target`. Each call
+// runs the path its `isa` argument names (512 or 2): the Python side passes ATen's CPU capability
 // (torch.backends.cpu.get_cpu_capability(): the CPU's best, or what ATEN_CPU_CAPABILITY asks), so
 // ATEN_CPU_CAPABILITY=avx2 runs the AVX2 code on an AVX-512 machine. Work is split with OpenMP on PyTorch's
 // own libgomp threads (at::get_num_threads()).
@@ -24,7 +25,10 @@
 namespace vitlab_avx2 {
 #define VW 8
 #define RB 12
+#include "simd.h"
 #include "hilo_body.h"
+#include "causal_body.h"
+#undef INLINE
 #undef VW
 #undef RB
 }  // namespace vitlab_avx2
@@ -35,7 +39,10 @@ namespace vitlab_avx2 {
 namespace vitlab_avx512 {
 #define VW 16
 #define RB 24
+#include "simd.h"
 #include "hilo_body.h"
+#include "causal_body.h"
+#undef INLINE
 #undef VW
 #undef RB
 }  // namespace vitlab_avx512
@@ -44,13 +51,13 @@ namespace vitlab_avx512 {
 namespace {
 
 void check(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.stride(-1) == 1, "vitlab_hilo: ", name,
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.stride(-1) == 1, "vitlab_kernels: ", name,
               " must be an fp32 CPU tensor with a contiguous last dimension");
 }
 
 void check_rc(int rc, const char* name) {
-  TORCH_CHECK(rc != 1, "vitlab_hilo::", name, ": unsupported shape");
-  TORCH_CHECK(rc != 2, "vitlab_hilo::", name, ": out of memory");
+  TORCH_CHECK(rc != 1, "vitlab_kernels::", name, ": unsupported shape");
+  TORCH_CHECK(rc != 2, "vitlab_kernels::", name, ": out of memory");
 }
 
 // softmax(q k^T * scale) v: q (B, H, N, D), k and v (B, H, M, D) with equal strides. Returns (B, H, N, D) laid out
@@ -59,11 +66,11 @@ at::Tensor lofi_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   check(q, "q"), check(k, "k"), check(v, "v");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() &&
                   q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "vitlab_hilo::lofi_attention: q (B, H, N, D), k and v (B, H, M, D) with equal strides");
+              "vitlab_kernels::lofi_attention: q (B, H, N, D), k and v (B, H, M, D) with equal strides");
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), M = k.size(2), D = q.size(3);
   at::Tensor out = at::empty({B, N, H, D}, q.options()).transpose(1, 2);
   if (out.numel() == 0) return out;
-  TORCH_CHECK(isa == 512 || isa == 2, "vitlab_hilo: isa must be 512 (AVX-512) or 2 (AVX2), got ", isa);
+  TORCH_CHECK(isa == 512 || isa == 2, "vitlab_kernels: isa must be 512 (AVX-512) or 2 (AVX2), got ", isa);
   auto fn = isa == 512 ? vitlab_avx512::lofi_attention : vitlab_avx2::lofi_attention;
   check_rc(fn(q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<float>(), v.data_ptr<float>(),
               k.stride(0), k.stride(1), k.stride(2), out.data_ptr<float>(), out.stride(0), out.stride(1),
@@ -78,11 +85,11 @@ at::Tensor window_attention(const at::Tensor& qkv, int64_t window, int64_t heads
                             int64_t isa) {
   check(qkv, "qkv");
   TORCH_CHECK(qkv.dim() == 4 && heads > 0 && qkv.size(3) % (3 * heads) == 0,
-              "vitlab_hilo::window_attention: qkv (B, H, W, 3 * heads * D)");
+              "vitlab_kernels::window_attention: qkv (B, H, W, 3 * heads * D)");
   const int64_t B = qkv.size(0), H = qkv.size(1), W = qkv.size(2), D = qkv.size(3) / (3 * heads);
   at::Tensor out = at::empty({B, H, W, heads * D}, qkv.options());
   if (out.numel() == 0) return out;
-  TORCH_CHECK(isa == 512 || isa == 2, "vitlab_hilo: isa must be 512 (AVX-512) or 2 (AVX2), got ", isa);
+  TORCH_CHECK(isa == 512 || isa == 2, "vitlab_kernels: isa must be 512 (AVX-512) or 2 (AVX2), got ", isa);
   auto fn = isa == 512 ? vitlab_avx512::hifi_attention : vitlab_avx2::hifi_attention;
   const int64_t hd = heads * D;
   check_rc(fn(qkv.data_ptr<float>(), qkv.stride(0), qkv.stride(1), qkv.stride(2), 0, hd, 2 * hd,
@@ -92,14 +99,38 @@ at::Tensor window_attention(const at::Tensor& qkv, int64_t window, int64_t heads
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY(vitlab_hilo, m) {
-  m.def("lofi_attention(Tensor q, Tensor k, Tensor v, float scale, int isa) -> Tensor");
-  m.def("window_attention(Tensor qkv, int window, int heads, float scale, int isa) -> Tensor");
+// causal self-attention of a prompt from position 0 (query i sees keys 0 .. i): q (B, Hq, N, D), k and v
+// (B, Hkv, N, D), Hq a multiple of Hkv (grouped-query). Returns (B, Hq, N, D) laid out as (B, N, Hq, D), as
+// PyTorch's CPU SDPA.
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                            int64_t isa) {
+  check(q, "q"), check(k, "k"), check(v, "v");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(2) == k.size(2) && q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "vitlab_kernels::causal_attention: q (B, Hq, N, D), k and v (B, Hkv, N, D), Hq a multiple of Hkv");
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  at::Tensor out = at::empty({B, N, H, D}, q.options()).transpose(1, 2);
+  if (out.numel() == 0) return out;
+  TORCH_CHECK(isa == 512 || isa == 2, "vitlab_kernels: isa must be 512 (AVX-512) or 2 (AVX2), got ", isa);
+  auto fn = isa == 512 ? vitlab_avx512::causal_attention : vitlab_avx2::causal_attention;
+  check_rc(fn(q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<float>(), k.stride(0),
+              k.stride(1), k.stride(2), v.data_ptr<float>(), v.stride(0), v.stride(1), v.stride(2),
+              out.data_ptr<float>(), out.stride(0), out.stride(1), out.stride(2), B, H, k.size(1), N, D,
+              (float)scale, at::get_num_threads()),
+           "causal_attention");
+  return out;
 }
 
-TORCH_LIBRARY_IMPL(vitlab_hilo, CPU, m) {
+}  // namespace
+
+TORCH_LIBRARY(vitlab_kernels, m) {
+  m.def("lofi_attention(Tensor q, Tensor k, Tensor v, float scale, int isa) -> Tensor");
+  m.def("window_attention(Tensor qkv, int window, int heads, float scale, int isa) -> Tensor");
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vitlab_kernels, CPU, m) {
   m.impl("lofi_attention", &lofi_attention);
   m.impl("window_attention", &window_attention);
+  m.impl("causal_attention", &causal_attention);
 }
