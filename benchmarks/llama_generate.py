@@ -17,8 +17,9 @@ in the same run (medians, with their min-max over the runs; > 1: ours is faster)
 same tokens as transformers is recorded (in fp32 they do; in bf16 rounding can part greedy paths).
 
 Implementations: ``vitlab`` (eager), ``vitlab_compiled`` (``vitlab.optimize.optimize(model)``, which for a Llama is
-:func:`vitlab.optimize.llama.compile_llama`: prefill and decoding step compiled by Inductor with frozen weights, and
-a :class:`~vitlab.optimize.llama.CompiledLlama` that keeps its KV cache between calls),
+:func:`vitlab.optimize.llama.compile_llama`: prefill and decoding step compiled by Inductor with frozen weights, in
+fp32 on the CPU the prompt's attention on vitlab's fused causal kernel, and a
+:class:`~vitlab.optimize.llama.CompiledLlama` that keeps its KV cache between calls),
 ``hf`` (eager, its dynamic cache), and with ``--hf-static`` ``hf_static`` (transformers' static cache with its own
 ``torch.compile`` of the decoding step: ``CompileConfig`` with its defaults, allowed on the CPU).
 
@@ -76,7 +77,8 @@ TARGETS = {"eager": 1.0, "optimized": 1.3}
 IMPLS = {
     "vitlab": "vitlab Llama.generate, eager (preallocated KV cache)",
     "vitlab_compiled": "vitlab.optimize.optimize(model, backend='compile'): prefill and decoding step compiled by "
-                       "Inductor, weights frozen and prepacked, C++ wrapper; the KV cache kept between calls",
+                       "Inductor, weights frozen and prepacked, C++ wrapper, the prompt's attention on vitlab's fused "
+                       "CPU kernel (fp32); the KV cache kept between calls",
     "hf": "transformers LlamaForCausalLM.generate, eager (its dynamic cache): the denominator of both targets",
     "hf_static": "transformers generate with cache_implementation='static' and its CompileConfig defaults, "
                  "allowed on the CPU (_compile_all_devices): transformers' own compiled decoding",
