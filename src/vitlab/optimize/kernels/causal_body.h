@@ -54,8 +54,6 @@ INLINE void causal_chunk(const float *q, long qn, const float *k, long kn, const
      * projection; every register block of query rows reads all of them again */
     for (int m = 0; m < n_end; m++)
         for (int j = 0; j < DV; j++) store(vc + m * D + VW * j, load(v + (long)m * vn + VW * j));
-    ivec lane;
-    for (int i = 0; i < VW; i++) lane[i] = i;
     for (int n0 = n_begin; n0 < n_end; n0 += R) {
         const int rows = n_end - n0 < R ? n_end - n0 : R;
         const int keys = n0 + rows; /* the block's last row sees keys 0 .. keys - 1 */
@@ -75,21 +73,8 @@ INLINE void causal_chunk(const float *q, long qn, const float *k, long kn, const
             float *pr = p + r * MP;
             const int valid = n0 + (r < rows ? r : 0) + 1; /* keys 0 .. valid - 1 */
             const int JV = (valid + VW - 1) / VW;
-            const ivec keep = lane < (ivec){} + (valid - (JV - 1) * VW); /* the last vector's real keys */
-            float *tail = pr + VW * (JV - 1);
-            store(tail, (vec)(((ivec)load(tail) & keep) | ((ivec)splat(-3.0e38f) & ~keep)));
-            vec mx = load(pr);
-            for (int j = 1; j < JV; j++) mx = vmax(mx, load(pr + VW * j));
-            mx = fold(mx, false);
-            vec sum = splat(0.0f);
-            for (int j = 0; j < JV; j++) {
-                vec e = vexp(load(pr + VW * j) - mx);
-                if (j == JV - 1) e = (vec)((ivec)e & keep); /* exactly 0 above the diagonal */
-                store(pr + VW * j, e);
-                sum += e;
-            }
-            for (int j = JV; j < JR; j++) store(pr + VW * j, splat(0.0f));
-            inv[r] = 1.0f / fold(sum, true)[0];
+            inv[r] = softmax_row(pr, JV, first_lanes(valid - (JV - 1) * VW));
+            for (int j = JV; j < JR; j++) store(pr + VW * j, splat(0.0f)); /* above the diagonal */
         }
         float *orow = o + (long)n0 * on;
         constexpr int DC = cmin(C, DV);

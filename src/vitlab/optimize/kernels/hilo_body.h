@@ -24,8 +24,7 @@ INLINE void lofi_item(const float *q, long qn, const float *k, const float *v, l
     constexpr int R = cmax(1, cmin(RMAX, RB / C));             /* query rows per block */
     for (int d = 0; d < D; d++) /* scaled keys, transposed: kt[d][m], zero-padded to MP keys */
         for (int m = 0; m < MP; m++) kt[d * MP + m] = m < M ? k[m * kn + d] * scale : 0.0f;
-    vec pad = splat(0.0f); /* pushes the padded keys' logits to ~-inf */
-    for (int i = 0; i < VW; i++) pad[i] = MP - VW + i < M ? 0.0f : -1e30f;
+    const ivec keep = first_lanes(M - (J - 1) * VW); /* the last vector's real keys */
     for (int n0 = 0; n0 < N; n0 += R) {
         const int rows = N - n0 < R ? N - n0 : R;
         const float *qr[R];
@@ -34,20 +33,7 @@ INLINE void lofi_item(const float *q, long qn, const float *k, const float *v, l
         for (int j0 = 0; j0 + JC <= J; j0 += JC) qk_block<R, JC>(qr, D, kt, MP, j0, p);
         if constexpr (J % JC != 0) qk_block<R, J % JC>(qr, D, kt, MP, J - J % JC, p);
         float inv[R];
-        for (int r = 0; r < R; r++) { /* softmax numerators in place, 1 / their sum */
-            float *pr = p + r * MP;
-            store(pr + MP - VW, load(pr + MP - VW) + pad);
-            vec mx = load(pr);
-            for (int j = 1; j < J; j++) mx = vmax(mx, load(pr + VW * j));
-            mx = fold(mx, false);
-            vec sum = splat(0.0f);
-            for (int j = 0; j < J; j++) {
-                vec e = vexp(load(pr + VW * j) - mx);
-                store(pr + VW * j, e);
-                sum += e;
-            }
-            inv[r] = 1.0f / fold(sum, true)[0];
-        }
+        for (int r = 0; r < R; r++) inv[r] = softmax_row(p + r * MP, J, keep); /* numerators in place */
         float *orow = o + (long)n0 * on;
         constexpr int DC = cmin(C, DV);
         for (int j0 = 0; j0 + DC <= DV; j0 += DC) pv_block<R, DC>(p, MP, v, kn, M, j0, inv, orow, on, rows);

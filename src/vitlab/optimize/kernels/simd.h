@@ -53,6 +53,32 @@ constexpr int RMAX = 6; /* most query rows in a register block */
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
+/* All-ones in the first n lanes (1 <= n <= VW), zeros in the others. */
+INLINE ivec first_lanes(int n) {
+    ivec lane;
+    for (int i = 0; i < VW; i++) lane[i] = i;
+    return lane < (ivec){} + n;
+}
+
+/* Softmax numerators of one row of logits, in place, over J vectors of which the last holds real logits only in
+ * the lanes of `keep` (those beyond: padding or masked keys, set to exactly 0 and left out of the max); returns
+ * 1 / their sum. */
+INLINE float softmax_row(float *pr, int J, ivec keep) {
+    float *tail = pr + VW * (J - 1);
+    store(tail, (vec)(((ivec)load(tail) & keep) | ((ivec)splat(-3.0e38f) & ~keep)));
+    vec mx = load(pr);
+    for (int j = 1; j < J; j++) mx = vmax(mx, load(pr + VW * j));
+    mx = fold(mx, false);
+    vec sum = splat(0.0f);
+    for (int j = 0; j < J; j++) {
+        vec e = vexp(load(pr + VW * j) - mx);
+        if (j == J - 1) e = (vec)((ivec)e & keep);
+        store(pr + VW * j, e);
+        sum += e;
+    }
+    return 1.0f / fold(sum, true)[0];
+}
+
 /* Logits of R query rows against the key vectors j0 .. j0 + JB - 1 (JB * VW keys), into p (row stride MP). */
 template <int R, int JB>
 INLINE void qk_block(const float *const *qr, int D, const float *kt, int MP, int j0, float *p) {
