@@ -11,9 +11,9 @@ HiLo's two attention cores are shapes that PyTorch's CPU kernels serve poorly:
   in place and writes raster order.
 
 A decoder's prompt is the third: :func:`causal_attention`, a prompt of a few hundred tokens attending causally, which
-PyTorch's CPU flash kernel runs as 32-row query blocks through small GEMM calls and an online softmax; the kernel
-keeps a block of query rows against every key it may see in registers and never touches the keys above the
-diagonal (:mod:`vitlab.optimize.llama` uses it for a Llama's prefill).
+PyTorch's CPU flash kernel runs in small query blocks (32 rows at 128 tokens) through small GEMM calls and an
+online softmax; the kernel keeps a block of query rows against every key it may see in registers and never
+touches the keys above the diagonal (:mod:`vitlab.optimize.llama` uses it for a Llama's prefill).
 
 All three compute what ``F.scaled_dot_product_attention`` computes (max |diff| ~1e-6 in fp32) and have no
 backward: they are for fp32 CPU inference, applied from outside the models by

@@ -1,11 +1,12 @@
 /* The causal prompt attention kernel, included once per instruction set by attention.cpp after simd.h (VW, RB, the
- * vector type, exp and the register blocks), inside the same namespace and `#pragma GCC target` region.
+ * vector type, exp, softmax row and weighted values), inside the same namespace and `#pragma GCC target` region.
  *
  * causal_attention: softmax(q k^T * scale + causal mask) v for a prompt written from position 0: query i attends to
  *   keys 0 .. i. A decoder's prefill, batch x heads items of a few hundred tokens with heads of 64 or 128 channels:
- *   PyTorch's CPU flash kernel runs them as 32-row blocks through small GEMM calls, with an online softmax. Here a
- *   block of R query rows against every key it may see (logits, masked softmax, weighted values) runs in registers,
- *   the logits of the block in a scratch row buffer, and the keys above the diagonal are never touched.
+ *   PyTorch's CPU flash kernel runs them in small query blocks (32 rows at 128 tokens) through small GEMM calls,
+ *   with an online softmax. Here a block of R query rows against every key it may see (logits, masked softmax,
+ *   weighted values) runs in registers, the logits of the block in a scratch row buffer, and the keys above the
+ *   diagonal are never touched.
  *
  * Work is split in chunks of QC query rows per (batch, head) item, largest first, dynamically scheduled: a causal
  * chunk's cost grows with its position. Each chunk transposes the (scaled) keys it needs once; that copy costs

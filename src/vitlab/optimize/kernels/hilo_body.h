@@ -1,5 +1,6 @@
 /* The body of vitlab's HiLo attention kernels, included once per instruction set by attention.cpp after simd.h
- * (VW, RB, the vector type and the register blocks), inside the same namespace and `#pragma GCC target` region.
+ * (VW, RB, the vector type, exp, softmax row and weighted values), inside the same namespace and
+ * `#pragma GCC target` region.
  *
  * lofi_attention: softmax(q k^T * scale) v where every query row of a (batch, head) item attends to the same few
  *   keys (M <= 64: the s x s average-pooled map). PyTorch's CPU flash kernel runs such rows as small GEMM calls;
@@ -11,6 +12,25 @@
  *
  * Head width D: a multiple of 16 up to 64. Strides are in elements; the last dimension is contiguous. No headers
  * here: they are included once, outside the target regions. */
+
+/* Logits of R query rows against the key vectors j0 .. j0 + JB - 1 (JB * VW keys), into p (row stride MP); kt
+ * holds the keys transposed, kt[d][m] with row stride MP. */
+template <int R, int JB>
+INLINE void qk_block(const float *const *qr, int D, const float *kt, int MP, int j0, float *p) {
+    vec s[R][JB];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < JB; j++) s[r][j] = splat(0.0f);
+    for (int d = 0; d < D; d++) {
+        vec kv[JB];
+        for (int j = 0; j < JB; j++) kv[j] = load(kt + d * MP + VW * (j0 + j));
+        for (int r = 0; r < R; r++) {
+            vec qb = splat(qr[r][d]);
+            for (int j = 0; j < JB; j++) s[r][j] += qb * kv[j];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < JB; j++) store(p + r * MP + VW * (j0 + j), s[r][j]);
+}
 
 /* One (batch, head) item of the Lo-Fi attention: N queries (row stride qn), M keys / values (row stride kn);
  * DV vectors per head row, J vectors of keys. kt: scratch for D * J * VW floats, p: for RMAX * J * VW.

@@ -1,8 +1,8 @@
 /* vitlab's CPU kernels' vector primitives, included once per instruction set by attention.cpp inside a namespace and
  * a `#pragma GCC target` region that define VW (floats per vector register: 8 for AVX2, 16 for AVX-512) and RB
  * (accumulator registers a register block may hold: 12 of AVX2's 16, 24 of AVX-512's 32): GCC vector types,
- * an exp, and the two register-blocked products of an attention (logits against transposed keys, weighted sums of
- * values) that the kernels in hilo_body.h and causal_body.h share. No headers here: they are included once,
+ * an exp, a softmax row and the register-blocked weighted sum of values that the kernels in hilo_body.h and
+ * causal_body.h share (each computes its logits in a key layout of its own). No headers here: they are included once,
  * outside the target regions. */
 
 typedef float vec __attribute__((vector_size(VW * 4)));
@@ -77,24 +77,6 @@ INLINE float softmax_row(float *pr, int J, ivec keep) {
         sum += e;
     }
     return 1.0f / fold(sum, true)[0];
-}
-
-/* Logits of R query rows against the key vectors j0 .. j0 + JB - 1 (JB * VW keys), into p (row stride MP). */
-template <int R, int JB>
-INLINE void qk_block(const float *const *qr, int D, const float *kt, int MP, int j0, float *p) {
-    vec s[R][JB];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < JB; j++) s[r][j] = splat(0.0f);
-    for (int d = 0; d < D; d++) {
-        vec kv[JB];
-        for (int j = 0; j < JB; j++) kv[j] = load(kt + d * MP + VW * (j0 + j));
-        for (int r = 0; r < R; r++) {
-            vec qb = splat(qr[r][d]);
-            for (int j = 0; j < JB; j++) s[r][j] += qb * kv[j];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < JB; j++) store(p + r * MP + VW * (j0 + j), s[r][j]);
 }
 
 /* Weighted values of R rows for the value vectors j0 .. j0 + DB - 1, scaled by inv[r], into o (row stride on). */
