@@ -30,14 +30,17 @@ the second graph, which serves every later call. Each batch size has a compiled 
 eight graphs stay within Dynamo's recompilation limit (eight per code object); a function of its own per model too,
 since the graphs are unguarded snapshots of one model's weights.
 
-Which GEMM library runs the frozen fp32 linears is chosen by measurement (``gemm="auto"``). Inductor packs a frozen
-fp32 weight for one of two kernels, by the row count of the product: a static count gets MKL's packed sgemm, a
-symbolic one oneDNN's matmul. Which is faster depends on the CPU: on AMD's Zen 4, where MKL does not take its
-AVX-512 paths, oneDNN's GEMMs took 16 ms of a ``llama_100m`` batch-8 decoding step where MKL's took 43, and 584 ms
-of a batch-8 prompt where MKL's took 642 (a similar lead under an AVX2 cap); on Intel's Xeons MKL's is fast.
-:func:`packed_gemm_times` times both on the model's own weight shapes at the call's row count (the first prefill and
-the first decoding step of each batch size, once per process), and where oneDNN's wins, the call's batch and
-sequence sizes are marked dynamic, which hands its GEMMs to oneDNN.
+Which GEMM runs the fp32 linears is chosen by measurement (``gemm="auto"``). Inductor packs a frozen fp32 weight
+for one of two library kernels, by the row count of the product: a static count gets MKL's packed sgemm, a symbolic
+one oneDNN's matmul. Which is faster depends on the CPU: on AMD's Zen 4, where MKL does not take its AVX-512 paths,
+oneDNN's GEMMs took 16 ms of a ``llama_100m`` batch-8 decoding step where MKL's took 43, and 584 ms of a batch-8
+prompt where MKL's took 642 (a similar lead under an AVX2 cap); on Intel's Xeons MKL's is fast. The third
+candidate is vitlab's own :func:`vitlab.optimize.kernels.packed_linear` (:class:`PackedLinear`, where the kernels
+build), a register-blocked GEMM against a weight packed once; it runs a prompt's large AVX2 products nearer the
+FMA peak than either library on that AMD CPU. :func:`packed_gemm_times` times the candidates on the model's own
+weight shapes at the call's row count (the first prefill and the first decoding step of each batch size, once per
+process). Where oneDNN's wins, the call's batch and sequence sizes are marked dynamic, which hands its GEMMs to
+oneDNN; where vitlab's wins, the call runs a snapshot whose linear layers are :class:`PackedLinear`.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ from vitlab.optimize import kernels
 from vitlab.optimize.compiled import CompiledInference, compile_inference, share_copy
 from vitlab.timing import round_robin_times
 
-GEMMS = ("auto", "mkl", "onednn")  # compile_llama's gemm=
-GEMM_MARGIN = 0.03  # oneDNN's GEMMs are chosen when faster than MKL's by this fraction (MKL: Inductor's default)
+GEMMS = ("auto", "mkl", "onednn", "vitlab")  # compile_llama's gemm=
+GEMM_MARGIN = 0.03  # another GEMM is chosen when faster than MKL's by this fraction (MKL: Inductor's default)
 GEMM_MAX_ROWS = 256  # rows timed at most: beyond, both kernels run at their large-product rate
 
 
@@ -101,6 +104,31 @@ def with_fused_attention(model: nn.Module) -> nn.Module:
     return snapshot
 
 
+class PackedLinear(nn.Linear):
+    """:class:`torch.nn.Linear` computed by :func:`vitlab.optimize.kernels.packed_linear` from ``packed``, a copy of
+    its weight packed once for it (a non-persistent buffer; ``weight`` stays, shared with the model the snapshot
+    was made from). Made by :func:`with_packed_linears` in a snapshot, never built directly; fp32 CPU inference."""
+
+    packed: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.vitlab_kernels.packed_linear(x, self.packed, self.bias, self.out_features,
+                                                      kernels.isa_code())
+
+
+def with_packed_linears(model: nn.Module) -> nn.Module:
+    """A snapshot of ``model`` (its module tree copied, its tensors shared) whose fp32 CPU linear layers are
+    :class:`PackedLinear`, each holding a packed copy of its weight (as much memory again as those weights);
+    ``model`` itself unchanged. Needs the kernels (:func:`vitlab.optimize.kernels.available`)."""
+    snapshot = share_copy(model)
+    with torch.no_grad():
+        for m in snapshot.modules():
+            if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+                m.__class__ = PackedLinear
+                m.register_buffer("packed", kernels.pack_linear_weight(m.weight), persistent=False)
+    return snapshot
+
+
 def packed_gemms_available() -> bool:
     """Whether Inductor can pack a frozen fp32 CPU linear for both MKL's and oneDNN's kernels (an x86 build of
     torch with both libraries); elsewhere there is no choice to make."""
@@ -109,8 +137,9 @@ def packed_gemms_available() -> bool:
 
 def packed_gemm_times(weights: list[torch.Tensor], rows: int, runs: int = 5) -> dict[str, float]:
     """Seconds per pass over ``weights`` ((out, in) fp32 CPU matrices), one product each with an input of
-    ``rows`` rows (at most :data:`GEMM_MAX_ROWS`), by each packed kernel Inductor emits for a frozen fp32 linear:
-    ``"mkl"`` (``mkl._mkl_linear``) and ``"onednn"`` (``mkldnn._linear_pointwise``); medians of ``runs``
+    ``rows`` rows (at most :data:`GEMM_MAX_ROWS`), by each packed kernel a frozen fp32 linear may run:
+    ``"mkl"`` (``mkl._mkl_linear``) and ``"onednn"`` (``mkldnn._linear_pointwise``), Inductor's, and where the
+    kernels are available ``"vitlab"`` (:func:`vitlab.optimize.kernels.packed_linear`); medians of ``runs``
     round-robin runs after one warm-up."""
     rows = max(1, min(rows, GEMM_MAX_ROWS))
     with torch.no_grad():
@@ -126,19 +155,28 @@ def packed_gemm_times(weights: list[torch.Tensor], rows: int, runs: int = 5) -> 
             for x, p in zip(xs, dnn):
                 torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
 
-        times = round_robin_times({"mkl": run_mkl, "onednn": run_onednn}, torch.device("cpu"), warmup=1,
-                                  runs=runs)
+        fns = {"mkl": run_mkl, "onednn": run_onednn}
+        if kernels.available():
+            own = [kernels.pack_linear_weight(w) for w in weights]
+
+            def run_vitlab():
+                for x, p, w in zip(xs, own, weights):
+                    kernels.packed_linear(x, p, w.shape[0])
+
+            fns["vitlab"] = run_vitlab
+        times = round_robin_times(fns, torch.device("cpu"), warmup=1, runs=runs)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-# (weight shapes, timed rows, threads) -> "mkl" | "onednn", measured in this process
+# (weight shapes, timed rows, threads) -> "mkl" | "onednn" | "vitlab", measured in this process
 _GEMM_CHOICES: dict[tuple, str] = {}
 
 
 def faster_gemm(model: nn.Module, rows: int) -> str:
-    """``"onednn"`` or ``"mkl"``: the packed kernel that runs ``model``'s linear weights (one of each shape)
-    faster on this machine for an input of ``rows`` rows; MKL's, Inductor's own choice, unless oneDNN's is faster
-    by :data:`GEMM_MARGIN`. Measured once per process for each set of shapes, row count and thread count."""
+    """``"mkl"``, ``"onednn"`` or ``"vitlab"``: the packed kernel that runs ``model``'s linear weights (one of each
+    shape) fastest on this machine for an input of ``rows`` rows (:func:`packed_gemm_times`); MKL's, Inductor's own
+    choice, unless another is faster by :data:`GEMM_MARGIN`. Measured once per process for each set of shapes, row
+    count and thread count."""
     weights = {}
     for m in model.modules():
         if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
@@ -148,7 +186,8 @@ def faster_gemm(model: nn.Module, rows: int) -> str:
         return "mkl"
     if key not in _GEMM_CHOICES:
         t = packed_gemm_times(list(weights.values()), rows)
-        _GEMM_CHOICES[key] = "onednn" if t["onednn"] < t["mkl"] * (1 - GEMM_MARGIN) else "mkl"
+        best = min(t, key=t.get)
+        _GEMM_CHOICES[key] = best if t[best] < t["mkl"] * (1 - GEMM_MARGIN) else "mkl"
     return _GEMM_CHOICES[key]
 
 
@@ -178,14 +217,15 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
     ``prefill=False``. Inference only (``generate`` runs under ``torch.no_grad()``), and a snapshot: the weights
     are frozen into the graph and the model's attributes are not checked again, so a model changed afterwards
     needs a new ``compile_llama``. Each batch size gets its own compiled function (its graphs: prefill and step,
-    with and without a padding mask), compiled at its first call; other models' compiled forwards never share
-    them. ``options``: ``torch.compile`` options over the defaults. ``gemm`` (fp32 on the CPU): the library of the
-    frozen linears' GEMMs, ``"mkl"`` or ``"onednn"``, or ``"auto"`` (the faster here, :func:`faster_gemm`,
-    measured at the first prefill and the first decoding step of each batch size). ``"mkl"`` holds where the row
-    count is static: once prompts of several lengths have made the prompt's length symbolic, Inductor gives that
-    graph's GEMMs to oneDNN whatever the choice. ``fused_attention`` (fp32 on the CPU): the prompt's causal
-    attention by vitlab's fused kernel (:class:`KernelLlamaAttention`, where the kernels build here), else by
-    SDPA."""
+    with and without a padding mask; one more where prompt and step run different GEMMs, below), compiled at its
+    first call; other models' compiled forwards never share them. ``options``: ``torch.compile`` options over the
+    defaults. ``gemm`` (fp32 on the CPU): the GEMM of the linear layers, ``"mkl"`` or ``"onednn"`` (Inductor's
+    packed kernels for frozen weights), ``"vitlab"`` (:class:`PackedLinear`, vitlab's kernel) or ``"auto"`` (the
+    fastest here, :func:`faster_gemm`, measured at the first prefill and the first decoding step of each batch
+    size, so that a prompt and a decoding step may run different ones). ``"mkl"`` holds where the row count is
+    static: once prompts of several lengths have made the prompt's length symbolic, Inductor gives that graph's
+    GEMMs to oneDNN whatever the choice. ``fused_attention`` (fp32 on the CPU): the prompt's causal attention by
+    vitlab's fused kernel (:class:`KernelLlamaAttention`, where the kernels build here), else by SDPA."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     model.eval()
@@ -199,30 +239,40 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
         options = {**cpuinfo.inductor_options(), "cpp_wrapper": True, **options}
     weight = next(model.parameters())
     fp32_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
-    choose = fp32_cpu and packed_gemms_available()
-    # what runs: the model, or a snapshot of it with the fused prompt attention (the caller's model stays as it is)
-    target = with_fused_attention(model) if fp32_cpu and fused_attention else model
-    by_batch: dict[int, Callable[..., torch.Tensor]] = {}
-    libraries: dict[tuple[int, bool], str] = {}  # (batch size, prompt or step) -> the GEMM library of its graphs
+    if fp32_cpu and gemm == "vitlab" and not kernels.available():
+        raise ValueError(f"gemm='vitlab' needs vitlab's CPU kernels, which are not available here: "
+                         f"{kernels.status()}")
+    choose = fp32_cpu and (packed_gemms_available() or gemm == "vitlab")
+    # what runs: the model, or a snapshot of it with the fused prompt attention (the caller's model stays as it is),
+    # and for the calls that run vitlab's GEMM a snapshot of that with packed linears, made when first needed
+    targets = {False: with_fused_attention(model) if fp32_cpu and fused_attention else model}
+    compiled: dict[tuple[int, bool], Callable[..., torch.Tensor]] = {}  # (batch size, packed) -> its function
+    libraries: dict[tuple[int, bool], str] = {}  # (batch size, prompt or step) -> the GEMM of its graphs
 
     def forward(input_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         if not prefill and (input_ids is None or input_ids.shape[1] != 1):
-            return target(input_ids, **kwargs)
+            return targets[False](input_ids, **kwargs)
         b, n = (input_ids if input_ids is not None else kwargs["inputs_embeds"]).shape[:2]
-        if b not in by_batch:
-            by_batch[b] = compile_inference(_own_entry(target, f"b{b}"), options)
+        library = "mkl"
         if choose:
             kind = (b, n > 1)
             if kind not in libraries:
                 libraries[kind] = faster_gemm(model, b * n) if gemm == "auto" else gemm
-            if libraries[kind] == "onednn":
+            library = libraries[kind]
+            if library == "onednn":
                 kwargs["input_ids"] = input_ids
                 _symbolic_rows(kwargs)
                 input_ids = kwargs.pop("input_ids")
+        key = (b, library == "vitlab")
+        if key not in compiled:
+            if key[1] and True not in targets:
+                targets[True] = with_packed_linears(targets[False])
+            tag = f"b{b}_packed" if key[1] else f"b{b}"
+            compiled[key] = compile_inference(_own_entry(targets[key[1]], tag), options)
         with warnings.catch_warnings():
             # RoPE's complex product stays one ATen call inside the graph, which Inductor says when it compiles
             warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-            return by_batch[b](input_ids, **kwargs)
+            return compiled[key](input_ids, **kwargs)
 
     return forward
 

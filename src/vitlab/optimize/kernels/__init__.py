@@ -58,7 +58,8 @@ import torch.nn.functional as F
 
 from vitlab.optimize.cpu import cpp_extension
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("attention.cpp", "simd.h", "hilo_body.h", "causal_body.h"))
+SOURCES = tuple(Path(__file__).with_name(n)
+                for n in ("ops.cpp", "simd.h", "hilo_body.h", "causal_body.h", "gemm_body.h"))
 CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")  # no -march: each ISA region has its own `#pragma GCC target`
 LDFLAGS = ("-fopenmp",)
 MAX_HEAD_DIM = 64  # the kernels hold a head's row in registers
@@ -67,6 +68,7 @@ MAX_WINDOW_TOKENS = 64  # tokens of one Hi-Fi window (s <= 8)
 CAUSAL_MAX_HEAD_DIM = 128  # the causal kernel's head widths: multiples of 16 up to this
 CAUSAL_MAX_TOKENS = 1024  # longer prompts: the flash kernel, whose key blocks suit them better (causal_body.h)
 _ISA_CODES = {"AVX512": 512, "AVX2": 2}
+_PANEL = {512: 32, 2: 16}  # packed_linear's output features per weight panel: two vector widths
 _ISA_CODE = 0  # set when the operators load
 _reason = "not loaded yet"
 
@@ -176,6 +178,44 @@ def window_attention(qkv: torch.Tensor, window: int, heads: int, scale: float | 
     return torch.ops.vitlab_kernels.window_attention(qkv, window, heads, scale, _ISA_CODE)
 
 
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (out_features, in_features), an fp32 CPU linear layer's, laid out for :func:`packed_linear` on
+    this process's instruction set: panels of 16 (AVX2) or 32 (AVX-512) output features, each (in_features, 16 or
+    32) with the features innermost, zero past the last feature; (ceil(out / panel), in, panel), a copy."""
+    _require()
+    _check(weight)
+    if weight.dim() != 2 or 0 in weight.shape:
+        raise ValueError(f"pack_linear_weight takes a non-empty (out_features, in_features) matrix, got "
+                         f"{tuple(weight.shape)}")
+    return _pack(weight)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    nr = _PANEL[_ISA_CODE]
+    n, k = weight.shape
+    return F.pad(weight, (0, 0, 0, -n % nr)).view(-1, nr, k).transpose(1, 2).contiguous()
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for fp32 CPU tensors, ``packed = pack_linear_weight(weight)``: x (..., in)
+    with a contiguous last dimension; returns (..., out_features), contiguous. Register blocks of x's rows
+    against the weight's panels, the weight's loads contiguous; on AVX2 it runs nearer the CPU's FMA peak than
+    oneDNN's or MKL's GEMMs at a few hundred rows or more (``benchmarks/llama_generate.py``), which is where
+    :func:`vitlab.optimize.llama.compile_llama` uses it when measured faster."""
+    _require()
+    _check(x, packed, *(() if bias is None else (bias,)))
+    nr = _PANEL[_ISA_CODE]
+    if (x.dim() < 1 or packed.dim() != 3 or packed.shape[2] != nr or packed.shape[1] != x.shape[-1]
+            or out_features < 1 or packed.shape[0] != -(-out_features // nr)):
+        raise ValueError(f"packed_linear: packed must be pack_linear_weight's (ceil(out / {nr}), in, {nr}) for x "
+                         f"(..., in) and out_features {out_features}, got {tuple(packed.shape)} and x "
+                         f"{tuple(x.shape)}")
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(f"packed_linear: bias must be ({out_features},), got {tuple(bias.shape)}")
+    return torch.ops.vitlab_kernels.packed_linear(x, packed.contiguous(), bias, out_features, _ISA_CODE)
+
+
 def _check(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if (t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 or t.requires_grad):
@@ -268,6 +308,10 @@ def _self_check() -> str | None:
         if not torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
                               atol=1e-5):
             return "causal_attention disagrees with SDPA"
+        x, w, b = (torch.randn(*shape, generator=g, **cpu) for shape in ((2, 9, 37), (21, 37), (21,)))
+        out = torch.ops.vitlab_kernels.packed_linear(x, _pack(w), b, 21, code)
+        if not torch.allclose(out, F.linear(x, w, b), atol=1e-4):  # ragged rows and features, a bias
+            return "packed_linear disagrees with F.linear"
     return None
 
 
@@ -283,6 +327,10 @@ def _register_fakes() -> None:
     def _(q, k, v, scale, isa):
         B, H, N, D = q.shape
         return q.new_empty(B, N, H, D).transpose(1, 2)
+
+    @torch.library.register_fake("vitlab_kernels::packed_linear")
+    def _(x, packed, bias, out_features, isa):
+        return x.new_empty(*x.shape[:-1], out_features)
 
     @torch.library.register_fake("vitlab_kernels::window_attention")
     def _(qkv, window, heads, scale, isa):

@@ -1,4 +1,4 @@
-/* The causal prompt attention kernel, included once per instruction set by attention.cpp after simd.h (VW, RB, the
+/* The causal prompt attention kernel, included once per instruction set by ops.cpp after simd.h (VW, RB, the
  * vector type, exp, softmax row and weighted values), inside the same namespace and `#pragma GCC target` region.
  *
  * causal_attention: softmax(q k^T * scale + causal mask) v for a prompt written from position 0: query i attends to

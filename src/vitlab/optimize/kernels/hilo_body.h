@@ -1,4 +1,4 @@
-/* The body of vitlab's HiLo attention kernels, included once per instruction set by attention.cpp after simd.h
+/* The body of vitlab's HiLo attention kernels, included once per instruction set by ops.cpp after simd.h
  * (VW, RB, the vector type, exp, softmax row and weighted values), inside the same namespace and
  * `#pragma GCC target` region.
  *

@@ -1,4 +1,4 @@
-/* vitlab's CPU kernels' vector primitives, included once per instruction set by attention.cpp inside a namespace and
+/* vitlab's CPU kernels' vector primitives, included once per instruction set by ops.cpp inside a namespace and
  * a `#pragma GCC target` region that define VW (floats per vector register: 8 for AVX2, 16 for AVX-512) and RB
  * (accumulator registers a register block may hold: 12 of AVX2's 16, 24 of AVX-512's 32): GCC vector types,
  * an exp, a softmax row and the register-blocked weighted sum of values that the kernels in hilo_body.h and

@@ -1,8 +1,8 @@
-// vitlab's fused fp32 CPU attention kernels, as PyTorch operators: torch.ops.vitlab_kernels.* (HiLo's two
-// attention cores and a decoder's causal prompt attention)
+// vitlab's fp32 CPU kernels, as PyTorch operators: torch.ops.vitlab_kernels.* (HiLo's two attention cores, a
+// decoder's causal prompt attention, and a linear layer against a prepacked weight)
 //
 // Built by torch.utils.cpp_extension (vitlab/optimize/kernels/__init__.py) with -O3 -fopenmp and no -march: the
-// kernel bodies (simd.h, hilo_body.h, causal_body.h) are compiled twice, once for AVX2 + FMA (what -mavx2 -mfma
+// kernel bodies (simd.h, hilo_body.h, causal_body.h, gemm_body.h) are compiled twice, once for AVX2 + FMA (what -mavx2 -mfma
 // gives) and once for AVX-512 (F, DQ, BW, VL), each in its own namespace under `#pragma GCC target`. Each call
 // runs the path its `isa` argument names (512 or 2): the Python side passes ATen's CPU capability
 // (torch.backends.cpu.get_cpu_capability(): the CPU's best, or what ATEN_CPU_CAPABILITY asks), so
@@ -15,9 +15,11 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
+#include <vector>
 
 #if !defined(__x86_64__) || !defined(__GNUC__)
-#error "vitlab's HiLo kernels need an x86-64 GCC-compatible compiler"
+#error "vitlab's CPU kernels need an x86-64 GCC-compatible compiler"
 #endif
 
 #pragma GCC push_options
@@ -28,6 +30,7 @@ namespace vitlab_avx2 {
 #include "simd.h"
 #include "hilo_body.h"
 #include "causal_body.h"
+#include "gemm_body.h"
 #undef INLINE
 #undef VW
 #undef RB
@@ -42,6 +45,7 @@ namespace vitlab_avx512 {
 #include "simd.h"
 #include "hilo_body.h"
 #include "causal_body.h"
+#include "gemm_body.h"
 #undef INLINE
 #undef VW
 #undef RB
@@ -121,16 +125,47 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// x (..., K) W^T + bias, W (N, K) prepacked into panels of 2 vector widths of features for the `isa` path
+// (packed: (ceil(N / NR), K, NR), gemm_body.h). Returns (..., N), contiguous.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                         int64_t out_features, int64_t isa) {
+  check(x, "x"), check(packed, "packed");
+  TORCH_CHECK(isa == 512 || isa == 2, "vitlab_kernels: isa must be 512 (AVX-512) or 2 (AVX2), got ", isa);
+  TORCH_CHECK(x.dim() >= 1, "vitlab_kernels::packed_linear: x must be (..., K)");
+  const int64_t nr = isa == 512 ? vitlab_avx512::NR : vitlab_avx2::NR, K = x.size(-1), N = out_features;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && K > 0 && N > 0 && packed.size(0) == (N + nr - 1) / nr &&
+                  packed.size(1) == K && packed.size(2) == nr,
+              "vitlab_kernels::packed_linear: packed must be (ceil(N / ", nr, "), K, ", nr, ") for N = out_features ",
+              "and x (..., K), got ", packed.sizes(), " and ", x.sizes());
+  if (bias) {
+    check(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "vitlab_kernels::packed_linear: bias must be (N,)");
+  }
+  const at::Tensor rows = x.reshape({-1, K});  // a view where the rows are evenly strided, else a copy
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x.options());
+  if (out.numel() == 0) return out;
+  auto fn = isa == 512 ? vitlab_avx512::packed_linear : vitlab_avx2::packed_linear;
+  check_rc(fn(rows.data_ptr<float>(), rows.stride(0), packed.data_ptr<float>(),
+              bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), rows.size(0), (int)K, (int)N,
+              at::get_num_threads()),
+           "packed_linear");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vitlab_kernels, m) {
   m.def("lofi_attention(Tensor q, Tensor k, Tensor v, float scale, int isa) -> Tensor");
   m.def("window_attention(Tensor qkv, int window, int heads, float scale, int isa) -> Tensor");
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale, int isa) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vitlab_kernels, CPU, m) {
   m.impl("lofi_attention", &lofi_attention);
   m.impl("window_attention", &window_attention);
   m.impl("causal_attention", &causal_attention);
+  m.impl("packed_linear", &packed_linear);
 }
