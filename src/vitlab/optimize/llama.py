@@ -121,11 +121,10 @@ def with_packed_linears(model: nn.Module) -> nn.Module:
     :class:`PackedLinear`, each holding a packed copy of its weight (as much memory again as those weights);
     ``model`` itself unchanged. Needs the kernels (:func:`vitlab.optimize.kernels.available`)."""
     snapshot = share_copy(model)
-    with torch.no_grad():
-        for m in snapshot.modules():
-            if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
-                m.__class__ = PackedLinear
-                m.register_buffer("packed", kernels.pack_linear_weight(m.weight), persistent=False)
+    for m in snapshot.modules():
+        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+            m.__class__ = PackedLinear
+            m.register_buffer("packed", kernels.pack_linear_weight(m.weight.detach()), persistent=False)
     return snapshot
 
 

@@ -41,6 +41,7 @@ static __attribute__((noinline)) void gemm_block(const float *a, long lda, const
             acc[r][0] = load(tmp), acc[r][1] = load(tmp + VW);
         }
     }
+#pragma GCC unroll 4
     for (int k = 0; k < kc; k++) {
         const vec b0 = load(b + k * NR), b1 = load(b + k * NR + VW);
 #pragma GCC unroll 16
