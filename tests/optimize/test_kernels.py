@@ -1,6 +1,6 @@
 """vitlab.optimize.kernels: the attention operators (HiLo's two and the causal prompt attention) compute what
-PyTorch's SDPA computes, on both instruction set paths and any shape they accept, reject the others with a clear
-error, and build once into an atomic cache.
+PyTorch's SDPA computes, and the packed linear what ``F.linear`` computes, on both instruction set paths and any
+shape they accept; they reject the others with a clear error, and build once into an atomic cache.
 
 Where the toolchain exists (x86-64 Linux, a C++ compiler, ninja, an AVX2 CPU) the kernels must be available:
 those tests fail rather than skip when the build breaks."""
@@ -123,18 +123,46 @@ def test_causal_scale_large_logits_and_longest_prompt(isa):
                                    F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=3e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 6, 97])  # one row; a register block; two row blocks of each path, ragged
+@pytest.mark.parametrize("k", [1, 37, 2049])  # 2049: three K blocks of the product
+@pytest.mark.parametrize("n", [1, 17, 64, 100])  # features ragged against the 16- and 32-feature panels
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear(isa, m, k, n, bias):
+    x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n) if bias else None
+    packed = kernels.pack_linear_weight(w)
+    assert packed.shape == (-(-n // kernels._PANEL[kernels.isa_code()]), k, kernels._PANEL[kernels.isa_code()])
+    with torch.no_grad():
+        out = kernels.packed_linear(x, packed, n, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.shape == (m, n) and out.is_contiguous() and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=2e-6 * k, rtol=1e-5)  # fp32 sums of k products
+
+
+def test_packed_linear_takes_batched_and_strided_inputs(isa):
+    w, b = torch.randn(48, 64), torch.randn(48)
+    packed = kernels.pack_linear_weight(w)
+    big = torch.randn(3, 10, 64)
+    with torch.no_grad():
+        for x in (big, big[:, -1:], big[:, ::3], big.transpose(0, 1)):  # rows evenly strided, or not at all
+            out = kernels.packed_linear(x, packed, 48, b)
+            assert out.shape == (*x.shape[:-1], 48) and out.is_contiguous()
+            torch.testing.assert_close(out, F.linear(x, w, b), atol=2e-5, rtol=1e-5)
+        assert kernels.packed_linear(torch.randn(0, 64), packed, 48).shape == (0, 48)
+
+
 def test_results_do_not_depend_on_threads(isa):
     q, k, v = torch.randn(4, 5, 50, 64), torch.randn(4, 5, 49, 64), torch.randn(4, 5, 49, 64)
     qkv = torch.randn(3, 14, 14, 3 * 2 * 64)
+    x, w = torch.randn(200, 1500), kernels.pack_linear_weight(torch.randn(70, 1500))
     threads = torch.get_num_threads()
     try:
         with torch.no_grad():
             torch.set_num_threads(1)
             one = (kernels.lofi_attention(q, k, v), kernels.window_attention(qkv, 2, 2),
-                   kernels.causal_attention(q, q, q))
+                   kernels.causal_attention(q, q, q), kernels.packed_linear(x, w, 70))
             torch.set_num_threads(max(2, threads))
             many = (kernels.lofi_attention(q, k, v), kernels.window_attention(qkv, 2, 2),
-                    kernels.causal_attention(q, q, q))
+                    kernels.causal_attention(q, q, q), kernels.packed_linear(x, w, 70))
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(one, many):
@@ -168,6 +196,20 @@ def test_unsupported_input_is_a_clear_error(built):
             kernels.causal_attention(torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 9, 16))
         with pytest.raises(RuntimeError, match="isa must be"):  # the operator itself checks its path
             torch.ops.vitlab_kernels.lofi_attention(*[torch.randn(1, 2, 8, 16)] * 3, 0.25, 7)
+        packed = kernels.pack_linear_weight(torch.randn(20, 8))
+        with pytest.raises(ValueError, match="out_features 21"):  # a weight of another layer
+            kernels.packed_linear(torch.randn(3, 8), packed, 21)
+        with pytest.raises(ValueError, match=r"x \(3, 9\)"):
+            kernels.packed_linear(torch.randn(3, 9), packed, 20)
+        with pytest.raises(ValueError, match=r"bias must be \(20,\)"):
+            kernels.packed_linear(torch.randn(3, 8), packed, 20, torch.randn(21))
+        with pytest.raises(ValueError, match="contiguous last dimension"):
+            kernels.packed_linear(torch.randn(8, 3).t(), packed, 20)
+        with pytest.raises(ValueError, match="non-empty"):
+            kernels.pack_linear_weight(torch.randn(0, 8))
+        other = 2 if kernels.isa_code() == 512 else 512  # the other path's panels are another width
+        with pytest.raises(RuntimeError, match="packed must be"):
+            torch.ops.vitlab_kernels.packed_linear(torch.randn(3, 8), packed, None, 20, other)
     with pytest.raises(ValueError, match="no autograd"):
         kernels.lofi_attention(*[torch.randn(1, 2, 8, 16, requires_grad=True)] * 3)
     assert kernels.lofi_supported(64, 49) and not kernels.lofi_supported(80, 49)
@@ -283,12 +325,15 @@ def test_operators_trace_under_fake_tensors(built):
 
     q, k = torch.randn(2, 3, 50, 32), torch.randn(2, 3, 49, 32)
     qkv = torch.randn(2, 5, 7, 3 * 2 * 32)
+    packed = kernels.pack_linear_weight(torch.randn(40, 32))
     with torch.no_grad():
-        real = kernels.lofi_attention(q, k, k), kernels.window_attention(qkv, 2, 2), kernels.causal_attention(q, q, q)
+        real = (kernels.lofi_attention(q, k, k), kernels.window_attention(qkv, 2, 2), kernels.causal_attention(q, q, q),
+                kernels.packed_linear(q, packed, 40))
     with FakeTensorMode() as mode:
-        fq, fk, fqkv = (mode.from_tensor(t) for t in (q, k, qkv))
+        fq, fk, fqkv, fp = (mode.from_tensor(t) for t in (q, k, qkv, packed))
         fake = (torch.ops.vitlab_kernels.lofi_attention(fq, fk, fk, 0.1, 2),
                 torch.ops.vitlab_kernels.window_attention(fqkv, 2, 2, 0.1, 2),
-                torch.ops.vitlab_kernels.causal_attention(fq, fq, fq, 0.1, 2))
+                torch.ops.vitlab_kernels.causal_attention(fq, fq, fq, 0.1, 2),
+                torch.ops.vitlab_kernels.packed_linear(fq, fp, None, 40, kernels.isa_code()))
     for r, f in zip(real, fake):
         assert r.shape == f.shape and r.stride() == f.stride()

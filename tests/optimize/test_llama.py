@@ -1,7 +1,7 @@
 """The compiled forward of the Llama decoder: the same tokens as eager generation, with padding or without, a few
-graphs shared across prompt lengths and decoding steps, the weights frozen (prepacked for MKL's or oneDNN's GEMM,
-whichever is faster here); and ``vitlab.optimize.optimize`` on a Llama or on a LLaVA-style model's language
-model."""
+graphs shared across prompt lengths and decoding steps, the weights frozen (prepacked for MKL's, oneDNN's or
+vitlab's GEMM, whichever is fastest here); and ``vitlab.optimize.optimize`` on a Llama or on a LLaVA-style model's
+language model."""
 
 from __future__ import annotations
 
@@ -15,13 +15,16 @@ import vitlab
 from vitlab.models.llama import Llama
 from vitlab.optimize import explain, kernels, optimize
 from vitlab.optimize.llama import (
+    GEMMS,
     CompiledLlama,
     KernelLlamaAttention,
+    PackedLinear,
     compile_llama,
     faster_gemm,
     packed_gemm_times,
     packed_gemms_available,
     with_fused_attention,
+    with_packed_linears,
 )
 from vitlab.vlm.llava import LLaVA
 
@@ -91,21 +94,36 @@ def test_the_gemm_library_is_timed_on_the_models_weight_shapes():
     model = vitlab.create_model("llama_tiny").eval()
     weights = [model.layers[0].attn.qkv.weight, model.lm_head.weight]
     times = packed_gemm_times(weights, rows=3, runs=3)
-    assert set(times) == {"mkl", "onednn"} and all(t > 0 for t in times.values())
-    assert faster_gemm(model, 3) in ("mkl", "onednn") and faster_gemm(model, 3) == faster_gemm(model, 3)
+    assert set(times) == {"mkl", "onednn"} | ({"vitlab"} if kernels.available() else set())
+    assert all(t > 0 for t in times.values())
+    assert faster_gemm(model, 3) in GEMMS[1:] and faster_gemm(model, 3) == faster_gemm(model, 3)
     with pytest.raises(ValueError, match="gemm must be one of"):
         compile_llama(model, gemm="openblas")
 
 
+def test_vitlab_gemm_without_the_kernels_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr(kernels, "_library", lambda: None)
+    monkeypatch.setattr(kernels, "_reason", "no C++ compiler found (set CXX, or install g++)")
+    model = vitlab.create_model("llama_tiny").eval()
+    with pytest.raises(ValueError, match="gemm='vitlab' needs vitlab's CPU kernels.*no C\\+\\+ compiler"):
+        compile_llama(model, gemm="vitlab")
+    assert set(packed_gemm_times([model.lm_head.weight], rows=2, runs=1)) == {"mkl", "onednn"}
+
+
 @pytest.mark.slow  # Inductor compiles C++ (a minute or two on two cores)
-@pytest.mark.parametrize("gemm", ["onednn", "mkl"])
+@pytest.mark.parametrize("gemm", ["onednn", "mkl", "vitlab"])
 def test_the_chosen_gemm_library_runs_every_linear(gemm):
     """``gemm="onednn"`` hands every GEMM with more than one row to oneDNN's kernel (symbolic row counts), prompt
-    and decoding steps, with a padding mask or without; ``"mkl"`` leaves them all to MKL's packed sgemm. The same
-    tokens as eager either way."""
+    and decoding steps, with a padding mask or without; ``"mkl"`` leaves them all to MKL's packed sgemm;
+    ``"vitlab"`` runs the linear layers on vitlab's packed kernel (the prompt's last block, which projects the last
+    position's query alone through a slice of the weight, stays with Inductor's MKL). The same tokens as eager
+    every way."""
     from torch.profiler import ProfilerActivity, profile
 
     assert packed_gemms_available()
+    if gemm == "vitlab" and not kernels.available():
+        assert kernels._unavailable_reason() is not None, kernels.status()  # no toolchain here, not a failed build
+        pytest.skip(f"CPU kernels: {kernels.status()}")
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = vitlab.create_model("llama_tiny").eval()
@@ -119,8 +137,11 @@ def test_the_chosen_gemm_library_runs_every_linear(gemm):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             assert torch.equal(model.generate(ids, 6, forward=fast, **kwargs), want)
         ran = {e.key for e in prof.key_averages()}
+        if gemm == "vitlab":
+            assert PACKED in ran and "mkldnn::_linear_pointwise" not in ran, sorted(k for k in ran if "linear" in k)
+            continue
         mine, other = ("mkldnn::_linear_pointwise", "mkl::_mkl_linear")[:: 1 if gemm == "onednn" else -1]
-        assert mine in ran and other not in ran, sorted(k for k in ran if "linear" in k or "mm" in k)
+        assert mine in ran and other not in ran and PACKED not in ran, sorted(k for k in ran if "linear" in k)
 
 
 def _ran(fn) -> set[str]:
@@ -133,6 +154,7 @@ def _ran(fn) -> set[str]:
 
 
 FUSED = "vitlab_kernels::causal_attention"
+PACKED = "vitlab_kernels::packed_linear"
 
 
 @pytest.fixture
@@ -168,6 +190,24 @@ def test_fused_attention_snapshot_runs_the_kernel_for_prompts_only(kernels_built
         mask[0, :4] = 0
         assert FUSED not in _ran(lambda: fused(ids, attention_mask=mask))
         assert torch.equal(fused.generate(ids, 5, attention_mask=mask), model.generate(ids, 5, attention_mask=mask))
+
+
+def test_packed_linear_snapshot_equals_the_model(kernels_built):
+    """The snapshot's linear layers run vitlab's packed GEMM on packed copies of the shared weights: eager's logits
+    and tokens, the model itself untouched, the same state dict (the packed copies are not saved)."""
+    torch.manual_seed(0)
+    model = vitlab.create_model("llama_tiny").eval()
+    packed = with_packed_linears(with_fused_attention(model))
+    assert set(_tensors(model)) <= set(_tensors(packed))  # shared; the packed copies are new buffers
+    linears = [m for m in packed.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is PackedLinear for m in linears)
+    assert not any(type(m) is PackedLinear for m in model.modules())
+    assert packed.state_dict().keys() == model.state_dict().keys()
+    ids = torch.randint(3, 512, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids), model(ids), atol=1e-4, rtol=1e-4)
+        assert PACKED in _ran(lambda: packed(ids))
+        assert torch.equal(packed.generate(ids, 6), model.generate(ids, 6))
 
 
 @pytest.mark.slow  # Inductor compiles C++ (a minute or two on two cores)

@@ -53,6 +53,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from vitlab.layers.mlp import SwiGLU
 from vitlab.models.llama import KVCache, Llama, LlamaAttention, check_sampling
 from vitlab.optimize import cpu as cpuinfo
 from vitlab.optimize import kernels
@@ -116,13 +117,39 @@ class PackedLinear(nn.Linear):
                                                       kernels.isa_code())
 
 
+class PackedSwiGLU(SwiGLU):
+    """:class:`~vitlab.layers.mlp.SwiGLU` whose first layer and gate are one
+    :func:`vitlab.optimize.kernels.packed_linear` call with ``glu=True`` on ``packed``, a packed copy of ``fc1``'s
+    weight: ``silu(gate) * value`` comes out of the GEMM's registers, the (tokens, 2 hidden) pre-activations never
+    written. ``fc2`` is a :class:`PackedLinear`. Made by :func:`with_packed_linears`, never built directly."""
+
+    packed: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.ops.vitlab_kernels.packed_linear(x, self.packed, self.fc1.bias, self.hidden_features,
+                                                   kernels.isa_code(), True)
+        return self.drop2(self.fc2(self.drop1(h)))
+
+
 def with_packed_linears(model: nn.Module) -> nn.Module:
     """A snapshot of ``model`` (its module tree copied, its tensors shared) whose fp32 CPU linear layers are
-    :class:`PackedLinear`, each holding a packed copy of its weight (as much memory again as those weights);
-    ``model`` itself unchanged. Needs the kernels (:func:`vitlab.optimize.kernels.available`)."""
+    :class:`PackedLinear` and whose SwiGLU layers are :class:`PackedSwiGLU`, each holding a packed copy of its
+    weight (as much memory again as those weights); ``model`` itself unchanged. Needs the kernels
+    (:func:`vitlab.optimize.kernels.available`)."""
     snapshot = share_copy(model)
+
+    def fp32_cpu(linear: nn.Linear) -> bool:
+        return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+
+    gated = set()  # SwiGLU first layers, packed with their gate
     for m in snapshot.modules():
-        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+        if type(m) is SwiGLU and fp32_cpu(m.fc1):
+            m.__class__ = PackedSwiGLU
+            m.register_buffer("packed", kernels.pack_linear_weight(m.fc1.weight.detach(), glu=True),
+                              persistent=False)
+            gated.add(m.fc1)
+    for m in snapshot.modules():
+        if type(m) is nn.Linear and fp32_cpu(m) and m not in gated:
             m.__class__ = PackedLinear
             m.register_buffer("packed", kernels.pack_linear_weight(m.weight.detach()), persistent=False)
     return snapshot

@@ -178,42 +178,56 @@ def window_attention(qkv: torch.Tensor, window: int, heads: int, scale: float | 
     return torch.ops.vitlab_kernels.window_attention(qkv, window, heads, scale, _ISA_CODE)
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_linear_weight(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
     """``weight`` (out_features, in_features), an fp32 CPU linear layer's, laid out for :func:`packed_linear` on
     this process's instruction set: panels of 16 (AVX2) or 32 (AVX-512) output features, each (in_features, 16 or
-    32) with the features innermost, zero past the last feature; (ceil(out / panel), in, panel), a copy."""
+    32) with the features innermost, zero past the last feature; (ceil(out / panel), in, panel), a copy.
+
+    ``glu``: ``weight`` is a SwiGLU's first layer, its gate's h rows over its value's h (``SwiGLU.fc1``); each
+    panel then holds half a panel of gate features beside the same value features, (ceil(h / (panel / 2)), in,
+    panel), for ``packed_linear(..., glu=True)``."""
     _require()
     _check(weight)
-    if weight.dim() != 2 or 0 in weight.shape:
-        raise ValueError(f"pack_linear_weight takes a non-empty (out_features, in_features) matrix, got "
-                         f"{tuple(weight.shape)}")
-    return _pack(weight)
+    if weight.dim() != 2 or 0 in weight.shape or (glu and weight.shape[0] % 2):
+        raise ValueError(f"pack_linear_weight takes a non-empty (out_features, in_features) matrix"
+                         f"{', out_features even (gate and value rows)' if glu else ''}, got {tuple(weight.shape)}")
+    return _pack(weight, glu)
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def _pack(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
     nr = _PANEL[_ISA_CODE]
     n, k = weight.shape
-    return F.pad(weight, (0, 0, 0, -n % nr)).view(-1, nr, k).transpose(1, 2).contiguous()
+    if glu:  # (2, h, k) -> per panel: nr / 2 gate rows, then the same value rows
+        half = nr // 2
+        rows = F.pad(weight.view(2, n // 2, k), (0, 0, 0, -(n // 2) % half))
+        weight = rows.view(2, -1, half, k).transpose(0, 1).reshape(-1, k)  # whole panels
+    return F.pad(weight, (0, 0, 0, -weight.shape[0] % nr)).view(-1, nr, k).transpose(1, 2).contiguous()
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+                  glu: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for fp32 CPU tensors, ``packed = pack_linear_weight(weight)``: x (..., in)
     with a contiguous last dimension; returns (..., out_features), contiguous. Register blocks of x's rows
     against the weight's panels, the weight's loads contiguous; on AVX2 it runs nearer the CPU's FMA peak than
     oneDNN's or MKL's GEMMs at a few hundred rows or more (``benchmarks/llama_generate.py``), which is where
-    :func:`vitlab.optimize.llama.compile_llama` uses it when measured faster."""
+    :func:`vitlab.optimize.llama.compile_llama` uses it when measured faster.
+
+    ``glu``: a SwiGLU's first layer and its gate, ``packed = pack_linear_weight(fc1.weight, glu=True)``: returns
+    ``silu(gate) * value`` (..., out_features = h) for ``gate, value = F.linear(x, fc1.weight, bias).chunk(2, -1)``,
+    the 2h pre-activations never written to memory."""
     _require()
     _check(x, packed, *(() if bias is None else (bias,)))
     nr = _PANEL[_ISA_CODE]
+    width = nr // 2 if glu else nr
     if (x.dim() < 1 or packed.dim() != 3 or packed.shape[2] != nr or packed.shape[1] != x.shape[-1]
-            or out_features < 1 or packed.shape[0] != -(-out_features // nr)):
-        raise ValueError(f"packed_linear: packed must be pack_linear_weight's (ceil(out / {nr}), in, {nr}) for x "
-                         f"(..., in) and out_features {out_features}, got {tuple(packed.shape)} and x "
-                         f"{tuple(x.shape)}")
-    if bias is not None and bias.shape != (out_features,):
-        raise ValueError(f"packed_linear: bias must be ({out_features},), got {tuple(bias.shape)}")
-    return torch.ops.vitlab_kernels.packed_linear(x, packed.contiguous(), bias, out_features, _ISA_CODE)
+            or out_features < 1 or packed.shape[0] != -(-out_features // width)):
+        raise ValueError(f"packed_linear: packed must be pack_linear_weight's (ceil(out / {width}), in, {nr}) for x "
+                         f"(..., in) and out_features {out_features}{' (glu)' if glu else ''}, got "
+                         f"{tuple(packed.shape)} and x {tuple(x.shape)}")
+    if bias is not None and bias.shape != ((2 if glu else 1) * out_features,):
+        raise ValueError(f"packed_linear: bias must be ({(2 if glu else 1) * out_features},), got "
+                         f"{tuple(bias.shape)}")
+    return torch.ops.vitlab_kernels.packed_linear(x, packed.contiguous(), bias, out_features, _ISA_CODE, glu)
 
 
 def _check(*tensors: torch.Tensor) -> None:
@@ -312,6 +326,11 @@ def _self_check() -> str | None:
         out = torch.ops.vitlab_kernels.packed_linear(x, _pack(w), b, 21, code)
         if not torch.allclose(out, F.linear(x, w, b), atol=1e-4):  # ragged rows and features, a bias
             return "packed_linear disagrees with F.linear"
+        w, b = w[:20], b[:20]  # a SwiGLU's 10 gate and 10 value features
+        out = torch.ops.vitlab_kernels.packed_linear(x, _pack(w, True), b, 10, code, True)
+        gate, value = F.linear(x, w, b).chunk(2, -1)
+        if not torch.allclose(out, F.silu(gate) * value, atol=1e-4):
+            return "packed_linear's SwiGLU gate disagrees with F.silu"
     return None
 
 
@@ -329,7 +348,7 @@ def _register_fakes() -> None:
         return q.new_empty(B, N, H, D).transpose(1, 2)
 
     @torch.library.register_fake("vitlab_kernels::packed_linear")
-    def _(x, packed, bias, out_features, isa):
+    def _(x, packed, bias, out_features, isa, glu=False):
         return x.new_empty(*x.shape[:-1], out_features)
 
     @torch.library.register_fake("vitlab_kernels::window_attention")

@@ -10,6 +10,7 @@
 // own libgomp threads (at::get_num_threads()).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -126,20 +127,32 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 // x (..., K) W^T + bias, W (N, K) prepacked into panels of 2 vector widths of features for the `isa` path
-// (packed: (ceil(N / NR), K, NR), gemm_body.h). Returns (..., N), contiguous.
+// (packed: (ceil(N / NR), K, NR), gemm_body.h). Returns (..., N), contiguous. With `glu`, W stacks a SwiGLU's gate
+// rows over its value rows (2N of them, bias 2N), packed as gemm_body.h's glu says (ceil(N / VW), K, NR), and the
+// result is silu(gate) * value, (..., N).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                         int64_t out_features, int64_t isa) {
+                         int64_t out_features, int64_t isa, bool glu) {
   check(x, "x"), check(packed, "packed");
   TORCH_CHECK(isa == 512 || isa == 2, "vitlab_kernels: isa must be 512 (AVX-512) or 2 (AVX2), got ", isa);
   TORCH_CHECK(x.dim() >= 1, "vitlab_kernels::packed_linear: x must be (..., K)");
-  const int64_t nr = isa == 512 ? vitlab_avx512::NR : vitlab_avx2::NR, K = x.size(-1), N = out_features;
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && K > 0 && N > 0 && packed.size(0) == (N + nr - 1) / nr &&
+  const int64_t nr = isa == 512 ? vitlab_avx512::NR : vitlab_avx2::NR, width = glu ? nr / 2 : nr;
+  const int64_t K = x.size(-1), N = out_features, panels = (N + width - 1) / width;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && K > 0 && N > 0 && packed.size(0) == panels &&
                   packed.size(1) == K && packed.size(2) == nr,
-              "vitlab_kernels::packed_linear: packed must be (ceil(N / ", nr, "), K, ", nr, ") for N = out_features ",
-              "and x (..., K), got ", packed.sizes(), " and ", x.sizes());
+              "vitlab_kernels::packed_linear: packed must be (ceil(N / ", width, "), K, ", nr,
+              ") for N = out_features and x (..., K), got ", packed.sizes(), " and ", x.sizes());
+  at::Tensor init;  // the bias in the panels' order, padded: panels x NR floats
   if (bias) {
     check(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "vitlab_kernels::packed_linear: bias must be (N,)");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == (glu ? 2 : 1) * N,
+                "vitlab_kernels::packed_linear: bias must be (", (glu ? 2 : 1) * N, ",)");
+    if (glu) {  // gate and value features of each panel side by side
+      const at::Tensor halves = bias->view({2, N});
+      init = at::constant_pad_nd(halves, {0, panels * width - N}).view({2, panels, width}).transpose(0, 1);
+      init = init.contiguous();
+    } else {
+      init = at::constant_pad_nd(*bias, {0, panels * nr - N});
+    }
   }
   const at::Tensor rows = x.reshape({-1, K});  // a view where the rows are evenly strided, else a copy
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -148,7 +161,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
   if (out.numel() == 0) return out;
   auto fn = isa == 512 ? vitlab_avx512::packed_linear : vitlab_avx2::packed_linear;
   check_rc(fn(rows.data_ptr<float>(), rows.stride(0), packed.data_ptr<float>(),
-              bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), rows.size(0), (int)K, (int)N,
+              bias ? init.data_ptr<float>() : nullptr, out.data_ptr<float>(), rows.size(0), (int)K, (int)N, glu,
               at::get_num_threads()),
            "packed_linear");
   return out;
@@ -160,7 +173,8 @@ TORCH_LIBRARY(vitlab_kernels, m) {
   m.def("lofi_attention(Tensor q, Tensor k, Tensor v, float scale, int isa) -> Tensor");
   m.def("window_attention(Tensor qkv, int window, int heads, float scale, int isa) -> Tensor");
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale, int isa) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int isa) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int isa, bool glu=False) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vitlab_kernels, CPU, m) {
