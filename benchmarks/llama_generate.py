@@ -18,8 +18,9 @@ same tokens as transformers is recorded (in fp32 they do; in bf16 rounding can p
 
 Implementations: ``vitlab`` (eager), ``vitlab_compiled`` (``vitlab.optimize.optimize(model)``, which for a Llama is
 :func:`vitlab.optimize.llama.compile_llama`: prefill and decoding step compiled by Inductor with frozen weights, in
-fp32 on the CPU the prompt's attention on vitlab's fused causal kernel, and a
-:class:`~vitlab.optimize.llama.CompiledLlama` that keeps its KV cache between calls),
+fp32 on the CPU the prompt's attention on vitlab's fused causal kernel and the linear layers' GEMMs on the fastest
+of MKL's, oneDNN's and vitlab's packed kernel, measured at the first prompt and the first decoding step (recorded
+as the row's ``gemm``), and a :class:`~vitlab.optimize.llama.CompiledLlama` that keeps its KV cache between calls),
 ``hf`` (eager, its dynamic cache), and with ``--hf-static`` ``hf_static`` (transformers' static cache with its own
 ``torch.compile`` of the decoding step: ``CompileConfig`` with its defaults, allowed on the CPU).
 
@@ -78,7 +79,9 @@ IMPLS = {
     "vitlab": "vitlab Llama.generate, eager (preallocated KV cache)",
     "vitlab_compiled": "vitlab.optimize.optimize(model, backend='compile'): prefill and decoding step compiled by "
                        "Inductor, weights frozen and prepacked, C++ wrapper, the prompt's attention on vitlab's fused "
-                       "CPU kernel (fp32); the KV cache kept between calls",
+                       "CPU kernel (fp32), the linear layers' GEMMs on the fastest of MKL's, oneDNN's and vitlab's "
+                       "packed kernel as measured at each phase's first call (fp32 CPU; the row's 'gemm'); the KV "
+                       "cache kept between calls",
     "hf": "transformers LlamaForCausalLM.generate, eager (its dynamic cache): the denominator of both targets",
     "hf_static": "transformers generate with cache_implementation='static' and its CompileConfig defaults, "
                  "allowed on the CPU (_compile_all_devices): transformers' own compiled decoding",
@@ -212,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                         ratios = [h / o for o, h in zip(t[impl], t[peer])]
                         row[f"{phase}_vs_{peer}"] = statistics.median(ratios)
                         row[f"{phase}_vs_{peer}_range"] = [min(ratios), max(ratios)]
+            if impl == "vitlab_compiled":  # which GEMM each phase ran (chosen by measurement at its first call)
+                row["gemm"] = {phase: fast.compiled.gemms.get((b, prompt))  # None: no choice (not fp32 CPU)
+                               for phase, prompt in (("prefill", True), ("decode", False))}
             rows.append(row)
     result = dict(benchmark="llama_generate", model=args.model, params=params,
                   dtype=str(DTYPES[args.dtype]).removeprefix("torch."),

@@ -138,6 +138,21 @@ def test_packed_linear_equals_linear(isa, m, k, n, bias):
     torch.testing.assert_close(out.double(), ref, atol=2e-6 * k, rtol=1e-5)  # fp32 sums of k products
 
 
+@pytest.mark.parametrize("m", [1, 7, 97])
+@pytest.mark.parametrize("h", [1, 8, 21, 64])  # hidden features ragged against the 8- and 16-feature half panels
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_swiglu_gate_equals_silu_of_the_linear(isa, m, h, bias):
+    k = 40
+    x, w, b = torch.randn(m, k), torch.randn(2 * h, k), torch.randn(2 * h) if bias else None
+    x[0, :3] = torch.tensor([30.0, -30.0, 0.0])  # gates far out on both sides
+    packed = kernels.pack_linear_weight(w, glu=True)
+    with torch.no_grad():
+        out = kernels.packed_linear(x, packed, h, b, glu=True)
+    gate, value = F.linear(x.double(), w.double(), None if b is None else b.double()).chunk(2, -1)
+    assert out.shape == (m, h) and out.is_contiguous()
+    torch.testing.assert_close(out.double(), F.silu(gate) * value, atol=1e-4, rtol=1e-5)
+
+
 def test_packed_linear_takes_batched_and_strided_inputs(isa):
     w, b = torch.randn(48, 64), torch.randn(48)
     packed = kernels.pack_linear_weight(w)
@@ -197,8 +212,8 @@ def test_unsupported_input_is_a_clear_error(built):
         with pytest.raises(RuntimeError, match="isa must be"):  # the operator itself checks its path
             torch.ops.vitlab_kernels.lofi_attention(*[torch.randn(1, 2, 8, 16)] * 3, 0.25, 7)
         packed = kernels.pack_linear_weight(torch.randn(20, 8))
-        with pytest.raises(ValueError, match="out_features 21"):  # a weight of another layer
-            kernels.packed_linear(torch.randn(3, 8), packed, 21)
+        with pytest.raises(ValueError, match="out_features 40"):  # a weight of another layer
+            kernels.packed_linear(torch.randn(3, 8), packed, 40)
         with pytest.raises(ValueError, match=r"x \(3, 9\)"):
             kernels.packed_linear(torch.randn(3, 9), packed, 20)
         with pytest.raises(ValueError, match=r"bias must be \(20,\)"):
@@ -207,6 +222,10 @@ def test_unsupported_input_is_a_clear_error(built):
             kernels.packed_linear(torch.randn(8, 3).t(), packed, 20)
         with pytest.raises(ValueError, match="non-empty"):
             kernels.pack_linear_weight(torch.randn(0, 8))
+        with pytest.raises(ValueError, match="out_features even"):
+            kernels.pack_linear_weight(torch.randn(7, 8), glu=True)
+        with pytest.raises(ValueError, match=r"out_features 20 \(glu\)"):  # packed without its gate
+            kernels.packed_linear(torch.randn(3, 8), packed, 20, glu=True)
         other = 2 if kernels.isa_code() == 512 else 512  # the other path's panels are another width
         with pytest.raises(RuntimeError, match="packed must be"):
             torch.ops.vitlab_kernels.packed_linear(torch.randn(3, 8), packed, None, 20, other)

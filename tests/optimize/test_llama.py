@@ -19,6 +19,7 @@ from vitlab.optimize.llama import (
     CompiledLlama,
     KernelLlamaAttention,
     PackedLinear,
+    PackedSwiGLU,
     compile_llama,
     faster_gemm,
     packed_gemm_times,
@@ -193,14 +194,16 @@ def test_fused_attention_snapshot_runs_the_kernel_for_prompts_only(kernels_built
 
 
 def test_packed_linear_snapshot_equals_the_model(kernels_built):
-    """The snapshot's linear layers run vitlab's packed GEMM on packed copies of the shared weights: eager's logits
-    and tokens, the model itself untouched, the same state dict (the packed copies are not saved)."""
+    """The snapshot's linear layers run vitlab's packed GEMM on packed copies of the shared weights, its SwiGLU
+    layers with the gate in the GEMM: eager's logits and tokens, the model itself untouched, the same state dict
+    (the packed copies are not saved)."""
     torch.manual_seed(0)
     model = vitlab.create_model("llama_tiny").eval()
     packed = with_packed_linears(with_fused_attention(model))
     assert set(_tensors(model)) <= set(_tensors(packed))  # shared; the packed copies are new buffers
-    linears = [m for m in packed.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(type(m) is PackedLinear for m in linears)
+    assert all(type(b.mlp) is PackedSwiGLU for b in packed.layers)
+    assert all(type(m) is PackedLinear for m in packed.modules()
+               if isinstance(m, torch.nn.Linear) and not any(m is b.mlp.fc1 for b in packed.layers))
     assert not any(type(m) is PackedLinear for m in model.modules())
     assert packed.state_dict().keys() == model.state_dict().keys()
     ids = torch.randint(3, 512, (2, 30))

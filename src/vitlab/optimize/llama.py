@@ -251,7 +251,10 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
     size, so that a prompt and a decoding step may run different ones). ``"mkl"`` holds where the row count is
     static: once prompts of several lengths have made the prompt's length symbolic, Inductor gives that graph's
     GEMMs to oneDNN whatever the choice. ``fused_attention`` (fp32 on the CPU): the prompt's causal attention by
-    vitlab's fused kernel (:class:`KernelLlamaAttention`, where the kernels build here), else by SDPA."""
+    vitlab's fused kernel (:class:`KernelLlamaAttention`, where the kernels build here), else by SDPA.
+
+    The returned function's ``gemms`` says what ran: ``{(batch size, prompt): "mkl" | "onednn" | "vitlab"}``, a
+    prompt's calls under ``True`` and the decoding steps' under ``False``, filled in at their first calls."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     model.eval()
@@ -300,6 +303,7 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
             warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
             return compiled[key](input_ids, **kwargs)
 
+    forward.gemms = libraries
     return forward
 
 
