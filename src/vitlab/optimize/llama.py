@@ -183,7 +183,7 @@ def packed_gemm_times(weights: list[torch.Tensor], rows: int, runs: int = 5) -> 
 
         fns = {"mkl": run_mkl, "onednn": run_onednn}
         if kernels.available():
-            own = [kernels.pack_linear_weight(w) for w in weights]
+            own = [kernels.pack_linear_weight(w.detach()) for w in weights]
 
             def run_vitlab():
                 for x, p, w in zip(xs, own, weights):
