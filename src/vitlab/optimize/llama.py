@@ -45,6 +45,7 @@ oneDNN; where vitlab's wins, the call runs a snapshot whose linear layers are :c
 
 from __future__ import annotations
 
+import functools
 import statistics
 import types
 import warnings
@@ -161,57 +162,59 @@ def packed_gemms_available() -> bool:
     return bool(torch._C.has_mkl) and torch.backends.mkldnn.is_available()
 
 
-def packed_gemm_times(weights: list[torch.Tensor], rows: int, runs: int = 5) -> dict[str, float]:
-    """Seconds per pass over ``weights`` ((out, in) fp32 CPU matrices), one product each with an input of
-    ``rows`` rows (at most :data:`GEMM_MAX_ROWS`), by each packed kernel a frozen fp32 linear may run:
-    ``"mkl"`` (``mkl._mkl_linear``) and ``"onednn"`` (``mkldnn._linear_pointwise``), Inductor's, and where the
-    kernels are available ``"vitlab"`` (:func:`vitlab.optimize.kernels.packed_linear`); medians of ``runs``
-    round-robin runs after one warm-up."""
-    rows = max(1, min(rows, GEMM_MAX_ROWS))
+def packed_gemm_times(weights: list[torch.Tensor], rows: int | list[int], runs: int = 7,
+                      counts: list[int] | None = None) -> dict[str, float]:
+    """Seconds per pass over ``weights`` ((out, in) fp32 CPU matrices): ``counts[i]`` products (default one) with
+    ``weights[i]`` of an input of ``rows`` rows (or ``rows[i]``; at most :data:`GEMM_MAX_ROWS`), by each packed
+    kernel a frozen fp32 linear may run: ``"mkl"`` (``mkl._mkl_linear``) and ``"onednn"``
+    (``mkldnn._linear_pointwise``), Inductor's, and where the kernels are available ``"vitlab"``
+    (:func:`vitlab.optimize.kernels.packed_linear`). Each product is timed on its own, ``runs`` round-robin runs
+    after one warm-up, and its median counted ``counts[i]`` times: a model's many block layers weigh as much as
+    they take, its one output layer no more."""
+    rows = [rows] * len(weights) if isinstance(rows, int) else rows
+    counts = counts or [1] * len(weights)
+    fns = {}
     with torch.no_grad():
-        xs = [torch.randn(rows, w.shape[1]) for w in weights]
-        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
-        dnn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-
-        def run_mkl():
-            for x, w, p in zip(xs, weights, mkl):
-                torch.ops.mkl._mkl_linear(x, p, w, None, rows)
-
-        def run_onednn():
-            for x, p in zip(xs, dnn):
-                torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-
-        fns = {"mkl": run_mkl, "onednn": run_onednn}
-        if kernels.available():
-            own = [kernels.pack_linear_weight(w.detach()) for w in weights]
-
-            def run_vitlab():
-                for x, p, w in zip(xs, own, weights):
-                    kernels.packed_linear(x, p, w.shape[0])
-
-            fns["vitlab"] = run_vitlab
+        for i, (w, r) in enumerate(zip(weights, rows)):
+            r = max(1, min(r, GEMM_MAX_ROWS))
+            x = torch.randn(r, w.shape[1])
+            mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, r)
+            dnn = torch.ops.mkldnn._reorder_linear_weight(w, r)
+            fns[f"mkl:{i}"] = functools.partial(torch.ops.mkl._mkl_linear, x, mkl, w, None, r)
+            fns[f"onednn:{i}"] = functools.partial(torch.ops.mkldnn._linear_pointwise, x, dnn, None, "none", [], "")
+            if kernels.available():  # the operator itself, as a compiled graph calls it
+                own = kernels.pack_linear_weight(w.detach())
+                fns[f"vitlab:{i}"] = functools.partial(torch.ops.vitlab_kernels.packed_linear, x, own, None,
+                                                       w.shape[0], kernels.isa_code())
         times = round_robin_times(fns, torch.device("cpu"), warmup=1, runs=runs)
-    return {k: statistics.median(v) for k, v in times.items()}
+    total: dict[str, float] = {}
+    for key, t in times.items():
+        library, i = key.split(":")
+        total[library] = total.get(library, 0.0) + counts[int(i)] * statistics.median(t)
+    return total
 
 
-# (weight shapes, timed rows, threads) -> "mkl" | "onednn" | "vitlab", measured in this process
+# (weight shapes, their rows and counts, threads) -> "mkl" | "onednn" | "vitlab", measured in this process
 _GEMM_CHOICES: dict[tuple, str] = {}
 
 
-def faster_gemm(model: nn.Module, rows: int) -> str:
-    """``"mkl"``, ``"onednn"`` or ``"vitlab"``: the packed kernel that runs ``model``'s linear weights (one of each
-    shape) fastest on this machine for an input of ``rows`` rows (:func:`packed_gemm_times`); MKL's, Inductor's own
-    choice, unless another is faster by :data:`GEMM_MARGIN`. Measured once per process for each set of shapes, row
-    count and thread count."""
-    weights = {}
-    for m in model.modules():
+def faster_gemm(model: nn.Module, rows: int, head_rows: int | None = None) -> str:
+    """``"mkl"``, ``"onednn"`` or ``"vitlab"``: the packed kernel that runs ``model``'s fp32 linear layers fastest
+    on this machine (:func:`packed_gemm_times`, each weight shape as often as the model has it) for inputs of
+    ``rows`` rows, its output layer ``lm_head`` of ``head_rows`` (a prompt whose logits are wanted for its last
+    position only: the batch size); MKL's, Inductor's own choice, unless another is faster by
+    :data:`GEMM_MARGIN`. Measured once per process for each set of shapes, row counts and thread count."""
+    products: dict[tuple, list] = {}  # (shape, rows) -> [weight, count]
+    for name, m in model.named_modules():
         if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
-            weights.setdefault(tuple(m.weight.shape), m.weight.detach())
-    key = (tuple(weights), max(1, min(rows, GEMM_MAX_ROWS)), torch.get_num_threads())
-    if not weights:
+            r = max(1, min(head_rows if head_rows and name.split(".")[-1] == "lm_head" else rows, GEMM_MAX_ROWS))
+            products.setdefault((tuple(m.weight.shape), r), [m.weight.detach(), 0])[1] += 1
+    if not products:
         return "mkl"
+    key = (tuple((k, c) for k, (_, c) in products.items()), torch.get_num_threads())
     if key not in _GEMM_CHOICES:
-        t = packed_gemm_times(list(weights.values()), rows)
+        t = packed_gemm_times([w for w, _ in products.values()], [r for _, r in products],
+                              counts=[c for _, c in products.values()])
         best = min(t, key=t.get)
         _GEMM_CHOICES[key] = best if t[best] < t["mkl"] * (1 - GEMM_MARGIN) else "mkl"
     return _GEMM_CHOICES[key]
@@ -286,7 +289,8 @@ def compile_llama(model: nn.Module, prefill: bool = True, options: dict | None =
         if choose:
             kind = (b, n > 1)
             if kind not in libraries:
-                libraries[kind] = faster_gemm(model, b * n) if gemm == "auto" else gemm
+                head = b if kwargs.get("logits_to_keep") == 1 else None  # generate's prompt: the last logits only
+                libraries[kind] = faster_gemm(model, b * n, head) if gemm == "auto" else gemm
             library = libraries[kind]
             if library == "onednn":
                 kwargs["input_ids"] = input_ids
