@@ -1,6 +1,6 @@
-"""Fused fp32 CPU attention kernels, built on first use by ``torch.utils.cpp_extension`` as PyTorch operators
-(``torch.ops.vitlab_kernels``): HiLo's two attention cores (Pan et al., NeurIPS 2022) and a decoder's causal
-prompt attention.
+"""Fused fp32 CPU kernels, built on first use by ``torch.utils.cpp_extension`` as PyTorch operators
+(``torch.ops.vitlab_kernels``): HiLo's two attention cores (Pan et al., NeurIPS 2022), a decoder's causal prompt
+attention, and a linear layer against a prepacked weight.
 
 HiLo's two attention cores are shapes that PyTorch's CPU kernels serve poorly:
 
@@ -15,16 +15,25 @@ PyTorch's CPU flash kernel runs in small query blocks (32 rows at 128 tokens) th
 online softmax; the kernel keeps a block of query rows against every key it may see in registers and never
 touches the keys above the diagonal (:mod:`vitlab.optimize.llama` uses it for a Llama's prefill).
 
-All three compute what ``F.scaled_dot_product_attention`` computes (max |diff| ~1e-6 in fp32) and have no
-backward: they are for fp32 CPU inference, applied from outside the models by
+All three compute what ``F.scaled_dot_product_attention`` computes (max |diff| ~1e-6 in fp32).
+
+:func:`packed_linear` is ``F.linear`` against a weight packed once (:func:`pack_linear_weight`) into panels of
+two vector widths of output features: the classic register-blocked outer-product GEMM (Goto & van de Geijn, 2008),
+whose loop is bound by the FMA units; with ``glu=True`` a SwiGLU's gate is applied to the product in registers.
+On AMD's Zen 4 it runs the large products of a decoder's prompt nearer the FMA peak than oneDNN's or MKL's GEMMs
+under AVX2 (not under AVX-512, where oneDNN's lead), and the few-row products of its decoding steps faster than
+both under either (``docs/benchmarks.md``); :func:`vitlab.optimize.llama.compile_llama` measures it against them
+on the machine it runs on.
+
+None has a backward: they are for fp32 CPU inference, applied from outside the models by
 :func:`vitlab.optimize.hilo.swap_hilo` (``vitlab.optimize.optimize(model, backend="kernels")``) and
 :func:`vitlab.optimize.llama.compile_llama`.
 
-Instruction sets. ``attention.cpp`` compiles the kernel bodies (``simd.h``, ``hilo_body.h``, ``causal_body.h``)
-twice, for AVX2 + FMA (8-float vectors, register blocks sized for 16 registers; what ``-mavx2 -mfma`` gives) and
-for AVX-512 (16-float vectors, 32 registers), and each call runs the path of ATen's CPU capability
-(``torch.backends.cpu.get_cpu_capability()``): the CPU's best, or what ``ATEN_CPU_CAPABILITY=avx2`` asks, which
-measures the AVX2 path on an AVX-512 machine. :func:`isa` says which.
+Instruction sets. ``ops.cpp`` compiles the kernel bodies (``simd.h``, ``hilo_body.h``, ``causal_body.h``,
+``gemm_body.h``) twice, for AVX2 + FMA (8-float vectors, register blocks sized for 16 registers; what
+``-mavx2 -mfma`` gives) and for AVX-512 (16-float vectors, 32 registers), and each call runs the path of ATen's
+CPU capability (``torch.backends.cpu.get_cpu_capability()``): the CPU's best, or what ``ATEN_CPU_CAPABILITY=avx2``
+asks, which measures the AVX2 path on an AVX-512 machine. :func:`isa` says which.
 
 Building. ``torch.utils.cpp_extension.load`` (needs a C++ compiler with OpenMP and ninja) compiles the source
 into a private temporary folder; the library is then renamed into the cache, atomically, under a name that
@@ -32,7 +41,7 @@ hashes the sources, the flags, the compiler and torch's version: ``$VITLAB_CACHE
 torch's extension folder (``$TORCH_EXTENSIONS_DIR/vitlab``, default ``~/.cache/torch_extensions/vitlab``). An
 exclusive ``flock`` on a lock file next to it makes concurrent processes (pytest-xdist workers) build once and
 the others wait and load it; a lock never outlives its process. A cached file that does not load is rebuilt
-once. The operators are checked against SDPA on small problems before their first use.
+once. The operators are checked against SDPA and ``F.linear`` on small problems before their first use.
 
 :func:`available` is False (and :func:`~vitlab.optimize.hilo.swap_hilo` swaps nothing) on anything but x86-64
 Linux with PyTorch's OpenMP backend and an AVX2 or AVX-512 ATen capability, without a C++ compiler or ninja,
