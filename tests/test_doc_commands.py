@@ -86,7 +86,8 @@ SKIPS: tuple[Skip, ...] = (
     Skip(r"runs/base/", "needs a trained DeiT-S run (runs/base): hours on the CPU"),
     # benchmark scripts: minutes of timing (kernels built, models compiled, many rounds)
     Skip(r"^python benchmarks/(optimize_vs_timm|hilo_cpu|clip_encode_image|tokens|export_speed|dpt_vs_transformers"
-         r"|dense_demo|llama_generate|vlm_demo|vlm_train_throughput|loader_throughput|train_mfu|eager_vs_timm|cait_folded)\.py",
+         r"|dense_demo|llama_generate|vlm_demo|vlm_train_throughput|loader_throughput|train_mfu|eager_vs_timm|cait_folded"
+         r"|packed_linear_cpu)\.py",
          "a benchmark script: minutes of compiling, training or timing on the CPU"),
     Skip(r"--checkpoint ~/llama-2", "needs Llama 2 weights (a download)"),
     Skip(r"--init llava-1.5-7b-hf/", "needs LLaVA-1.5-7B's transformers weights (a download)"),
