@@ -13,16 +13,14 @@ time / the kernel's (> 1: the kernel is faster), summarised by its median and mi
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
 
 import torch
 import torch.nn.functional as F
+from _kernel_bench import meta, parse
 
+from vitlab._io import write_json
 from vitlab.optimize import kernels
-from vitlab.optimize.cpu import cpu_model, isa
 from vitlab.timing import round_robin_times
 
 # (batch, heads, tokens, head width)
@@ -31,20 +29,9 @@ SHAPES = [(1, 10, 32, 64), (1, 10, 128, 64), (8, 10, 128, 64), (1, 32, 128, 128)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not kernels.available():
-        print(f"vitlab's CPU kernels are not available here: {kernels.status()}")
-        return 2
+    args = parse(__doc__, argv)
     torch.manual_seed(0)
     rows = []
-    print(f"{cpu_model()} ({isa()}), {torch.get_num_threads()} threads, kernel path {kernels.isa()}")
     with torch.inference_mode():
         for b, h, n, d in SHAPES:
             qkv = torch.randn(b, n, 3 * h * d)
@@ -60,11 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"B {b} heads {h:2d} N {n:4d} D {d:3d}: SDPA {row['sdpa_ms']:8.3f} ms, kernel "
                   f"{row['kernel_ms']:8.3f} ms, {row['sdpa_over_kernel']:.2f}x [{row['min']:.2f}-{row['max']:.2f}]")
     if args.json:
-        meta = {"cpu": cpu_model(), "isa": isa(), "kernel_isa": kernels.isa(), "threads": torch.get_num_threads(),
-                "torch": torch.__version__, "python": platform.python_version(), "runs": args.runs,
-                "warmup": args.warmup}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json(args.json, {"meta": meta(args), "rows": rows})
     return 0
 
 

@@ -15,15 +15,13 @@ vitlab's in the same run (> 1: vitlab's is faster), summarised by its median and
 
 from __future__ import annotations
 
-import argparse
-import platform
 import statistics
 
 import torch
+from _kernel_bench import meta, parse
 
 from vitlab._io import write_json
 from vitlab.optimize import kernels
-from vitlab.optimize.cpu import cpu_model, isa
 from vitlab.optimize.llama import packed_gemms_available
 from vitlab.timing import round_robin_times
 
@@ -32,23 +30,11 @@ ROWS = (1024, 8, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not kernels.available():
-        print(f"vitlab's CPU kernels are not available here: {kernels.status()}")
-        return 2
+    args = parse(__doc__, argv)
     if not packed_gemms_available():
-        print("this torch build lacks MKL or oneDNN: there is no packed library kernel to compare with")
-        return 2
+        raise SystemExit("this torch build lacks MKL or oneDNN: there is no packed library kernel to compare with")
     torch.manual_seed(0)
     rows = []
-    print(f"{cpu_model()} ({isa()}), {torch.get_num_threads()} threads, kernel path {kernels.isa()}")
     code = kernels.isa_code()
     with torch.inference_mode():
         for m in ROWS:
@@ -75,10 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['mkl_over_vitlab']:.2f}x, than oneDNN {row['onednn_over_vitlab']:.2f}x "
                       f"[{row['onednn_over_vitlab_range'][0]:.2f}-{row['onednn_over_vitlab_range'][1]:.2f}]")
     if args.json:
-        meta = {"cpu": cpu_model(), "isa": isa(), "kernel_isa": kernels.isa(), "threads": torch.get_num_threads(),
-                "torch": torch.__version__, "python": platform.python_version(), "runs": args.runs,
-                "warmup": args.warmup}
-        write_json(args.json, {"benchmark": "packed_linear_cpu", "meta": meta, "rows": rows})
+        write_json(args.json, {"benchmark": "packed_linear_cpu", "meta": meta(args), "rows": rows})
     return 0
 
 

@@ -552,10 +552,13 @@ def run_script(words: list[str], env: dict[str, str], cwd: Path) -> tuple[int, s
 
 
 def check_script_flags(words: list[str]) -> None:
-    """A benchmark script line, statically: the script exists and defines every ``--flag`` the line gives it."""
+    """A benchmark script line, statically: the script exists and defines every ``--flag`` the line gives it (itself
+    or through a ``benchmarks/_NAME.py`` helper it imports, ``from _NAME import ...``)."""
     script = Path(words[1])
     assert script.is_file(), f"{words[1]} does not exist"
     source = script.read_text()
+    for helper in re.findall(r"^from (_[a-z]\w*) import", source, flags=re.M):  # not __future__
+        source += (script.parent / f"{helper}.py").read_text()
     for w in words[2:]:
         flag = w.partition("=")[0]
         if flag.startswith("--"):
