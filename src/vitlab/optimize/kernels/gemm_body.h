@@ -8,7 +8,8 @@
  *   two weight vectors and one broadcast per step of k, so the loop is bound by the FMA units (12 of AVX2's 16
  *   registers, 24 of AVX-512's 32), the classic outer-product micro-kernel (Goto & van de Geijn, 2008, "Anatomy of
  *   High-Performance Matrix Multiplication"). x is read in place (no packing): a block of MR rows x KC columns
- *   stays in L1 while it meets the panels of a column group, whose KC x NR slices stay in L2.
+ *   stays in the near caches (L1 for AVX2's 6 rows, L2 for AVX-512's 12) while it meets the panels of a column
+ *   group, whose KC x NR slices stay in L2.
  *
  * Work items are (column group, row block) pairs, column-group major, split into contiguous ranges per thread:
  * a thread's consecutive items reuse the same weight panels. Long rows are cut into K blocks of at most KC
