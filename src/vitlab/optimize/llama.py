@@ -132,25 +132,26 @@ class PackedSwiGLU(SwiGLU):
         return self.drop2(self.fc2(self.drop1(h)))
 
 
+def _fp32_cpu(linear: nn.Linear) -> bool:
+    """Whether a linear layer's weight is one the packed CPU kernels take."""
+    return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+
+
 def with_packed_linears(model: nn.Module) -> nn.Module:
     """A snapshot of ``model`` (its module tree copied, its tensors shared) whose fp32 CPU linear layers are
     :class:`PackedLinear` and whose SwiGLU layers are :class:`PackedSwiGLU`, each holding a packed copy of its
     weight (as much memory again as those weights); ``model`` itself unchanged. Needs the kernels
     (:func:`vitlab.optimize.kernels.available`)."""
     snapshot = share_copy(model)
-
-    def fp32_cpu(linear: nn.Linear) -> bool:
-        return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
-
     gated = set()  # SwiGLU first layers, packed with their gate
     for m in snapshot.modules():
-        if type(m) is SwiGLU and fp32_cpu(m.fc1):
+        if type(m) is SwiGLU and _fp32_cpu(m.fc1):
             m.__class__ = PackedSwiGLU
             m.register_buffer("packed", kernels.pack_linear_weight(m.fc1.weight.detach(), glu=True),
                               persistent=False)
             gated.add(m.fc1)
     for m in snapshot.modules():
-        if type(m) is nn.Linear and fp32_cpu(m) and m not in gated:
+        if type(m) is nn.Linear and _fp32_cpu(m) and m not in gated:
             m.__class__ = PackedLinear
             m.register_buffer("packed", kernels.pack_linear_weight(m.weight.detach()), persistent=False)
     return snapshot
@@ -206,7 +207,7 @@ def faster_gemm(model: nn.Module, rows: int, head_rows: int | None = None) -> st
     :data:`GEMM_MARGIN`. Measured once per process for each set of shapes, row counts and thread count."""
     products: dict[tuple, list] = {}  # (shape, rows) -> [weight, count]
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+        if isinstance(m, nn.Linear) and _fp32_cpu(m):
             r = max(1, min(head_rows if head_rows and name.split(".")[-1] == "lm_head" else rows, GEMM_MAX_ROWS))
             products.setdefault((tuple(m.weight.shape), r), [m.weight.detach(), 0])[1] += 1
     if not products:
