@@ -105,3 +105,11 @@ def test_vitlab_models_unknown_task_exits_2_with_one_line():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == ("vitlab: error: unknown model task 'detect'; known tasks: blip, caption, "
                                    "classify, contrastive, depth, generate, segment")
+
+
+def test_an_argument_the_model_does_not_take_is_one_line(capsys):
+    """create_model names the argument (ValueError), and `vitlab info` exits 2 with that line, no traceback."""
+    with pytest.raises(ValueError, match=r"^llama_tiny does not take img_size$"):
+        vitlab.create_model("llama_tiny", img_size=8)
+    assert main(["info", "llama_tiny", "--img-size", "8"]) == 2
+    assert capsys.readouterr().err.strip() == "vitlab: error: llama_tiny does not take img_size"

@@ -103,8 +103,14 @@ def _drop_mismatched_head(sd: dict, model: nn.Module) -> dict:
 def load_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> nn.Module:
     """Load a checkpoint file into ``model`` (in place) and return the model. A model whose family reads its own
     formats (e.g. a checkpoint directory) has a ``read_checkpoint(path)`` that replaces :func:`read_state_dict`."""
-    read = getattr(model, "read_checkpoint", read_state_dict)
-    return load_state_dict(model, read(path), strict=strict, source=str(path))
+    return load_state_dict(model, read_checkpoint(model, path), strict=strict, source=str(path))
+
+
+def read_checkpoint(model: nn.Module, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of the checkpoint at ``path`` as ``model`` reads them: its own ``read_checkpoint(path)`` where its
+    family reads formats of its own (a directory with a ``config.json`` it checks first), else
+    :func:`read_state_dict`. ``model`` may be on the ``meta`` device: only its configuration is consulted."""
+    return getattr(model, "read_checkpoint", read_state_dict)(path)
 
 
 def load_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True,

@@ -17,13 +17,15 @@ import fnmatch
 import importlib
 import importlib.util
 import pkgutil
+import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+import torch
 import torch.nn as nn
 
-from vitlab.convert import load_checkpoint, resolve_pretrained
+from vitlab.convert import load_state_dict, read_checkpoint, resolve_pretrained
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -171,10 +173,28 @@ def create_model(
         kwargs["drop_path_rate"] = drop_path_rate
     if dynamic_img_size:
         kwargs["dynamic_img_size"] = True
-    model = entry(**kwargs)
-    model.pretrained_cfg = get_model_config(model_name)
+    sd = path = None
     if checkpoint_path is not None or pretrained:
         path = checkpoint_path if checkpoint_path is not None else resolve_pretrained(
             model_name, get_model_config(model_name).hf_hub_id)
-        load_checkpoint(model, path, strict=strict)
+        # read (and check) the checkpoint against a weightless copy first: one of another architecture is refused
+        # in a second, before the weights are allocated (27 GB for a 7B model in float32)
+        with torch.device("meta"):
+            probe = _build(model_name, entry, kwargs)
+        sd = read_checkpoint(probe, path)
+    model = _build(model_name, entry, kwargs)
+    model.pretrained_cfg = get_model_config(model_name)
+    if sd is not None:
+        load_state_dict(model, sd, strict=strict, source=str(path))
     return model
+
+
+def _build(model_name: str, entry: Callable[..., nn.Module], kwargs: dict) -> nn.Module:
+    """``entry(**kwargs)``, with an argument the model does not take named in one line (``ValueError``)."""
+    try:
+        return entry(**kwargs)
+    except TypeError as e:
+        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        if unexpected is None:
+            raise
+        raise ValueError(f"{model_name} does not take {unexpected.group(1)}") from None

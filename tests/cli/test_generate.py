@@ -137,3 +137,26 @@ def test_registry_name_needs_a_tokenizer_and_meta_layout_finds_the_parents(lm_di
     hf_out = capsys.readouterr().out
     assert main(["generate", "--checkpoint", str(folder), "the tower is", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out == hf_out
+
+
+def test_generation_stops_at_every_end_the_generation_config_lists(lm_dir, tmp_path, capsys):
+    """A directory whose generation_config.json lists ends beside the tokenizer's (Llama 3's instruction models
+    end a turn with <|eot_id|>): the command stops at any of them, as transformers' generate does."""
+    import shutil
+
+    tok, model = load_tokenizer(lm_dir), Llama.from_pretrained(lm_dir)
+    greedy = model.generate(torch.tensor([tok.encode("the tower is")]), 8, eos_token_id=[])[0].tolist()
+    end = next(t for t in greedy[1:] if t != tok.eos_id and t not in greedy[:1])  # a later token as a turn's end
+    stop = greedy.index(end)
+    shutil.copytree(lm_dir, tmp_path / "lm")
+    (tmp_path / "lm" / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id, end]}))
+    assert main(["generate", "--checkpoint", str(tmp_path / "lm"), "the tower is", "--max-new-tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert out == tok.decode(greedy[:stop]) + "\n"
+    assert f"{stop + 1} new tokens" in err
+
+
+def test_top_k_without_sampling_is_noted(lm_dir, capsys):
+    assert main(["generate", "--checkpoint", str(lm_dir), "the tower is", "--max-new-tokens", "2", "--top-k",
+                 "3"]) == 0
+    assert "note: --top-k and --top-p shape sampling; with --temperature 0" in capsys.readouterr().err

@@ -339,6 +339,10 @@ def test_generate_checks_and_eos():
                       (ids.masked_fill(ids == ids[1, 3], -1), "outside the vocabulary 0..511: -1 to")):
         with pytest.raises(ValueError, match=re.escape(want)):
             model.generate(bad, max_new_tokens=2)
+    for mask in ([[1] * 10, [0] * 10], [[1] * 10, [1] * 9 + [0]], [[1] * 10, [0, 1, 0] + [1] * 7]):
+        with pytest.raises(ValueError, match=r"attention_mask must mark left padding: .* an all-padding row are "
+                                             r"refused$"):  # all padding, right padding, a gap
+            model.generate(ids, max_new_tokens=2, attention_mask=torch.tensor(mask))
     greedy = model.generate(ids, max_new_tokens=6)
     eos = int(greedy[0, 2])  # the third greedy token of row 0 as the end of sequence
     out = model.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
@@ -540,6 +544,62 @@ def test_tied_embeddings_and_a_truncated_meta_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"consolidated.00.pth: the file is truncated or corrupt") as e:
         Llama.from_pretrained(meta)
     assert "\n" not in str(e.value)
+
+
+def test_a_tied_config_with_another_head_is_refused(tmp_path):
+    """config.json ties the head to the embedding but the file holds a different lm_head.weight: refused (the
+    model would compute with one of the two and drop the other), as transformers' save_pretrained never writes."""
+    from safetensors.torch import save_file
+
+    from vitlab.convert import read_hf_state_dict
+
+    _hf_model(tmp_path, tie_word_embeddings=True)
+    sd = read_hf_state_dict(tmp_path)
+    for head, ok in ((sd["model.embed_tokens.weight"].clone(), True), (torch.randn(512, 64), False)):
+        save_file({**sd, "lm_head.weight": head}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        if ok:  # the same tensor written twice is the tie itself
+            assert Llama.from_pretrained(tmp_path).lm_head.weight is not None
+            continue
+        for load in (lambda: Llama.from_pretrained(tmp_path),
+                     lambda: vitlab.create_model("llama_tiny", checkpoint_path=str(tmp_path))):
+            with pytest.raises(CheckpointError, match=r"ties the output layer to the embedding \(tie_word_embeddings\)"
+                                                      r", but the weights hold a lm_head.weight other than "
+                                                      r"model.embed_tokens.weight$"):
+                load()
+
+
+@pytest.mark.parametrize("files, missing", [
+    (["00", "01", "03"], "missing consolidated.02.pth"), (["00", "01", "02"], "missing consolidated.03.pth"),
+    (["00", "01", "02", "03", "04"], "5 files are there")])
+def test_a_missing_meta_rank_is_named(tmp_path, files, missing):
+    """Meta's model-parallel files: the embedding's shards (dim / ranks columns each) tell how many ranks there
+    are, so a rank left out, in the middle or at the end, is named rather than reported as shape mismatches."""
+    (tmp_path / "params.json").write_text(json.dumps({"dim": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 512}))
+    for r in files:
+        torch.save({"tok_embeddings.weight": torch.zeros(512, 16)}, tmp_path / f"consolidated.{r}.pth")
+    with pytest.raises(CheckpointError, match=r"the weights are split over 4 model-parallel rank\(s\), "
+                                              rf"consolidated.00.pth to consolidated.03.pth; {missing}$"):
+        Llama.from_pretrained(tmp_path)
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_before_the_weights_are_allocated(tmp_path):
+    """create_model("llama2_7b", checkpoint_path=a tiny directory) reads the directory's config against a weightless
+    copy: refused in one line without building the 27 GB of float32 weights (which would exhaust the memory)."""
+    import resource
+
+    _hf_model(tmp_path)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    with pytest.raises(ValueError, match=r"another Llama architecture: dim 64 \(this model 4096\)"):
+        vitlab.create_model("llama2_7b", checkpoint_path=str(tmp_path))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 2 ** 20  # under 1 GiB more at its peak
+
+
+def test_a_config_without_max_position_embeddings_has_transformers_default_context():
+    from vitlab.models.llama import llama_config_from_hf
+
+    cfg = llama_config_from_hf(dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
+                                    intermediate_size=192))
+    assert cfg.max_seq_len == transformers.LlamaConfig().max_position_embeddings == 2048
 
 
 @pytest.mark.parametrize("load", ["from_pretrained", "create_model"])

@@ -127,9 +127,11 @@ def test_check_vocab(sp_model):
     tok = SentencePieceTokenizer(sp_model, added_tokens=["<image>"])
     n = tok.vocab_size
     check_vocab(tok, n)
-    check_vocab(tok, n + 63)  # padded embedding rows (LLaVA: 32,001 tokens, 32,064 rows)
-    check_vocab(tok, n + 128)  # MAX_SPARE_ROWS spare rows: the most allowed
-    for rows in (n - 1, n + 129, 32000):
+    for m in (8, 64, 128):  # padded embedding rows (LLaVA: 32,002 tokens, 32,064 rows)
+        check_vocab(tok, (n // m + 1) * m)
+    refused = [n - 1, (n // 256 + 1) * 256 + 256, 32000]  # too few; padded beyond a multiple of 128; another model
+    refused += [r for r in range(n + 1, n + 130) if all(r % m or r - n >= m for m in (2, 4, 8, 16, 32, 64, 128))][:3]
+    for rows in refused:
         with pytest.raises(ValueError, match=rf"tokenizer .*tokenizer.model has {n:,} tokens but the checkpoint's "
                                              rf"embedding has {rows:,} rows: they belong to different models$"):
             check_vocab(tok, rows)

@@ -221,7 +221,7 @@ def test_init_from_a_transformers_llava_or_llama_carries_the_rows_through_its_to
     from vitlab.train.evaluate import load_model
     from vitlab.vlm.llava import convert_hf_llava_state_dict
 
-    text = dict(vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     if kind == "llava":
@@ -284,7 +284,7 @@ def test_init_from_a_transformers_blip_captioner(tmp_path, capsys):
     from vitlab.vlm.blip import convert_hf_blip_state_dict
     from vitlab.vlm.data import scenes_vocabulary
 
-    text = dict(vocab_size=100, hidden_size=32, encoder_hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+    text = dict(vocab_size=96, hidden_size=32, encoder_hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=40)
     vision = dict(image_size=64, patch_size=8, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4)
@@ -353,7 +353,7 @@ def test_init_from_an_imported_checkpoint_of_another_architecture_is_named(tmp_p
     """Differences the shapes cannot show (a layer more, another feature selection) or a BLIP part not whole:
     refused in one line before training."""
     transformers = pytest.importorskip("transformers")
-    text = dict(vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
     flags = ["--model", "llava_tiny", "--task_args.coord_channels", "false", *TINY[6:]]
     out = tmp_path / "run"
@@ -371,7 +371,7 @@ def test_init_from_an_imported_checkpoint_of_another_architecture_is_named(tmp_p
     llava.save_pretrained(tmp_path / "llava_tanh")
     _subword_tokenizer(tmp_path / "llava_tanh")
     blip = transformers.BlipForConditionalGeneration(transformers.BlipConfig(
-        text_config=dict(vocab_size=100, hidden_size=32, encoder_hidden_size=48, intermediate_size=64,
+        text_config=dict(vocab_size=96, hidden_size=32, encoder_hidden_size=48, intermediate_size=64,
                          num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=40),
         vision_config=dict(image_size=64, patch_size=8, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                            num_attention_heads=4), image_text_hidden_size=16))
@@ -412,7 +412,7 @@ def test_init_checks_what_the_shapes_cannot_show_but_not_the_token_ids(kind, cha
                   num_hidden_layers=2 if kind == "blip" else 3, num_attention_heads=4)
     vision.update(change.pop("vision_config", {}))
     if kind == "blip":
-        text = dict(vocab_size=100, hidden_size=32, encoder_hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        text = dict(vocab_size=96, hidden_size=32, encoder_hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, max_position_embeddings=40, **change.pop("text_config", {}))
         ref = transformers.BlipForConditionalGeneration(transformers.BlipConfig(
             text_config=text, vision_config=vision, image_text_hidden_size=16))
@@ -421,7 +421,7 @@ def test_init_checks_what_the_shapes_cannot_show_but_not_the_token_ids(kind, cha
         text = change.pop("text_config", {})
         mistral = text.pop("model_type", "llama") == "mistral"
         text = (transformers.MistralConfig if mistral else transformers.LlamaConfig)(
-            vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, **text)
         ref = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
             vision_config=transformers.CLIPVisionConfig(**vision), text_config=text, **change))
@@ -451,7 +451,7 @@ def test_init_from_an_imported_checkpoint_is_refused_in_one_line(tmp_path, capsy
     _subword_tokenizer(hf)  # a tokenizer but a decoder of another size: the differences named
     transformers = pytest.importorskip("transformers")
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     ).save_pretrained(hf)
     capsys.readouterr()  # transformers' own progress lines
     _one_line_error(capsys, ["train", "--task", "vqa", "--init", str(hf), "--output_dir", str(out), *TINY],
@@ -922,7 +922,7 @@ def test_init_from_a_llama_with_a_tensor_its_config_has_no_place_for_is_refused(
 
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)).save_pretrained(tmp_path / "hf")
     _subword_tokenizer(tmp_path / "hf")
     sd = load_file(tmp_path / "hf" / "model.safetensors")

@@ -31,6 +31,9 @@ def cmd_generate(args) -> int:
         raise ValueError("the prompt is empty")
     if args.system is not None and not args.chat:
         raise ValueError("--system is a system prompt of the chat template: it needs --chat")
+    if not args.temperature and (args.top_k is not None or args.top_p is not None):
+        print("note: --top-k and --top-p shape sampling; with --temperature 0 (the default) decoding is greedy and "
+              "they do nothing", file=sys.stderr)
     is_dir = Path(args.checkpoint).is_dir()
     if not is_dir and not is_model(args.checkpoint):
         raise FileNotFoundError(f"{args.checkpoint} is neither a checkpoint directory nor a registered language "
@@ -51,6 +54,11 @@ def cmd_generate(args) -> int:
         with torch.device("meta"):
             cfg = load_llama(args.checkpoint).config
     check_vocab(tokenizer, cfg.vocab_size, f"the model {args.checkpoint}")
+    # generation stops at the tokenizer's end of sequence and at every end the checkpoint's generation_config.json
+    # lists (Llama 3's instruction-tuned models end a turn with <|eot_id|>, not the tokenizer's eos), as
+    # transformers' generate does; a registered model's random weights have no ends of their own
+    ends = cfg.eos_token_id if is_dir else None
+    eos = sorted({tokenizer.eos_id, *([ends] if isinstance(ends, int) else ends or [])} - {None})
     if len(ids) + args.max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"the prompt ({len(ids)} tokens) plus --max-new-tokens ({args.max_new_tokens}) exceed the "
                          f"context of {cfg.max_seq_len} tokens: shorten the prompt or ask for fewer tokens")
@@ -66,13 +74,13 @@ def cmd_generate(args) -> int:
 
     def on_token(t: torch.Tensor) -> None:
         times.append(time.perf_counter())
-        if int(t[0]) != tokenizer.eos_id:
+        if int(t[0]) not in eos:
             sys.stdout.write(stream.push(int(t[0])))
             sys.stdout.flush()
 
     start = time.perf_counter()
     out = model.generate(torch.tensor([ids], device=args.device), args.max_new_tokens, args.temperature, args.top_k,
-                         args.top_p, tokenizer.eos_id, generator=generator, on_token=on_token, forward=forward,
+                         args.top_p, eos, generator=generator, on_token=on_token, forward=forward,
                          vocab_size=tokenizer.vocab_size)  # spare embedding rows have no text
     sys.stdout.write(stream.flush() + "\n")
     n = out.shape[1]

@@ -181,6 +181,12 @@ class LlamaBlock(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+def _left_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether each row of a (B, N) mask is zeros then ones, ending in a one (a prompt of at least one token)."""
+    m = attention_mask.bool()
+    return bool(m[:, -1].all()) and not bool((m[:, 1:] < m[:, :-1]).any())
+
+
 def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                       top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """The next token of each row of ``logits`` (B, vocab): the argmax when ``temperature`` is 0, else a draw
@@ -387,7 +393,8 @@ class Llama(nn.Module):
         (B, n_new).
 
         - The prompt: ``input_ids`` (B, N) or ``inputs_embeds`` (B, N, dim); prompts of different lengths are
-          left-padded with ``attention_mask`` (B, N) 0 on the padding.
+          left-padded with ``attention_mask`` (B, N) 0 on the padding (each row zeros then ones, at least one:
+          otherwise ``ValueError``).
         - ``temperature`` 0 (default) is greedy decoding; above 0 samples, with ``top_k`` / ``top_p`` filters
           (:func:`sample_next_token`, ``generator`` for reproducible draws).
         - A row stops at ``eos_token_id`` (one id or several; default: ``config.eos_token_id``, as transformers'
@@ -428,6 +435,9 @@ class Llama(nn.Module):
         device = prompt.device
         if attention_mask is not None and tuple(attention_mask.shape) != (b, n):
             raise ValueError(f"attention_mask must be (batch, prompt) = ({b}, {n}), got {tuple(attention_mask.shape)}")
+        if attention_mask is not None and not _left_padded(attention_mask):
+            raise ValueError("attention_mask must mark left padding: in each row zeros (padding) then ones (the "
+                             "prompt), at least one; right padding, gaps or an all-padding row are refused")
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # no padding: plain causal attention, no mask to build
         full_mask = None
@@ -534,10 +544,16 @@ class Llama(nn.Module):
 def fill_tied_head(sd: dict[str, torch.Tensor], hf_config: dict, embed: str, head: str) -> dict[str, torch.Tensor]:
     """``sd`` with the embedding ``embed`` as the output head ``head`` when the checkpoint's ``config.json`` ties
     them (``tie_word_embeddings``, top level or its ``text_config``): ``save_pretrained`` leaves a tied head out of
-    the file. A checkpoint of untied weights without its head stays so (its load names the missing key)."""
+    the file. A checkpoint of untied weights without its head stays so (its load names the missing key). A tied
+    config whose file holds a head other than its embedding is refused (:class:`CheckpointError`): the model would
+    compute its logits with one of the two and drop the other."""
     tied = hf_config.get("tie_word_embeddings") or (hf_config.get("text_config") or {}).get("tie_word_embeddings")
-    if tied and head not in sd and embed in sd:
-        return {**sd, head: sd[embed]}
+    if tied and embed in sd:
+        if head not in sd:
+            return {**sd, head: sd[embed]}
+        if not torch.equal(sd[head], sd[embed]):
+            raise CheckpointError(f"config.json ties the output layer to the embedding (tie_word_embeddings), but the "
+                                  f"weights hold a {head} other than {embed}")
     return sd
 
 
@@ -641,6 +657,30 @@ def meta_to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> d
 _META_SPLIT_DIM1 = ("tok_embeddings.weight", "attention.wo.weight", "feed_forward.w2.weight")
 
 
+def _check_meta_ranks(folder: Path, files: list[Path], shards: list[dict[str, torch.Tensor]]) -> None:
+    """:class:`CheckpointError` naming the missing files when ``files`` are not every model-parallel rank: their
+    numbers must run 00, 01, ... and, with ``params.json`` beside them, the embedding's shards (each holds
+    ``dim / ranks`` of its columns) must add up to its ``dim``."""
+    ranks = [f.name.split(".")[1] for f in files]
+    if not all(r.isdigit() for r in ranks):
+        raise CheckpointError(f"{folder}: Meta's weights are consolidated.NN.pth, one per model-parallel rank; got "
+                              f"{', '.join(f.name for f in files)}")
+    width = shards[0].get("tok_embeddings.weight")
+    expected = len(files)
+    if width is not None and width.ndim == 2 and (folder / "params.json").is_file():
+        try:
+            dim = json.loads((folder / "params.json").read_text()).get("dim")
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            dim = None  # named by the config check
+        if isinstance(dim, int) and width.shape[1] and dim % width.shape[1] == 0:
+            expected = dim // width.shape[1]
+    missing = sorted({f"consolidated.{i:02d}.pth" for i in range(expected)} - {f.name for f in files})
+    if missing or len(files) != expected:
+        raise CheckpointError(f"{folder}: the weights are split over {expected} model-parallel rank(s), "
+                              f"consolidated.00.pth to consolidated.{expected - 1:02d}.pth; "
+                              + (f"missing {', '.join(missing)}" if missing else f"{len(files)} files are there"))
+
+
 def read_meta_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Meta's released weights: ``consolidated.00.pth``, ``consolidated.01.pth``... (one per model-parallel rank,
     read with ``weights_only=True``), merged into one state dict with Meta's key names."""
@@ -653,6 +693,7 @@ def read_meta_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
             shards.append(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
         except Exception as e:  # a truncated file: name it in one line
             raise unreadable(f, e, "weights file") from None
+    _check_meta_ranks(Path(folder), files, shards)
     if len(shards) == 1:
         return {k: v for k, v in shards[0].items() if k != "rope.freqs"}
     out = {}
@@ -684,7 +725,7 @@ def llama_config_from_hf(hf: dict, **overrides) -> LlamaConfig:
               n_kv_heads=hf.get("num_key_value_heads"), vocab_size=hf["vocab_size"],
               hidden_dim=hf["intermediate_size"], head_dim=hf.get("head_dim"), norm_eps=hf.get("rms_norm_eps", 1e-6),
               rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-              max_seq_len=hf.get("max_position_embeddings", 4096),
+              max_seq_len=hf.get("max_position_embeddings", 2048),  # transformers' default
               tie_word_embeddings=hf.get("tie_word_embeddings", False), bos_token_id=hf.get("bos_token_id"),
               eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"))
     return LlamaConfig(**{**kw, **overrides})

@@ -249,15 +249,18 @@ class StreamDecoder:
         return new
 
 
-# an embedding may have spare rows: LLaVA-1.5 pads 32,001 tokens to 32,064 rows (a multiple of 64 runs faster)
-MAX_SPARE_ROWS = 128
+# an embedding may have spare rows: its row count rounded up to a multiple of a power of two, at most this one
+# (LLaVA-1.5 pads its 32,002 tokens to 32,064 rows, transformers' resize_token_embeddings(pad_to_multiple_of=64))
+MAX_PAD_MULTIPLE = 128
 
 
 def check_vocab(tokenizer: Tokenizer, num_embeddings: int, what: str = "the checkpoint") -> None:
-    """Refuse (``ValueError``, one line) a tokenizer whose ids do not fit ``num_embeddings`` rows, or which leaves
-    more than :data:`MAX_SPARE_ROWS` rows unused (a tokenizer of another model)."""
+    """Refuse (``ValueError``, one line) a tokenizer of another model: its ``vocab_size`` tokens must fill
+    ``num_embeddings`` rows, or the rows must be that count rounded up to a multiple of a power of two of at most
+    :data:`MAX_PAD_MULTIPLE` (padded embeddings)."""
     n = tokenizer.vocab_size
-    if not n <= num_embeddings <= n + MAX_SPARE_ROWS:
+    step = min(num_embeddings & -num_embeddings, MAX_PAD_MULTIPLE)  # the largest such power of two dividing it
+    if not (num_embeddings == n or n < num_embeddings < n + step):
         source = getattr(tokenizer, "path", type(tokenizer).__name__)
         raise ValueError(f"tokenizer {source} has {n:,} tokens but {what}'s embedding has {num_embeddings:,} rows: "
                          f"they belong to different models")
