@@ -85,6 +85,21 @@ def test_missing_and_corrupt_files(tmp_path):
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match="cannot read checkpoint"):
         read_state_dict(bad)
+    half = tmp_path / "half.pth"  # a torch.save file cut short: its reader's words
+    torch.save({"w": torch.zeros(64, 64)}, half)
+    half.write_bytes(half.read_bytes()[:2000])
+    with pytest.raises(CheckpointError, match="half.pth: the file is truncated or corrupt"):
+        read_state_dict(half)
+
+
+@pytest.mark.parametrize("name, data", [("coco.json", b'{"images": []}'), ("im.png", b"\x89PNG\r\n\x1a\n"),
+                                        ("empty.pth", b"")])
+def test_a_file_that_is_no_weights_file_is_named_so(tmp_path, name, data):
+    """Not a torch.save file at all (a data file passed by mistake): said so, not read as foreign pickled objects."""
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(CheckpointError, match=rf"{name} is not a weights file: expected a .safetensors file or a "
+                                              rf"torch.save file of tensors \(.pth, .pt, .bin\)$"):
+        read_state_dict(tmp_path / name)
 
 
 def test_pretrained_offline_says_how_to_load_locally(monkeypatch):

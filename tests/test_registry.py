@@ -113,3 +113,6 @@ def test_an_argument_the_model_does_not_take_is_one_line(capsys):
         vitlab.create_model("llama_tiny", img_size=8)
     assert main(["info", "llama_tiny", "--img-size", "8"]) == 2
     assert capsys.readouterr().err.strip() == "vitlab: error: llama_tiny does not take img_size"
+    with pytest.raises(ValueError, match=r"^clip_vit_pico_patch8 does not take embed_dim \(the model sets it "
+                                         r"itself\)$"):
+        vitlab.create_model("clip_vit_pico_patch8", embed_dim=32)

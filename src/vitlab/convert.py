@@ -73,7 +73,16 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             with safe_open(str(path), framework="pt") as f:
                 tied = json.loads((f.metadata() or {}).get("tied", "{}"))
         else:
+            with open(path, "rb") as f:
+                head = f.read(4)
+            # torch.save writes a zip archive (older torch: a pickle, protocol 2 and up); anything else (a JSON file,
+            # an image) would reach the unpickler and read as a file of foreign pickled objects
+            if not head.startswith((b"PK\x03\x04", b"\x80")):
+                raise CheckpointError(f"{path} is not a weights file: expected a .safetensors file or a torch.save "
+                                      f"file of tensors (.pth, .pt, .bin)")
             sd = torch.load(path, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as e:  # a corrupt or foreign file: say which, not a deep traceback
         raise unreadable(path, e) from None
     for key in _CONTAINER_KEYS:

@@ -194,7 +194,9 @@ def _build(model_name: str, entry: Callable[..., nn.Module], kwargs: dict) -> nn
     try:
         return entry(**kwargs)
     except TypeError as e:
-        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        unexpected = re.search(r"unexpected keyword argument '(\w+)'|multiple values for argument '(\w+)'", str(e))
         if unexpected is None:
             raise
-        raise ValueError(f"{model_name} does not take {unexpected.group(1)}") from None
+        name, fixed = unexpected.group(1) or unexpected.group(2), unexpected.group(2) is not None
+        raise ValueError(f"{model_name} does not take {name}" + (" (the model sets it itself)" if fixed else "")) \
+            from None

@@ -83,3 +83,13 @@ def test_profile_counts_both_towers():
     text = count_macs(model.text, torch.zeros(1, model.context_length, dtype=torch.long))
     assert image > 0 and text > 0 and prof.gmacs * 1e9 == pytest.approx(image + text)
     assert prof.params_m * 1e6 == sum(p.numel() for p in model.parameters())
+
+
+def test_a_run_of_an_image_model_builds_its_tower_with_the_models_own_embed_dim():
+    """clip_for_task's model_kwargs are the image model's (a ViT's embed_dim among them); the joint width is its own
+    argument, so the two never collide."""
+    from vitlab.clip.model import clip_for_task
+
+    model = clip_for_task("vit_pico_patch8_32", 32, 1, vocab_size=50, context_length=8, joint_dim=24, embed_dim=32)
+    assert model.visual.trunk.embed_dim == 32
+    assert model.encode_image(torch.randn(2, 1, 32, 32)).shape == (2, 24)

@@ -285,3 +285,12 @@ def test_scenes_splits_hold_out_templates():
     assert not (make_scenes("test", seed=1, n=5).images == test.images[:5]).all()
     words = set(scenes_vocabulary())
     assert all(w in words for q in test.questions for w in q.turns[0][0].split())
+
+
+@pytest.mark.parametrize("read, name", [(read_coco, "c.json"), (read_vqa, "q.jsonl"), (read_llava, "l.json"),
+                                        (read_caption_rows, "captions.csv"), (read_caption_rows, "captions.jsonl")])
+def test_a_file_that_is_not_utf8_is_named(read, name, tmp_path):
+    (tmp_path / name).write_bytes(b'\xff\xfe{"images": []}')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path / name))}: not UTF-8 text \(byte 0xff at "
+                                        rf"offset 0\)$"):
+        read(tmp_path / name)

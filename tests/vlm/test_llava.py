@@ -5,6 +5,7 @@ refusals."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -66,6 +67,16 @@ def test_logits_loss_and_greedy_tokens_equal_transformers(tmp_path):
         got = ours.generate(single, x, max_new_tokens=10, pad_token_id=PAD)
         assert got.tolist() == want.tolist()
     assert {n for n, _ in ours.named_children()} == {"vision_tower", "projector", "language_model"}
+
+
+@pytest.mark.parametrize("act", ["relu", "silu", "gelu_pytorch_tanh"])
+def test_a_projector_of_another_activation_loads_from_its_directory(act, tmp_path):
+    ref = _hf(tmp_path, projector_hidden_act=act)
+    ours = LLaVA.from_pretrained(tmp_path).eval()
+    x, ids = torch.randn(2, 3, 32, 32), _prompt(expanded=True)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, x).logits, ref(input_ids=ids, pixel_values=x).logits, rtol=1e-4,
+                                   atol=1e-4)
 
 
 def test_scored_only_gives_the_scored_positions_logits_and_transformers_loss(tmp_path):
@@ -190,6 +201,47 @@ def test_any_image_tower_and_freezing_by_part():
     assert hier(ids, torch.randn(2, 3, 64, 64)).logits.shape == (2, 4 - 1 + 16, 512)
     with pytest.raises(ValueError, match="vision_feature_layer 0"):
         vitlab.create_model("llava_tiny", vision_feature_layer=0)
+
+
+@functools.cache
+def _smallest_per_family() -> dict[str, str]:
+    """Each image-classification family of the registry and its smallest model (parameters counted weightless)."""
+    from vitlab.registry import get_model_config, list_models
+
+    best: dict[str, tuple[int, str]] = {}
+    for name in list_models():
+        cfg = get_model_config(name)
+        if cfg.task != "classify":
+            continue
+        with torch.device("meta"):
+            n = sum(p.numel() for p in vitlab.create_model(name).parameters())
+        best[cfg.family] = min(best.get(cfg.family, (n, name)), (n, name))
+    return {family: name for family, (_, name) in sorted(best.items())}
+
+
+@pytest.mark.parametrize("family", ["cait", "deit", "efficientformer", "halvit", "levit", "litv2", "mobilevit",
+                                    "pvt", "swin", "vit"])
+def test_every_image_family_is_a_tower(family):
+    """Any registered image model as LLaVA's tower (its last block's or stage's tokens, a plain ViT's prefix dropped):
+    the image tokens it gives are spliced in, and the logits depend on the image."""
+    from vitlab.registry import get_model_config
+
+    name = _smallest_per_family()[family]
+    tower = vitlab.create_model(name, num_classes=0).eval()
+    model = LLaVA(tower, vitlab.create_model("llama_tiny"), image_token_id=7, vision_feature_layer=-1).eval()
+    images = torch.randn(2, *get_model_config(name).input_size)
+    ids = torch.tensor([[1, 7, 9, 10]] * 2)
+    with torch.no_grad():
+        feats = model.image_features(images)
+        logits = model(ids, images).logits
+    assert feats.shape == (2, model.num_image_tokens, 64)
+    assert logits.shape == (2, 3 + model.num_image_tokens, 512)
+    assert not torch.allclose(logits[0], logits[1], atol=1e-4)  # two images, two answers
+
+
+def test_the_families_tested_as_towers_are_the_registrys():
+    assert sorted(_smallest_per_family()) == ["cait", "deit", "efficientformer", "halvit", "levit", "litv2",
+                                              "mobilevit", "pvt", "swin", "vit"]
 
 
 def test_registered_configs_build_without_weights():

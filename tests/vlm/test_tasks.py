@@ -91,13 +91,19 @@ def test_vqa_bad_questions(vqa_run, scene_png, capsys):
     assert main(["predict", "--checkpoint", str(vqa_run), str(scene_png), "--prompt", "is there a zyzzyva"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("warning: 'zyzzyva' not in the run's vocabulary of"), err
+    # a corrupt image with such a word: the image's one line, no warning before it
+    (scene_png.parent / "corrupt.png").write_bytes(scene_png.read_bytes()[:100])
+    _one_line_error(capsys, ["predict", "--checkpoint", str(vqa_run), str(scene_png.parent / "corrupt.png"),
+                             "--prompt", "is there a zyzzyva"], "corrupt.png")
 
 
 @pytest.mark.parametrize("task,model,words", [
     ("caption", "blip_tiny_caption", ("blip model", "--task blip")),
     ("vqa", "vit_pico_patch8_32", ("LLaVA-style", "vit model")),
+    ("blip", "llava_tiny", ("--task blip trains a BLIP model", "llava model", "--task caption or --task vqa")),
+    ("blip", "vit_pico_patch8_32", ("--task blip trains a BLIP model (blip_*); vit_pico_patch8_32 is a vit model",)),
 ])
-def test_a_model_that_is_no_llava_is_refused_in_one_line(task, model, words, tmp_path, capsys):
+def test_a_model_of_another_family_is_refused_in_one_line(task, model, words, tmp_path, capsys):
     _one_line_error(capsys, ["train", "--task", task, "--model", model, "--output_dir", str(tmp_path / "run"),
                              *TINY[4:]], *words)
     assert not (tmp_path / "run").exists()
@@ -167,6 +173,48 @@ def test_init_maps_the_vocabulary_by_word(vqa_run, tmp_path, capsys):
         for part in ("embed_tokens", "lm_head"):
             torch.testing.assert_close(getattr(new.language_model, part).weight[new_tok.encoder[w]],
                                        getattr(old.language_model, part).weight[old_tok.encoder[w]], msg=w)
+
+
+# a CLIP run whose image tower is llava_tiny's (a CLIP ViT: QuickGELU, width 48, 3 blocks of 4 heads, 8-pixel patches)
+_CLIP_OF_LLAVA_TINY = {"image_embed_dim": 48, "image_depth": 3, "image_num_heads": 4, "image_mlp_ratio": 2.0,
+                       "image_patch_size": 8, "text_width": 32, "text_depth": 1, "text_num_heads": 4,
+                       "quick_gelu": True}
+
+
+@pytest.mark.parametrize("change, refused", [
+    ({}, None),
+    ({"quick_gelu": False}, "blocks.0.mlp.act: GELU(approximate='none') (this run QuickGELU())"),
+    ({"image_num_heads": 8}, "blocks.0.attn: MultiHeadSelfAttention(num_heads=8) (this run "
+                             "MultiHeadSelfAttention(num_heads=4))")])
+def test_init_from_a_clip_run_gives_the_image_tower_of_the_same_function(change, refused, tmp_path, capsys):
+    """A vitlab CLIP run starts a LLaVA's image tower when its tower computes the same function; one whose weights
+    fit but whose activation or heads differ (no weight shows either) is refused in one line, nothing written."""
+    from vitlab.train.evaluate import load_model
+
+    _pictures(tmp_path / "images", 4)
+    (tmp_path / "captions.csv").write_text("image,caption,split\n" + "".join(
+        f"images/{i}.png,a scene number {i},{'train' if i < 3 else 'val'}\n" for i in range(4)))
+    clip = tmp_path / "clip"
+    assert main(["train", "--task", "clip", "--model", "clip_vit_base_patch32", "--model_kwargs",
+                 json.dumps({**_CLIP_OF_LLAVA_TINY, **change}), "--task_args.tokenizer", "word", "--data.img_size",
+                 "32", "--data", f"captions:{tmp_path / 'captions.csv'}", "--epochs", "1", "--output_dir",
+                 str(clip)]) == 0
+    argv = ["train", "--task", "caption", "--model", "llava_tiny", "--task_args.coord_channels", "false", "--data",
+            f"captions:{tmp_path / 'captions.csv'}", "--epochs", "1", "--stage", "1", "--task_args.max_new_tokens",
+            "4", "--init", str(clip), "--output_dir", str(tmp_path / "run")]
+    capsys.readouterr()
+    if refused:
+        _one_line_error(capsys, argv, f"--init {clip}: its image tower computes another function than this run's",
+                        refused)
+        assert not (tmp_path / "run").exists()
+        return
+    assert main(argv) == 0
+    assert any(ln.startswith(f"--init {clip}: the image tower") for ln in capsys.readouterr().out.splitlines())
+    trained, _, _ = load_model(clip, device="cpu")
+    model, _, _ = load_model(tmp_path / "run" / "last", device="cpu")
+    want = trained.visual.trunk.state_dict()
+    for k, v in model.vision_tower.state_dict().items():  # stage 1 trains the projector only
+        torch.testing.assert_close(v, want[k], msg=k)
 
 
 def test_init_from_a_transformers_clip_directory_gives_the_image_tower(tmp_path, capsys):

@@ -113,6 +113,9 @@ class MultiHeadSelfAttention(QKVAttention):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
+    def extra_repr(self) -> str:  # the split into heads is no parameter's shape: shown, and compared by --init
+        return f"num_heads={self.num_heads}"
+
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, N, _ = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)

@@ -302,14 +302,15 @@ def clip_from_openclip(checkpoint: str | dict, quick_gelu: bool = False) -> CLIP
 
 
 def clip_for_task(model_name: str, img_size: int, in_chans: int, vocab_size: int | None = None,
-                  context_length: int | None = None, embed_dim: int = 64, **model_kwargs) -> CLIP:
-    """The CLIP a training run builds: a registered ``clip_*`` model, or any other registered image model as the
-    image tower (its pooled features, no pre-norm) beside the tiny CLIP text tower and an ``embed_dim``
-    projection. ``vocab_size`` / ``context_length`` size the text tower for the run's tokenizer."""
+                  context_length: int | None = None, joint_dim: int = 64, **model_kwargs) -> CLIP:
+    """The CLIP a training run builds: a registered ``clip_*`` model, or any other registered image model (built
+    with ``model_kwargs``, its ``embed_dim`` included) as the image tower (its pooled features, no pre-norm) beside
+    the tiny CLIP text tower, both projected to ``joint_dim`` (the run's ``embed_dim`` option). ``vocab_size`` /
+    ``context_length`` size the text tower for the run's tokenizer."""
     text = {k: v for k, v in (("vocab_size", vocab_size), ("context_length", context_length)) if v is not None}
     if get_model_config(model_name).family == "clip":
         text_kw = {f"text_{k}": v for k, v in text.items()}
         return create_model(model_name, img_size=img_size, in_chans=in_chans, **text_kw, **model_kwargs)
     drop_path = model_kwargs.pop("drop_path_rate", 0.0)
-    return build_clip(embed_dim, model_name, model_kwargs, {**PICO_TEXT, **text}, image_pre_norm=False,
+    return build_clip(joint_dim, model_name, model_kwargs, {**PICO_TEXT, **text}, image_pre_norm=False,
                       img_size=img_size, in_chans=in_chans, drop_path_rate=drop_path)

@@ -9,11 +9,12 @@ captioning tasks (:mod:`vitlab.vlm.data`) read them through :func:`read_captions
 from __future__ import annotations
 
 import csv
+import io
 import json
 import random
 from pathlib import Path
 
-from vitlab.data.registry import DataError, declare_dataset
+from vitlab.data.registry import DataError, declare_dataset, read_text
 
 # read by CLIP's task and the caption and blip tasks, not vitlab.data.build: a classifier given this name is sent
 # to them
@@ -24,17 +25,16 @@ VAL_FRACTION = 0.1
 
 
 def _rows_csv(path: Path) -> list[tuple[int, dict]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        if not reader.fieldnames or not {"image", "caption"} <= set(reader.fieldnames):
-            raise DataError(f"{path}: the CSV header must name the columns 'image' and 'caption' "
-                            f"(found {reader.fieldnames})")
-        return [(i + 2, row) for i, row in enumerate(reader)]
+    reader = csv.DictReader(io.StringIO(read_text(path), newline=""))
+    if not reader.fieldnames or not {"image", "caption"} <= set(reader.fieldnames):
+        raise DataError(f"{path}: the CSV header must name the columns 'image' and 'caption' "
+                        f"(found {reader.fieldnames})")
+    return [(i + 2, row) for i, row in enumerate(reader)]
 
 
 def _rows_jsonl(path: Path) -> list[tuple[int, dict]]:
     rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for i, line in enumerate(read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
@@ -39,6 +40,15 @@ class DataError(ValueError):
         if isinstance(message, str) and message.startswith("Caught DataError") and "\nOriginal Traceback" in message:
             message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]
         super().__init__(message, *args)
+
+
+def read_text(path: str | Path) -> str:
+    """A data file's text, UTF-8; a file that is not (a binary file, another encoding) is a DataError naming it and
+    the first byte that does not decode."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
 
 
 DatasetFn = Callable[..., Dataset | None]

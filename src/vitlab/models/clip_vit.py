@@ -54,7 +54,8 @@ OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's image normalisation 
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 
 # transformers' activation names -> vitlab's (``gelu_new`` and ``gelu_pytorch_tanh`` are both the tanh form)
-HF_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+HF_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+           "relu": "relu", "silu": "silu", "swish": "silu"}
 # transformers' CLIPVisionConfig defaults (openai/clip-vit-base-patch32), for keys a config.json leaves out
 HF_CLIP_VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                                num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu",

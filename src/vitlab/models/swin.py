@@ -186,6 +186,7 @@ class SwinTransformer(TimmApiMixin, nn.Module):
         self.num_features = dims[-1]
         norm = get_norm_layer(norm_layer)
 
+        self.img_size, self.in_chans = to_2tuple(img_size), in_chans  # what the hierarchical families expose
         self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
                                       embed_dim=embed_dim, norm_layer=norm, flatten=False)  # -> (B, H, W, C)
         H, W = self.patch_embed.grid_size

@@ -51,6 +51,7 @@ from torch import Tensor
 from vitlab.data import DataError, declare_dataset
 from vitlab.data.captions import find_captions_file, held_out_images, read_captions
 from vitlab.data.datasets import image_ok
+from vitlab.data.registry import read_text
 from vitlab.text.subword import IMAGE_TOKEN
 
 # read by the vision-language tasks, not vitlab.data.build
@@ -123,7 +124,7 @@ def _find_image(candidates: list[Path], where: str) -> str:
 
 def _read_json(path: Path):
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_text(path))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
 
@@ -192,7 +193,7 @@ def read_vqa(path: str | Path) -> dict[str, list[VLSample]]:
     if not file.is_file():
         raise FileNotFoundError(f"VQA file not found: {file}")
     splits: dict[str, list[VLSample]] = {}
-    for i, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for i, line in enumerate(read_text(file).splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{file} line {i}"

@@ -44,6 +44,7 @@ from vitlab.convert import (
 from vitlab.layers import get_act_layer
 from vitlab.models import (
     Llama,
+    TokenModel,
     VisionTransformer,
     clip_vision_transformer,
     convert_hf_clip_vision_state_dict,
@@ -98,6 +99,14 @@ def _num_levels(tower: nn.Module) -> int:
     raise ValueError(f"{type(tower).__name__} has no blocks or stages to take features from")
 
 
+def image_shape(tower: nn.Module) -> tuple[int, int, int]:
+    """(channels, height, width) of the images an image tower takes: a plain ViT's (:class:`TokenModel`) patch
+    embedding's, a hierarchical model's own ``in_chans`` and ``img_size``."""
+    if isinstance(tower, TokenModel):
+        return (tower.patch_embed.in_chans, *tower.patch_embed.img_size)
+    return (tower.in_chans, *tower.img_size)
+
+
 class LLaVA(nn.Module):
     """``vision_tower`` -> ``projector`` -> ``language_model``, the image tokens spliced in at ``image_token_id``.
 
@@ -123,8 +132,10 @@ class LLaVA(nn.Module):
                              f"the image tower (0, the embedded patches, is not offered)")
         self.vision_feature_layer = vision_feature_layer
         self._take = self._blocks(layers)
-        self._prefix = int(getattr(vision_tower, "num_prefix_tokens", 0))
-        if hasattr(vision_tower, "blocks"):  # a plain ViT: one width, the patch grid (and the prefix) as tokens
+        # the prefix tokens (CLS, distillation) in the blocks' sequence; CaiT's join after them, a hierarchical
+        # tower's intermediates are its feature maps' positions only
+        self._prefix = vision_tower.num_block_prefix_tokens if isinstance(vision_tower, TokenModel) else 0
+        if isinstance(vision_tower, TokenModel):  # a plain ViT: one width, the patch grid (and the prefix) as tokens
             grid = vision_tower.patch_embed.grid_size
             self.num_image_tokens = grid[0] * grid[1] + (self._prefix if self.select_strategy == "full" else 0)
             width = vision_tower.num_features * len(layers)
@@ -135,8 +146,8 @@ class LLaVA(nn.Module):
 
     # ---- the image ----------------------------------------------------------------------------------------
     def _probe_image(self) -> torch.Tensor:
-        embed, w = self.vision_tower.patch_embed, next(self.vision_tower.parameters())
-        return torch.zeros(1, embed.in_chans, *embed.img_size, device=w.device, dtype=w.dtype)
+        w = next(self.vision_tower.parameters())
+        return torch.zeros(1, *image_shape(self.vision_tower), device=w.device, dtype=w.dtype)
 
     def _select(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The image tower's tokens at the feature layers, prefix tokens kept or dropped, layers concatenated."""
@@ -285,7 +296,7 @@ class LLaVA(nn.Module):
         n = max(2, min(32, self.language_model.config.max_seq_len - self.num_image_tokens + 1))
         ids = torch.ones(image.shape[0], n, dtype=torch.long)
         ids[:, 1] = self.image_token_id
-        chans = self.vision_tower.patch_embed.in_chans
+        chans = image_shape(self.vision_tower)[0]
         if image.shape[1] != chans:  # a tower that reads more than the pixels (e.g. coordinate channels)
             image = image.new_zeros(image.shape[0], chans, *image.shape[2:])
         return ids, image

@@ -3,9 +3,9 @@ lookup, so ``vitlab.create_model("blip_base")`` works after a bare ``import vitl
 
 - BLIP (Li et al., 2022, "BLIP: Bootstrapping Language-Image Pre-training", Sec. 3.1 and 4.1): ``blip_base``, a
   ViT-B/16 image encoder at 384 x 384 and BERT-base text transformers (encoder for ITC / ITM, decoder for
-  captioning), task ``blip``; ``blip_base_caption`` (the captioner alone, task ``caption``) and
-  ``blip_base_retrieval`` (ITC / ITM alone, task ``blip``) hold the parts of transformers'
-  ``BlipForConditionalGeneration`` / ``BlipForImageTextRetrieval``; ``blip_tiny*`` for tests.
+  captioning), task ``blip`` (the Trainer task that trains each); ``blip_base_caption`` (the captioner alone:
+  ``--task blip`` trains its captioning objective) and ``blip_base_retrieval`` (ITC / ITM alone) hold the parts
+  of transformers' ``BlipForConditionalGeneration`` / ``BlipForImageTextRetrieval``; ``blip_tiny*`` for tests.
 - LLaVA (Liu et al., 2023, "Visual Instruction Tuning"; LLaVA-1.5: "Improved Baselines with Visual Instruction
   Tuning", Table 1 / Sec. 3.1), task ``caption`` (text from an image and a prompt: captions and answers):
   ``llava15_7b`` (CLIP ViT-L/14 at 336 px, features of the penultimate block without [CLS], a two-layer GELU
@@ -25,8 +25,8 @@ _BLIP_PAPER = "Li et al., BLIP: Bootstrapping Language-Image Pre-training for Un
 _BLIP_SMOKE = {"img_size": 32, "vision_depth": 1, "text_depth": 1}
 
 
-def _blip_cfg(task: str = "blip", **kw) -> ModelConfig:
-    base = dict(family="blip", task=task, paper=_BLIP_PAPER, input_size=(3, 384, 384), mean=OPENAI_MEAN,
+def _blip_cfg(**kw) -> ModelConfig:
+    base = dict(family="blip", task="blip", paper=_BLIP_PAPER, input_size=(3, 384, 384), mean=OPENAI_MEAN,
                 std=OPENAI_STD, crop_pct=1.0, num_classes=0, smoke_kwargs=_BLIP_SMOKE)
     return ModelConfig(**{**base, **kw})
 
@@ -42,7 +42,7 @@ def blip_base(**kwargs) -> BLIP:
     return build_blip("vit_base_patch16_224", _BASE_VISION, _BASE_TEXT, **kwargs)
 
 
-@register_model(config=_blip_cfg("caption"))
+@register_model(config=_blip_cfg())
 def blip_base_caption(**kwargs) -> BLIP:
     """BLIP's captioner (ViT-B/16 384, BERT-base decoder): transformers' ``BlipForConditionalGeneration``."""
     return build_blip("vit_base_patch16_224", _BASE_VISION, _BASE_TEXT, heads=("lm",), **kwargs)
@@ -69,7 +69,7 @@ def blip_tiny(**kwargs) -> BLIP:
     return build_blip("vit_base_patch16_224", _TINY_VISION, _TINY_TEXT, **{"embed_dim": 16, **kwargs})
 
 
-@register_model(config=_blip_cfg("caption", **_TINY))
+@register_model(config=_blip_cfg(**_TINY))
 def blip_tiny_caption(**kwargs) -> BLIP:
     """The tiny BLIP's captioner alone."""
     return build_blip("vit_base_patch16_224", _TINY_VISION, _TINY_TEXT, heads=("lm",), **{"embed_dim": 16, **kwargs})

@@ -569,6 +569,7 @@ def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
         at = f" (checkpoint {ck.resolve_checkpoint_dir(p).name})" if p.is_dir() else ""
         if meta.get("task") == "clip":  # CLIP's image tower is the ViT under visual.trunk
             trunk = {k.removeprefix("visual.trunk."): v for k, v in sd.items() if k.startswith("visual.trunk.")}
+            _check_same_function(model.vision_tower, _clip_run_tower(meta), source)
             load_state_dict(model.vision_tower, trunk, source=source)
             return f"the image tower{at}"
         old = meta.get("tokenizer")
@@ -590,6 +591,33 @@ def init_from(model: nn.Module, source: str, tokenizer: WordTokenizer) -> str:
         return import_checkpoint(model, p, tokenizer)
     load_checkpoint(model, source)  # a state dict file of this model
     return "the whole model"
+
+
+def _clip_run_tower(meta: dict) -> nn.Module:
+    """The image tower of the CLIP run that ``meta`` describes, built weightless (``meta`` device)."""
+    from vitlab.train.task import create_task
+
+    record = RunRecord.from_meta(meta)
+    with torch.device("meta"):
+        return create_task(record.task).load(record).visual.trunk
+
+
+def _check_same_function(tower: nn.Module, source_tower: nn.Module, source: str) -> None:
+    """A DataError naming what ``source_tower`` computes otherwise than ``tower`` where no weight shows it: each
+    submodule's kind and settings (an activation, a norm's eps, the attention's heads), dropout aside (no part of
+    the function at inference). Weights of the same names and shapes would load without a message and compute
+    another function."""
+    ours, theirs = dict(tower.named_modules()), dict(source_tower.named_modules())
+
+    def kind(m: nn.Module) -> str:
+        return f"{type(m).__name__}({m.extra_repr()})"
+
+    bad = [f"{name}: {kind(theirs[name])} (this run {kind(m)})" for name, m in ours.items()
+           if name and name in theirs and not isinstance(m, nn.Dropout) and kind(m) != kind(theirs[name])]
+    if bad:
+        raise DataError(f"--init {source}: its image tower computes another function than this run's: "
+                        f"{'; '.join(bad[:3])}" + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+                        + "; train the CLIP run with the tower this run's model has (e.g. the same --model_kwargs)")
 
 
 def check_init(source: str | None) -> None:
@@ -879,7 +907,6 @@ class _VLTask(_ScoredTask):
             text = take_image_placeholder(prompt, f"the prompt {prompt!r}")  # the image is the input file
             if not text:
                 raise ValueError("empty question: the prompt holds only the image placeholder")
-            seqs.tok.warn_unknown(text)
             p = seqs.prompt(text)
         else:
             if prompt is not None:
@@ -887,6 +914,8 @@ class _VLTask(_ScoredTask):
             p = seqs.prompt()
         tf = self._transform(record)  # a prompt longer than the context is refused by generate
         x = torch.stack([tf(load_image(f, 3)) for f in inputs])
+        if self.instruct:  # after the images: a bad one is refused in one line, with no warning before it
+            seqs.tok.warn_unknown(text)
         texts = self.generate(model, record, x, [p] * len(inputs), 64, device)
         return [{"image": str(f), "prompt": prompt, "output": t, "line": f"{f}: {t}"}
                 for f, t in zip(inputs, texts, strict=True)]
@@ -1060,6 +1089,9 @@ class BlipTask(_ScoredTask):
         a: BlipArgs = self.args
         check_init(a.init)
         mcfg = get_model_config(cfg.model)
+        if mcfg.family != "blip":
+            raise ValueError(f"--task blip trains a BLIP model (blip_*); {cfg.model} is a {mcfg.family} model"
+                             + (": train it with --task caption or --task vqa" if mcfg.family == "llava" else ""))
         img_size = int(cfg.data.img_size or cfg.model_kwargs.get("img_size", mcfg.input_size[-1]))
         self.splits = sp = read_splits(cfg.data, "caption", a.scenes_train, a.scenes_eval, task=self.name)
         texts = sp.texts() + (scenes_vocabulary() if cfg.data.name == "scenes" else [])
@@ -1210,7 +1242,7 @@ class BlipTask(_ScoredTask):
             x = torch.zeros_like(x)
         # the image is the input file: a placeholder in the prompt is taken out, more than one refused (as vqa's)
         text = take_image_placeholder(prompt, f"the prompt {prompt!r}") if prompt else ""
-        tok.warn_unknown(text)
+        tok.warn_unknown(text)  # after the images (above): a bad one is refused with no warning before it
         start = [tok.dec_id, *tok.encode(text)]
         ids = torch.tensor([start] * len(inputs), device=device)
         new = model.generate_caption(x, ids, max_new_tokens=int(record.task_args.get("max_new_tokens", MAX_NEW_TOKENS)))
