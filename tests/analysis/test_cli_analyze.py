@@ -58,7 +58,7 @@ def test_tools_write_json_and_png(tool, args, files, tmp_path):
     (["attention", "--model", "vit_pico_patch8_32", "--images", "missing.png"], "no image missing.png"),
     (["attention", "--model", "vit_pico_patch8_32", "--query", "middle"], "--query must be"),
     (["bias", "--model", "vit_pico_patch8_32"], "no attention bias over offsets; models with one: levit_*"),
-    (["posembed", "--model", "vit_pico_patch8_32", "--model-arg", "nope=1"], "does not take ['nope']"),
+    (["posembed", "--model", "vit_pico_patch8_32", "--model-arg", "nope=1"], "vit_pico_patch8_32 does not take nope"),
 ])
 def test_bad_input_one_line_exit_2(argv, msg, tmp_path, capsys):
     assert main(["analyze", *argv, "--out", str(tmp_path)]) == 2

@@ -5,13 +5,13 @@ refusals."""
 
 from __future__ import annotations
 
-import functools
 import re
 
 import pytest
 import torch
 
 import vitlab
+from vitlab.export import smallest_per_family
 from vitlab.vlm.llava import LLaVA, convert_hf_llava_state_dict
 
 transformers = pytest.importorskip("transformers")
@@ -203,30 +203,12 @@ def test_any_image_tower_and_freezing_by_part():
         vitlab.create_model("llava_tiny", vision_feature_layer=0)
 
 
-@functools.cache
-def _smallest_per_family() -> dict[str, str]:
-    """Each image-classification family of the registry and its smallest model (parameters counted weightless)."""
-    from vitlab.registry import get_model_config, list_models
-
-    best: dict[str, tuple[int, str]] = {}
-    for name in list_models():
-        cfg = get_model_config(name)
-        if cfg.task != "classify":
-            continue
-        with torch.device("meta"):
-            n = sum(p.numel() for p in vitlab.create_model(name).parameters())
-        best[cfg.family] = min(best.get(cfg.family, (n, name)), (n, name))
-    return {family: name for family, (_, name) in sorted(best.items())}
-
-
-@pytest.mark.parametrize("family", ["cait", "deit", "efficientformer", "halvit", "levit", "litv2", "mobilevit",
-                                    "pvt", "swin", "vit"])
-def test_every_image_family_is_a_tower(family):
-    """Any registered image model as LLaVA's tower (its last block's or stage's tokens, a plain ViT's prefix dropped):
-    the image tokens it gives are spliced in, and the logits depend on the image."""
+@pytest.mark.parametrize("name", smallest_per_family("classify"))
+def test_every_image_family_is_a_tower(name):
+    """Any registered image model as LLaVA's tower (each family's smallest; its last block's or stage's tokens, a
+    plain ViT's prefix dropped): the image tokens it gives are spliced in, and the logits depend on the image."""
     from vitlab.registry import get_model_config
 
-    name = _smallest_per_family()[family]
     tower = vitlab.create_model(name, num_classes=0).eval()
     model = LLaVA(tower, vitlab.create_model("llama_tiny"), image_token_id=7, vision_feature_layer=-1).eval()
     images = torch.randn(2, *get_model_config(name).input_size)
@@ -237,11 +219,6 @@ def test_every_image_family_is_a_tower(family):
     assert feats.shape == (2, model.num_image_tokens, 64)
     assert logits.shape == (2, 3 + model.num_image_tokens, 512)
     assert not torch.allclose(logits[0], logits[1], atol=1e-4)  # two images, two answers
-
-
-def test_the_families_tested_as_towers_are_the_registrys():
-    assert sorted(_smallest_per_family()) == ["cait", "deit", "efficientformer", "halvit", "levit", "litv2",
-                                              "mobilevit", "pvt", "swin", "vit"]
 
 
 def test_registered_configs_build_without_weights():

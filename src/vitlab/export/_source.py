@@ -164,10 +164,10 @@ def image_model(model: nn.Module) -> tuple[nn.Module, str]:
 
 
 def _build_error(name: str, e: TypeError | ValueError) -> ValueError:
+    if str(e).endswith("does not take dynamic_img_size"):  # create_model's words for a family without it
+        return ValueError(f"{name} has no dynamic image size: export it at a fixed --img-size H W")
     if isinstance(e, ValueError):  # the model's own one-line reason, named
         return ValueError(f"{name}: {e}")
-    if "dynamic_img_size" in str(e):
-        return ValueError(f"{name} has no dynamic image size: export it at a fixed --img-size H W")
     return ValueError(f"{name} cannot be built with these arguments: {e}")
 
 
