@@ -433,6 +433,33 @@ def test_generate_refills_a_given_cache():
         model.generate(ids, max_new_tokens=2, inputs_embeds=model.embed_tokens(ids))
 
 
+def test_generate_keeps_its_cpu_cache_between_calls():
+    """On the CPU, generate refills the cache of its last call when it fits (batch size, dtype, length) and makes a
+    new one (kept in its place) when not; what it generates equals a call with a new cache, whatever the kept one
+    held before. A caller's cache is never kept; release_cache frees the kept one."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**TINY)).eval()
+    ids, mask = _padded_batch()
+    calls = [(ids, mask, 6), (torch.randint(3, 512, (3, 4)), None, 3), (ids, mask, 2), (ids[:2], mask[:2], 4)]
+    want = []
+    for prompt, m, n in calls:
+        model.release_cache()
+        want.append(model.generate(prompt, n, attention_mask=m))
+    model.release_cache()
+    assert model.kept_cache is None
+    kept = []
+    for (prompt, m, n), w in zip(calls, want):
+        assert torch.equal(model.generate(prompt, n, attention_mask=m), w)
+        kept.append(model.kept_cache)
+    assert kept[0] is kept[1] is kept[2] and kept[3] is not kept[0]  # 3 rows of 15, refilled; then 2 rows
+    assert kept[3].k[0].shape[0] == 2
+    model.generate(ids, 2, cache=model.new_cache(3, 11))
+    assert model.kept_cache is kept[3]
+    model.to(torch.bfloat16)  # another dtype: a new cache
+    model.generate(ids[:2], 2, attention_mask=mask[:2])
+    assert model.kept_cache is not kept[3] and model.kept_cache.k[0].dtype == torch.bfloat16
+
+
 def test_generate_never_picks_the_spare_rows_past_vocab_size():
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**TINY)).eval()
