@@ -217,6 +217,18 @@ def test_init_from_a_clip_run_gives_the_image_tower_of_the_same_function(change,
         torch.testing.assert_close(v, want[k], msg=k)
 
 
+def test_a_towers_function_ignores_dropout_and_stochastic_depth():
+    """Dropout and drop-path rates (the identity at inference) never refuse an --init; the heads' split does."""
+    from vitlab.data import DataError
+    from vitlab.vlm.tasks import _check_same_function
+
+    plain = vitlab.create_model("vit_pico_patch8_32")
+    _check_same_function(plain, vitlab.create_model("vit_pico_patch8_32", drop_path_rate=0.2, drop_rate=0.1), "run")
+    with pytest.raises(DataError, match=r"--init run: its image tower computes another function than this run's: "
+                                        r"blocks.0.attn: MultiHeadSelfAttention\(num_heads=2\)"):
+        _check_same_function(plain, vitlab.create_model("vit_pico_patch8_32", num_heads=2), "run")
+
+
 def test_init_from_a_transformers_clip_directory_gives_the_image_tower(tmp_path, capsys):
     """LLaVA's recipe: the image tower from a pretrained CLIP (here transformers' CLIPVisionModel of llava_tiny's
     tower, random weights), stage 1 training the projector only, so the tower stays the CLIP's. The language

@@ -45,6 +45,7 @@ from vitlab._console import say
 from vitlab.data import DataConfig, DataError, load_image
 from vitlab.data.datasets import first_undecodable
 from vitlab.data.transforms import channel_stats, eval_transform
+from vitlab.layers import DropPath
 from vitlab.models import HF_CLIP_ARCHITECTURES, CLIPVisionTransformer
 from vitlab.registry import create_model, get_model_config
 from vitlab.text.subword import Tokenizer, check_vocab, load_tokenizer
@@ -604,16 +605,18 @@ def _clip_run_tower(meta: dict) -> nn.Module:
 
 def _check_same_function(tower: nn.Module, source_tower: nn.Module, source: str) -> None:
     """A DataError naming what ``source_tower`` computes otherwise than ``tower`` where no weight shows it: each
-    submodule's kind and settings (an activation, a norm's eps, the attention's heads), dropout aside (no part of
-    the function at inference). Weights of the same names and shapes would load without a message and compute
-    another function."""
+    submodule's kind and settings (an activation, a norm's eps, the attention's heads). Dropout and stochastic depth
+    count as the identity they are at inference, whatever their rates. Weights of the same names and shapes would
+    load without a message and compute another function."""
     ours, theirs = dict(tower.named_modules()), dict(source_tower.named_modules())
 
     def kind(m: nn.Module) -> str:
+        if isinstance(m, (nn.Identity, nn.Dropout, DropPath)):
+            return "Identity()"
         return f"{type(m).__name__}({m.extra_repr()})"
 
     bad = [f"{name}: {kind(theirs[name])} (this run {kind(m)})" for name, m in ours.items()
-           if name and name in theirs and not isinstance(m, nn.Dropout) and kind(m) != kind(theirs[name])]
+           if name and name in theirs and kind(m) != kind(theirs[name])]
     if bad:
         raise DataError(f"--init {source}: its image tower computes another function than this run's: "
                         f"{'; '.join(bad[:3])}" + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
